@@ -1,0 +1,82 @@
+"""The ops the KimiLinear forward is written against.
+
+`backends/torch_backend.py` is the reference (CPU and GPU); `backends/nvrtc.py` runs the
+same signatures through NVRTC-compiled kernels. Axis legend: T tokens (rows), D hidden,
+H heads, K/V head dims, R MLA latent rank, n cached positions, E experts, k top-k.
+Activations are float32; weights are float32 or bfloat16. Every decode op is
+batch-invariant: row t of the output depends only on row t of the inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+from torch import Tensor
+
+
+class Backend(Protocol):
+    name: str
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation)."""
+
+    def rmsnorm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        """KimiRMSNorm: w * (x * rsqrt(mean(x^2) + eps)); x [T, D], w [D]."""
+
+    def gated_rmsnorm(self, o: Tensor, gate: Tensor, w: Tensor, eps: float) -> Tensor:
+        """KDA output norm: rmsnorm(o) * w * sigmoid(gate) per head; o, gate [T, H, V], w [V]."""
+
+    def layernorm(self, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
+        """LayerNorm with weight and bias over the last dim."""
+
+    def l2norm(self, x: Tensor, eps: float) -> Tensor:
+        """x / sqrt(sum(x^2) + eps) over the last dim."""
+
+    def situ_glu(self, gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
+        """beta*tanh(gate/beta)*sigmoid(gate) * (linear_beta*tanh(up/linear_beta) or up)."""
+
+    def short_conv_step(self, z: Tensor, conv_state: Tensor, w: Tensor) -> Tensor:
+        """Depthwise causal conv, one token: roll conv_state [T, P, W] left, write z [T, P]
+        into the last slot (in place), return SiLU(sum(state * w)) [T, P]; w [P, W]."""
+
+    def kda_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+        """One recurrent KDA step, in place on state [T, H, K, V] fp32.
+        q, k (already L2-normalised, q scaled), g (log-decay) [T, H, K]; v [T, H, V]; beta [T, H].
+        S <- diag(exp(g)) S; S <- S + beta k (v - S^T k)^T; returns o = S^T q [T, H, V]."""
+
+    def mla_decode(
+        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None
+    ) -> Tensor:
+        """Absorbed MLA attention for one query row: q_lat [H, R], q_rot [H, Dr],
+        c_cache [n, R], kr_cache [n, Dr], select LongTensor[m] of positions or None (all).
+        softmax over positions of (q_lat.c + q_rot.kr) * scale; returns sum p c  [H, R]."""
+
+    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor) -> Tensor:
+        """Lightning Indexer scores of one query: q [Hi, Di], w [Hi], k_cache [n, Di] ->
+        [n] fp32, I[s] = sum_h w[h] * relu(q[h] . k[s])."""
+
+    def select_topk(self, scores: Tensor, k: int) -> Tensor:
+        """Exact top-k positions with the tie rule (K31_INDEXER.md): strictly-above-threshold
+        positions ascending, then the boundary group from the lowest position up."""
+
+    def router(
+        self, x: Tensor, w_gate: Tensor, bias: Tensor, k: int, renormalize: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """fp32 sigmoid router: x [T, D], w_gate [E, D], bias [E] (selection only) ->
+        (ids LongTensor [T, k], weights fp32 [T, k])."""
+
+    def expert_ffn(
+        self,
+        z: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        experts: Mapping[int, "ExpertWeights"],  # noqa: F821
+        beta: float,
+        linear_beta: float | None,
+    ) -> Tensor:
+        """Routed NVFP4 experts: z [T, Dl] fp32; for each row t, sum over j in order of
+        weights[t, j] * down(situ_glu(gate z_t, up z_t)) in fp32 -> [T, Dl]."""
+
+    def attnres_mix(self, prefix: Tensor, blocks: Tensor, wq: Tensor, eps: float) -> Tensor:
+        """AttnRes: V = cat(blocks [T, nb, D], prefix [T, 1, D]); p = softmax over sources of
+        (V * rsqrt(mean(V^2) + eps)) . wq; returns sum p V [T, D] (fp32)."""
