@@ -1,0 +1,3 @@
+from streamrt.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""`streamrt` command line: one sub-command per module, each registering its own flags.
+
+User errors (`StreamrtError`) print one line and exit 2 (or the error's own code); a
+Ctrl-C exits 130 without a traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from streamrt import __version__
+from streamrt.errors import StreamrtError
+
+# (module, what it registers). Imported lazily per module so `--help` stays fast and a
+# command whose optional dependencies are missing does not break the others.
+COMMAND_MODULES = (
+    "streamrt.run_cmd",  # run, selfcheck
+    "streamrt.inspect_cmd",  # inspect
+    "streamrt.checkpoint.commands",  # synth, convert, verify
+    "streamrt.trace",  # trace summarize
+    "streamrt.sweep_cmd",  # sweep
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad flags already; keep its message to one line plus usage."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="streamrt",
+        description="Run KimiLinear MoE models (Kimi K3, Kimi K3.1 Pro) on one GPU by streaming the "
+        "routed experts from a host-side store. With no --model, `streamrt run` uses the small "
+        "embedded model.",
+        epilog="Quick start: streamrt run --prompt \"What's the weather in Paris?\"",
+    )
+    parser.add_argument("--version", action="version", version=f"streamrt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("streamrt"):
+                continue  # a command not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except StreamrtError as e:
+        print(f"streamrt: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("streamrt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

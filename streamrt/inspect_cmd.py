@@ -1,0 +1,83 @@
+"""`streamrt inspect NAME|PATH [--json]`: read a model from its configuration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from streamrt.config import BUNDLED, load_config
+from streamrt.plan import GIB, MIB, budget, link_floor_s_per_token
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="variant, layer schedule and derived budgets of a model",
+        description="Print what a configuration implies: variant (K3 or K3.1 Pro), the 0-based layer "
+        "schedule, cache-bearing layers, bytes per expert and per token, cache and state budgets. "
+        f"NAME is a bundled config ({', '.join(BUNDLED)}); PATH a config.json or a checkpoint directory.",
+    )
+    p.add_argument("model", metavar="NAME|PATH")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU link for the projection (default 55)")
+    p.set_defaults(func=run)
+
+
+def _tensor_count(cfg) -> int | None:
+    try:
+        from streamrt.checkpoint.names import tensor_specs
+    except ImportError:  # the checkpoint package is optional for a bare config read
+        return None
+    return len(tensor_specs(cfg))
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0,1,2,5] -> '0-2, 5' so a 93-layer schedule fits on a line."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out) or "-"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.link_gbps <= 0:
+        from streamrt.errors import StreamrtError
+
+        raise StreamrtError(f"--link-gbps must be > 0, got {args.link_gbps}")
+    cfg = load_config(args.model)
+    b = budget(cfg, _tensor_count(cfg))
+    if args.json:
+        print(json.dumps(b, indent=2))
+        return 0
+    rows = [
+        ("variant", b["variant"]),
+        ("layers", f"{b['num_layers']} ({len(b['kda_layers'])} KDA, {len(b['mla_layers'])} MLA)"),
+        ("MLA layers (0-based)", _ranges(b["mla_layers"])),
+        ("KDA layers (0-based)", _ranges(b["kda_layers"])),
+        ("indexer layers", _ranges(b["indexer_layers"]) if b["indexer_layers"] else "none (K3)"),
+        ("dense FFN layers", _ranges(b["dense_ffn_layers"])),
+        ("MoE layers", f"{_ranges(b['moe_layers'])} ({len(b['moe_layers'])})"),
+        ("AttnRes groups", f"{b['attnres_groups']} (starts {_ranges(b['attnres_block_starts'])}; embedding is one more source)"),
+        ("experts", f"{b['experts_per_layer']} per layer, top-{b['experts_per_token']}"),
+        ("working set", f"{b['working_set_experts']} experts per token"),
+        ("expert (NVFP4)", f"{b['expert_bytes_nvfp4']:,} B = {b['expert_bytes_nvfp4'] / MIB:.2f} MiB"),
+        ("expert (MXFP4)", f"{b['expert_bytes_mxfp4']:,} B = {b['expert_bytes_mxfp4'] / MIB:.2f} MiB"),
+        ("expert bytes per token", f"{b['expert_bytes_per_token'] / GIB:.2f} GiB"),
+        ("expert files", f"{b['expert_files']:,} ({b['routed_bytes_total_nvfp4'] / GIB:,.1f} GiB NVFP4)"),
+        ("MLA latent / token (ideal)", f"{b['mla_latent_bytes_per_token_idealized']:,} B (512-latent, bf16)"),
+        ("KV cache / token (this runtime)", f"{b['kv_cache_bytes_per_token']:,} B (latent + key dims + indexer keys, fp32)"),
+        ("KDA state / sequence", f"{b['kda_state_bytes']['bf16'] / MIB:.0f} MiB bf16, {b['kda_state_bytes']['fp32'] / MIB:.0f} MiB fp32"),
+        ("routed params / layer", f"{b['routed_params_per_layer'] / 1e9:.2f} B ({b['active_routed_params_per_token_per_layer'] / 1e6:.0f} M active per token)"),
+        (f"link floor @ {args.link_gbps:g} GB/s", f"{link_floor_s_per_token(cfg, args.link_gbps):.3f} s/token if every expert misses"),
+    ]
+    if "tensor_count" in b:
+        rows.append(("tensors (release)", f"{b['tensor_count']:,}"))
+    width = max(len(k) for k, _ in rows)
+    print(f"{cfg.name}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    return 0

@@ -1,0 +1,237 @@
+"""Tokenizers: tiktoken BPE when the checkpoint ships `tiktoken.model`, byte-level otherwise.
+
+Both carry K3's 256 reserved special ids (spec/MODEL.md §8.2) at the end of the
+vocabulary: `special_id = vocab_size - 256 + (k3_id - 163584)` (docs/CONTRACTS.md, Tokens).
+`encode(text)` is for ordinary text only and never yields a special id, even for a literal
+`<|open|>`: user, tool and attribute text must not be able to forge frame structure.
+Structural markers are encoded by name through `special_id(name)`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Iterable
+
+from streamrt.errors import CheckpointError, ConfigError
+
+K3_SPECIAL_BASE = 163584
+NUM_SPECIALS = 256
+
+# K3 ids of the named specials (spec/MODEL.md §8.2); the rest are reserved.
+K3_NAMED_SPECIALS = {
+    "[BOS]": 163584,
+    "[EOS]": 163585,
+    "<|end_of_msg|>": 163586,
+    "<|open|>": 163587,
+    "<|close|>": 163588,
+    "<|sep|>": 163589,
+    "[start_header_id]": 163590,
+    "[end_header_id]": 163591,
+    "[EOT]": 163593,
+    "<|media_begin|>": 163602,
+    "<|media_content|>": 163603,
+    "<|media_end|>": 163604,
+    "<|media_pad|>": 163605,
+    "<osagent_mode>": 163649,
+    "[UNK]": 163838,
+    "[PAD]": 163839,
+}
+STRUCTURAL = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+# Generation stops on end-of-message and end-of-turn (K3 stop ids 163586, 163593) and [EOS].
+STOP_NAMES = ("<|end_of_msg|>", "[EOT]", "[EOS]")
+
+# Kimi's pre-tokenizer regex (K3 `tokenization.py`): Han runs are their own pieces; the
+# `&&[^\p{Han}]` class intersections keep letter runs from swallowing ideographs.
+K3_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+
+class StreamDecoder:
+    """Incremental id -> text: holds back a multi-byte character split across tokens."""
+
+    def __init__(self, tokenizer: "Tokenizer", *, show_special: bool = False):
+        self._tok = tokenizer
+        self._show_special = show_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        if self._tok.is_special(token_id):
+            # A special ends any pending partial character: flush it as U+FFFD first.
+            head = self._utf8.decode(b"", final=True)
+            self._utf8.reset()
+            return head + (self._tok.special_name(token_id) if self._show_special else "")
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        out = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return out
+
+
+class Tokenizer:
+    """Shared special-token table and decoding; subclasses supply ordinary-token bytes."""
+
+    kind = "base"
+
+    def __init__(self, vocab_size: int, special_names: dict[str, int] | None = None):
+        if vocab_size < 2 * NUM_SPECIALS:
+            raise ConfigError(f"vocab_size {vocab_size} is too small: need >= {2 * NUM_SPECIALS}")
+        self.vocab_size = vocab_size
+        self.special_base = vocab_size - NUM_SPECIALS
+        names = {f"<|reserved_token_{k}|>": k for k in range(K3_SPECIAL_BASE, K3_SPECIAL_BASE + NUM_SPECIALS)}
+        for name, k3 in K3_NAMED_SPECIALS.items():
+            names.pop(f"<|reserved_token_{k3}|>", None)
+            names[name] = k3
+        for name, k3 in (special_names or {}).items():
+            names.pop(self._name_of_k3(names, k3), None)
+            names[name] = k3
+        self._id_of = {name: self.from_k3_id(k3) for name, k3 in names.items()}
+        self._name_of = {i: n for n, i in self._id_of.items()}
+        for name in STRUCTURAL:
+            if name not in self._id_of:
+                raise ConfigError(f"tokenizer has no structural special {name}")
+        self.eos_id = self._id_of["<|end_of_msg|>"]
+        self.stop_ids = frozenset(self._id_of[n] for n in STOP_NAMES if n in self._id_of)
+
+    @staticmethod
+    def _name_of_k3(names: dict[str, int], k3: int) -> str | None:
+        for n, v in names.items():
+            if v == k3:
+                return n
+        return None
+
+    def from_k3_id(self, k3_id: int) -> int:
+        """The CONTRACTS rule: K3's special layout, moved to the end of this vocabulary."""
+        if not K3_SPECIAL_BASE <= k3_id < K3_SPECIAL_BASE + NUM_SPECIALS:
+            raise ValueError(f"{k3_id} is not a K3 special id")
+        return self.special_base + (k3_id - K3_SPECIAL_BASE)
+
+    # ---- specials ---------------------------------------------------------------------
+
+    def special_id(self, name: str) -> int:
+        try:
+            return self._id_of[name]
+        except KeyError:
+            raise KeyError(f"unknown special token {name!r}") from None
+
+    def special_name(self, token_id: int) -> str | None:
+        return self._name_of.get(int(token_id))
+
+    def is_special(self, token_id: int) -> bool:
+        return self.special_base <= int(token_id) < self.vocab_size
+
+    def encode_special(self, name: str) -> list[int]:
+        return [self.special_id(name)]
+
+    # ---- ordinary text ----------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of an ordinary token; b"" for a special or an unused id."""
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int], *, show_special: bool = True) -> str:
+        """Never raises on bad UTF-8 or unknown ids: invalid bytes become U+FFFD."""
+        dec = StreamDecoder(self, show_special=show_special)
+        return "".join(dec.feed(int(i)) for i in ids) + dec.flush()
+
+    def stream_decoder(self, *, show_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, show_special=show_special)
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are bytes (synthetic and small models); 256..vocab-257 are unused."""
+
+    kind = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        token_id = int(token_id)
+        return bytes((token_id,)) if 0 <= token_id < 256 else b""
+
+
+class TiktokenTokenizer(Tokenizer):
+    """K3's BPE (`tiktoken.model`: base64 token and rank per line) plus the special table."""
+
+    kind = "tiktoken"
+
+    def __init__(self, model_file: Path, vocab_size: int, special_names: dict[str, int] | None = None):
+        super().__init__(vocab_size, special_names)
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        try:
+            ranks = load_tiktoken_bpe(str(model_file))
+        except Exception as exc:  # malformed base64 / rank lines
+            raise CheckpointError(f"{model_file}: not a tiktoken BPE file ({exc})") from None
+        if not ranks:
+            raise CheckpointError(f"{model_file}: empty tiktoken BPE file")
+        top = max(ranks.values())
+        if top >= self.special_base:
+            raise CheckpointError(
+                f"{model_file}: BPE rank {top} collides with the special ids "
+                f"(vocab_size {vocab_size}, specials from {self.special_base})"
+            )
+        self._bytes = {rank: tok for tok, rank in ranks.items()}
+        # No specials inside tiktoken: ordinary encoding can then never produce one.
+        self._enc = tiktoken.Encoding(
+            name=f"streamrt-{model_file.parent.name}", pat_str=K3_PAT_STR, mergeable_ranks=ranks, special_tokens={}
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes.get(int(token_id), b"")
+
+
+def _special_names_from_config(path: Path) -> dict[str, int]:
+    """Names of added tokens in `tokenizer_config.json`, as K3 ids (ids outside the block are ignored)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable tokenizer config ({exc})") from None
+    out = {}
+    decoder = data.get("added_tokens_decoder") if isinstance(data, dict) else None
+    for key, entry in (decoder or {}).items():
+        try:
+            k3 = int(key)
+            name = entry["content"]
+        except (ValueError, TypeError, KeyError):
+            raise CheckpointError(f"{path}: added_tokens_decoder entry {key!r} is malformed") from None
+        if K3_SPECIAL_BASE <= k3 < K3_SPECIAL_BASE + NUM_SPECIALS:
+            out[name] = k3
+    return out
+
+
+def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_id: int | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (release or streamrt tree)."""
+    root = Path(model_dir) if model_dir is not None else None
+    names: dict[str, int] = {}
+    if root is not None and (root / "tokenizer_config.json").is_file():
+        names = _special_names_from_config(root / "tokenizer_config.json")
+    if root is not None and (root / "tiktoken.model").is_file():
+        tok: Tokenizer = TiktokenTokenizer(root / "tiktoken.model", vocab_size, names)
+    else:
+        tok = ByteTokenizer(vocab_size, names)
+    if eos_token_id is not None and eos_token_id != tok.eos_id:
+        raise ConfigError(
+            f"eos_token_id {eos_token_id} is not <|end_of_msg|> (expected {tok.eos_id} for vocab_size {vocab_size})"
+        )
+    return tok
