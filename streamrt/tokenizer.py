@@ -9,6 +9,8 @@ Structural markers are encoded by name through `special_id(name)`.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
 import json
 from pathlib import Path
@@ -174,12 +176,8 @@ class TiktokenTokenizer(Tokenizer):
     def __init__(self, model_file: Path, vocab_size: int, special_names: dict[str, int] | None = None):
         super().__init__(vocab_size, special_names)
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
 
-        try:
-            ranks = load_tiktoken_bpe(str(model_file))
-        except Exception as exc:  # malformed base64 / rank lines
-            raise CheckpointError(f"{model_file}: not a tiktoken BPE file ({exc})") from None
+        ranks = read_bpe_ranks(model_file)
         if not ranks:
             raise CheckpointError(f"{model_file}: empty tiktoken BPE file")
         top = max(ranks.values())
@@ -199,6 +197,25 @@ class TiktokenTokenizer(Tokenizer):
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes.get(int(token_id), b"")
+
+
+def read_bpe_ranks(path: Path) -> dict[bytes, int]:
+    """`tiktoken.model` lines: base64 token, rank. Read directly, because tiktoken's loader
+    caches by path in a temp dir and would serve a stale file after the tree changes."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror})") from None
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise CheckpointError(f"{path}: line {n} is not '<base64 token> <rank>'") from None
+    return ranks
 
 
 def _special_names_from_config(path: Path) -> dict[str, int]:

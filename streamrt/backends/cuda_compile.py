@@ -1,0 +1,198 @@
+"""Compile streamrt's CUDA kernels with NVRTC (cuda.bindings) into cubins, with a disk cache.
+
+Every `streamrt/kernels/*.cu` is one NVRTC program; `common.cuh` is shared through `-I`.
+Compilation needs no GPU (CI compiles every kernel for sm_90 on a CPU machine); loading and
+launching is `backends/nvrtc.py`'s job.
+
+Headers: NVRTC searches no directory by default, and NVRTC 13.0 on the GPU machine ships no
+bundled headers, so the include path comes from cuda.pathfinder (`cudart` and `cccl`
+header directories; spec CUDA_PYTHON.md 2.5). The kernels themselves need no CUDA header.
+
+Cache: `$STREAMRT_CACHE/cubin` (default `~/.cache/streamrt/cubin`), one file per
+(program source + shared headers, arch, options, NVRTC version) hash. Writes are atomic
+(temp file + rename), so concurrent processes never see a partial cubin.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from streamrt.errors import StreamrtError
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+BASE_OPTIONS = ("--std=c++17", "-default-device")
+
+
+class KernelCompileError(StreamrtError):
+    """NVRTC rejected a kernel source; the message carries the NVRTC log."""
+
+
+class NvrtcUnavailable(StreamrtError):
+    """NVRTC (cuda.bindings + the nvrtc library) cannot be loaded here."""
+
+
+def programs() -> list[str]:
+    """Names of the kernel programs (`<name>.cu` in streamrt/kernels)."""
+    return sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
+
+
+def kernel_names(program: str) -> list[str]:
+    """The `extern "C"` __global__ entry points declared in a program (by source scan)."""
+    src = _source(program)
+    pat = r'extern "C" __global__ void(?:[\s\\]+__launch_bounds__\([^)]*\))?[\s\\]+(\w+)\s*\('
+    names = [n for n in re.findall(pat, src) if n != "NAME"]  # NAME: the parameter of an entry macro
+    names += re.findall(r"^SRT_GEMV_ENTRY\((\w+),", src, flags=re.M)
+    return names
+
+
+def _source(program: str) -> str:
+    path = KERNEL_DIR / f"{program}.cu"
+    if not path.is_file():
+        raise KernelCompileError(f"no kernel program {program!r} ({path} does not exist)")
+    return path.read_text()
+
+
+def _headers_digest() -> bytes:
+    h = hashlib.sha256()
+    for p in sorted(KERNEL_DIR.glob("*.cuh")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.digest()
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except Exception as e:  # ImportError, or the library failing to load
+        raise NvrtcUnavailable(f"cuda.bindings.nvrtc is not importable: {e}") from e
+    return nvrtc
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as e:  # the shared library itself is missing
+        raise NvrtcUnavailable(f"libnvrtc cannot be loaded: {e}") from e
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise NvrtcUnavailable(f"nvrtcVersion failed: {err.name}")
+    return int(major), int(minor)
+
+
+@functools.cache
+def include_dirs() -> tuple[str, ...]:
+    """The kernel folder, then cuda.pathfinder's cudart and cccl header directories (those found)."""
+    dirs = [str(KERNEL_DIR)]
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return tuple(dirs)
+    for lib in ("cudart", "cccl"):
+        try:
+            d = find_nvidia_header_directory(lib)
+        except Exception:
+            d = None
+        if d and d not in dirs:
+            dirs.append(str(d))
+    return tuple(dirs)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("STREAMRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "streamrt")
+    return Path(root) / "cubin"
+
+
+def _options(arch: str, extra: tuple[str, ...]) -> list[str]:
+    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *extra] + [f"-I{d}" for d in include_dirs()]
+
+
+def cache_key(program: str, arch: str, extra_options: tuple[str, ...] = ()) -> str:
+    """Hash of the source, the shared headers, arch, options (not include paths) and NVRTC version."""
+    h = hashlib.sha256()
+    h.update(_source(program).encode())
+    h.update(_headers_digest())
+    h.update(arch.encode())
+    h.update("\0".join((*BASE_OPTIONS, *extra_options)).encode())
+    h.update(("nvrtc-%d.%d" % nvrtc_version()).encode())
+    return h.hexdigest()[:24]
+
+
+def compile_cubin(program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = (), use_cache: bool = True) -> bytes:
+    """The cubin of `kernels/<program>.cu` for `arch` (e.g. "sm_90"), from the cache or NVRTC."""
+    if not re.fullmatch(r"sm_\d+[a-z]?", arch):
+        raise KernelCompileError(f"arch must look like 'sm_90', got {arch!r}")
+    key = cache_key(program, arch, extra_options)
+    path = cache_dir() / f"{program}-{arch}-{key}.cubin"
+    if use_cache and path.is_file():
+        data = path.read_bytes()
+        if data[:4] == b"\x7fELF":
+            return data
+    data = nvrtc_compile(_source(program), f"{program}.cu", _options(arch, extra_options))
+    if use_cache:
+        _atomic_write(path, data)
+    return data
+
+
+def nvrtc_compile(source: str, name: str, options: list[str]) -> bytes:
+    """Compile one source to a cubin; raise KernelCompileError with the NVRTC log on failure."""
+    nvrtc = _nvrtc()
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
+
+    def ck(res, what):
+        err = res[0]
+        if err != ok:
+            raise KernelCompileError(f"{what} failed for {name}: {err.name}")
+        return res[1] if len(res) == 2 else res[1:]
+
+    prog = ck(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        log = _log(nvrtc, prog)
+        if err != ok:
+            raise KernelCompileError(
+                f"NVRTC could not compile {name} ({err.name}; options {' '.join(options)}):\n{log.strip()}"
+            )
+        size = ck(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        buf = b" " * size
+        ck(nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+        return buf
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_log(program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = ()) -> str:
+    """Compile without the cache and return NVRTC's log (e.g. with --ptxas-options=-v)."""
+    nvrtc = _nvrtc()
+    opts = [o.encode() for o in _options(arch, extra_options)]
+    err, prog = nvrtc.nvrtcCreateProgram(_source(program).encode(), f"{program}.cu".encode(), 0, [], [])
+    try:
+        nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        return _log(nvrtc, prog)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _log(nvrtc, prog) -> str:
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or size <= 1:
+        return ""
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.rstrip(b"\0").decode(errors="replace")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache is not an error: we just compile again next time

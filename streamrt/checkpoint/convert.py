@@ -1,0 +1,332 @@
+"""`streamrt convert SRC DST`: release tree -> streamrt tree (docs/CONTRACTS.md).
+
+Output: config and tokenizer files copied; dense BF16 tensors regrouped into
+`dense/resident.safetensors` (always resident) and `dense/plane.L{layer:03d}.safetensors`
+(the per-MoE-layer latent/shared plane, streamed); one `.nvfp4` file per routed expert;
+`manifest.json` last. The expert path is pure I/O: nibbles are written straight from the
+source mapping and the E8M0 -> E4M3 scale repack is integer table work (fp4.mxfp4_to_nvfp4);
+nothing is dequantised.
+
+Crash safety: every file is written under a temp name, fsynced and renamed, then appended
+to `DST/.convert/journal.jsonl` (path, size, blake2b). A re-run removes stale temp files and
+skips every journaled file whose size and checksum still match, so kill -9 at any moment
+costs at most the files in flight. `.convert/state.json` names the source (fingerprint of
+its config, index and shard sizes), which is how a non-empty DST is recognised as a previous
+partial conversion of the same source; after success the manifest carries it instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from streamrt import fp4
+from streamrt.checkpoint.expert_file import HEADER_BYTES, ExpertLayout, parse_header, write_expert_file
+from streamrt.checkpoint.fileio import (
+    AtomicWriter,
+    file_digest,
+    fsync_dir,
+    remove_stale_tmp,
+    write_bytes_atomic,
+)
+from streamrt.checkpoint.names import TensorSpec, dense_group, dense_specs, expert_prefix, expert_relpath, strip_prefix
+from streamrt.checkpoint.release import INDEX, ReleaseTree, open_release, release_fingerprint
+from streamrt.checkpoint.safetensors_io import build_header, order_for_alignment, write_stream
+from streamrt.config import ModelConfig
+from streamrt.errors import CheckpointError
+
+FORMAT, FORMAT_VERSION = "streamrt", 1
+MANIFEST = "manifest.json"
+STATE_DIR = ".convert"
+KILL_ENV = "STREAMRT_TEST_KILL_AFTER_BYTES"  # test hook: SIGKILL self once this many bytes are written
+COPY_CHUNK = 64 << 20
+
+
+# ---- layout of the converted tree ---------------------------------------------------
+
+
+def dense_files(specs: list[TensorSpec]) -> dict[str, list[TensorSpec]]:
+    """Relative path -> the release specs it holds, in file order (aligned for in-place views)."""
+    groups: dict[str, list[TensorSpec]] = {}
+    for s in specs:
+        groups.setdefault(f"dense/{dense_group(s.name)}.safetensors", []).append(s)
+    return {rel: order_for_alignment(v) for rel, v in sorted(groups.items())}
+
+
+def geometry(cfg: ModelConfig) -> dict:
+    return {
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+        "vocab_size": cfg.vocab_size,
+        "num_experts": cfg.num_experts,
+        "experts_per_token": cfg.experts_per_token,
+        "moe_layers": list(cfg.moe_layers),
+        "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "expert_file_bytes": ExpertLayout.for_config(cfg).file_bytes,
+        "indexer_layers": list(cfg.indexer_layers),
+    }
+
+
+def write_manifest(root: Path, cfg: ModelConfig, files: dict, tensor_names: list[str], *, source: dict, modes: dict) -> None:
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "variant": cfg.variant,
+        "geometry": geometry(cfg),
+        "expert_global_modes": {"per_matrix": modes.get(0, 0), "per_row": modes.get(1, 0)},
+        "source": source,
+        "files": {k: files[k] for k in sorted(files)},
+        "tensor_names": tensor_names,
+    }
+    write_bytes_atomic(root / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+# ---- the conversion ------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    rel: str
+    size: int  # expected final size
+    run: Callable[[Callable[[int], None]], tuple[int, str, int]]  # on_bytes -> (size, digest, global_mode)
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise CheckpointError(f"{dst}: DST is inside SRC {src}; choose an output directory outside the release tree")
+    if d in s.parents:
+        raise CheckpointError(f"{dst}: DST contains SRC {src}; choose a separate output directory")
+
+
+def _prepare_dst(src: Path, dst: Path, fingerprint: str) -> dict[str, dict]:
+    """Create or recognise DST; return the already-complete files a previous run recorded."""
+    state_dir = dst / STATE_DIR
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"{dst}: exists and is not a directory")
+    prior: dict[str, dict] = {}
+    if dst.is_dir() and any(dst.iterdir()):
+        state, manifest = state_dir / "state.json", dst / MANIFEST
+        theirs = None
+        try:
+            if state.is_file():
+                theirs = json.loads(state.read_text()).get("fingerprint")
+            elif manifest.is_file():
+                m = json.loads(manifest.read_text())
+                theirs = (m.get("source") or {}).get("fingerprint")
+                prior = m.get("files") or {}
+        except (OSError, ValueError, AttributeError):
+            theirs = None
+        if theirs != fingerprint:
+            raise CheckpointError(
+                f"{dst}: DST is not empty and is not a previous partial conversion of {src}; "
+                "choose an empty directory (or remove it)"
+            )
+        journal = state_dir / "journal.jsonl"
+        if journal.is_file():
+            for line in journal.read_text(errors="replace").splitlines():
+                try:  # a kill -9 can leave the last line torn: skip it, that file is redone
+                    e = json.loads(line)
+                    prior[e["path"]] = {"size": int(e["size"]), "blake2b": str(e["blake2b"])}
+                except (ValueError, KeyError, TypeError):
+                    continue
+        remove_stale_tmp(dst)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(state_dir / "state.json", json.dumps({"source": str(src.resolve()), "fingerprint": fingerprint}).encode())
+    return prior
+
+
+def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
+    cfg = rt.config
+    tasks: list[Task] = []
+    for f in [rt.root / "config.json", *rt.tokenizer_files()]:
+        tasks.append(Task(f.name, f.stat().st_size, _copy_task(f, dst / f.name)))
+    for rel, specs in dense_files(dense_specs(cfg)).items():
+        renamed = [TensorSpec(strip_prefix(s.name), s.shape, s.dtype) for s in specs]
+        hdr, offs = build_header(renamed)
+        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), _dense_task(rt, dst / rel, specs, renamed)))
+    layout = ExpertLayout.for_config(cfg)
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            rel = expert_relpath(layer, e)
+            tasks.append(Task(rel, layout.file_bytes, _expert_task(rt, dst / rel, layer, e, layout, allow_per_row)))
+    return tasks
+
+
+def _copy_task(src: Path, out: Path):
+    def run(on_bytes):
+        with AtomicWriter(out, on_bytes) as w:
+            w.write(src.read_bytes())
+        return w.size, w.digest, -1
+
+    return run
+
+
+def _dense_task(rt: ReleaseTree, out: Path, specs: list[TensorSpec], renamed: list[TensorSpec]):
+    def chunks():
+        for s in specs:
+            mv = rt.raw(s.name)
+            for i in range(0, len(mv), COPY_CHUNK):
+                yield mv[i : i + COPY_CHUNK]
+
+    def run(on_bytes):
+        size, digest = write_stream(out, renamed, chunks(), on_bytes=on_bytes)
+        return size, digest, -1
+
+    return run
+
+
+def _expert_task(rt: ReleaseTree, out: Path, layer: int, e: int, layout: ExpertLayout, allow_per_row: bool):
+    def run(on_bytes):
+        mx = rt.expert_mxfp4(layer, e)  # NaN scales -> CheckpointError naming shard and tensor
+        mats, per_row = {}, False
+        for m, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            packed, scales = mx[w]
+            name = f"{expert_prefix(layer, e)}{w}"
+            label = f"{rt.root / rt.weight_map[name + '.weight_packed']}: tensor {name}"
+            p, s, g, pr = fp4.repack_expert_matrix(packed, scales, allow_per_row=allow_per_row, name=label)
+            mats[m], per_row = (p, s, g), per_row or pr
+        size, digest = write_expert_file(
+            out, mats, layer=layer, expert=e, global_mode=int(per_row), layout=layout, on_bytes=on_bytes
+        )
+        return size, digest, int(per_row)
+
+    return run
+
+
+def _still_complete(path: Path, entry: dict | None, expected_size: int, check_digest: bool) -> bool:
+    if not entry or entry.get("size") != expected_size:
+        return False
+    try:
+        if path.stat().st_size != expected_size:
+            return False
+        return not check_digest or file_digest(path) == entry.get("blake2b")
+    except OSError:
+        return False
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    workers: int | None = None,
+    allow_per_row: bool = False,
+    progress: bool | None = None,
+    check_resumed: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Convert; returns a summary dict. Raises CheckpointError / ConfigError on bad input."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such release directory")
+    _check_paths(src, dst)
+    rt = open_release(src)  # config gating + headers + every tensor's dtype/shape
+    fingerprint = release_fingerprint(src)
+    prior = _prepare_dst(src, dst, fingerprint)
+    tasks = _plan(rt, dst, allow_per_row)
+    todo_bytes = sum(t.size for t in tasks if not (dst / t.rel).is_file() or (dst / t.rel).stat().st_size != t.size)
+    free = shutil.disk_usage(dst).free
+    if free < todo_bytes:
+        raise CheckpointError(
+            f"{dst}: not enough space: the conversion needs {todo_bytes / 2**30:.2f} GiB more, {free / 2**30:.2f} GiB free"
+        )
+
+    workers = workers or min(16, os.cpu_count() or 1)
+    lock = threading.Lock()
+    files: dict[str, dict] = {}
+    modes = {0: 0, 1: 0}
+    counters = {"written": 0, "skipped": 0, "bytes_written": 0}
+    kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
+    journal = open(dst / STATE_DIR / "journal.jsonl", "a")
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(t.size for t in tasks), unit="B", unit_scale=True, unit_divisor=1024,
+               desc="convert", disable=None if progress is None else not progress)
+
+    def on_bytes(n: int) -> None:
+        with lock:
+            counters["bytes_written"] += n
+            bar.update(n)
+            if kill_at and counters["bytes_written"] >= kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def run(t: Task) -> None:
+        path = dst / t.rel
+        if _still_complete(path, prior.get(t.rel), t.size, check_resumed):
+            mode = -1
+            if t.rel.endswith(".nvfp4"):
+                with open(path, "rb") as f:
+                    mode = parse_header(f.read(HEADER_BYTES), ExpertLayout.for_config(rt.config), name=str(path)).global_mode
+            with lock:
+                files[t.rel] = prior[t.rel]
+                counters["skipped"] += 1
+                modes[mode] = modes.get(mode, 0) + 1
+                bar.update(t.size)
+            return
+        size, digest, mode = t.run(on_bytes)
+        entry = {"size": size, "blake2b": digest}
+        with lock:
+            files[t.rel] = entry
+            counters["written"] += 1
+            modes[mode] = modes.get(mode, 0) + 1
+            journal.write(json.dumps({"path": t.rel, **entry}) + "\n")
+            journal.flush()
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(workers) as ex:
+            futs = [ex.submit(run, t) for t in tasks]  # big dense files first, then experts
+            done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+            for f in futs:
+                if f.done() and f.exception():
+                    ex.shutdown(wait=True, cancel_futures=True)
+                    raise f.exception()  # type: ignore[misc]
+    finally:
+        bar.close()
+        journal.close()
+    seconds = time.perf_counter() - t0
+
+    for d in {(dst / t.rel).parent for t in tasks}:
+        fsync_dir(d)
+    source = {"path": str(src.resolve()), "fingerprint": fingerprint}
+    write_manifest(dst, rt.config, files, [s.name for s in rt.specs], source=source, modes=modes)
+    fsync_dir(dst)
+    shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    rt.close()
+    summary = {
+        "src": str(src),
+        "dst": str(dst),
+        "files": len(files),
+        "written": counters["written"],
+        "skipped": counters["skipped"],
+        "bytes_written": counters["bytes_written"],
+        "seconds": seconds,
+        "expert_files_per_matrix_global": modes.get(0, 0),
+        "expert_files_per_row_global": modes.get(1, 0),
+        "workers": workers,
+    }
+    if log:
+        log(_summary_line(summary))
+    return summary
+
+
+def _summary_line(s: dict) -> str:
+    rate = s["bytes_written"] / s["seconds"] / 1e9 if s["seconds"] > 0 else 0.0
+    return (
+        f"converted {s['src']} -> {s['dst']}: {s['files']} files ({s['written']} written, {s['skipped']} already complete), "
+        f"{s['bytes_written'] / 2**30:.2f} GiB in {s['seconds']:.1f} s ({rate:.2f} GB/s); expert global scales: "
+        f"{s['expert_files_per_matrix_global']} per matrix, {s['expert_files_per_row_global']} per row"
+    )
+
+
+__all__ = ["convert", "dense_files", "expert_relpath", "write_manifest", "geometry", "MANIFEST", "FORMAT_VERSION", "INDEX"]

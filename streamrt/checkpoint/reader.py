@@ -1,0 +1,129 @@
+"""Reading a converted (streamrt) tree: `open_tree(path)` (docs/CONTRACTS.md).
+
+The model loader takes `dense_state_dict()` (zero-copy views of private mappings, names
+without `language_model.`); the expert store takes `expert_path`, `layout` and
+`expert_file.parse_expert` over its own mappings. Opening validates the manifest and the
+config gating (the manifest's tensor names must agree with the variant markers).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from streamrt.checkpoint.convert import FORMAT, FORMAT_VERSION, MANIFEST, geometry
+from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert
+from streamrt.checkpoint.fileio import file_digest
+from streamrt.checkpoint.names import expert_relpath
+from streamrt.checkpoint.safetensors_io import read_header
+from streamrt.config import ModelConfig, load_config
+from streamrt.errors import CheckpointError
+from streamrt.expert_weights import ExpertWeights
+
+TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+def _map_private(path: Path) -> mmap.mmap:
+    """Copy-on-write mapping: zero-copy reads, and a stray in-place write cannot reach the file."""
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot map: {e}") from None
+
+
+@dataclass
+class StreamrtTree:
+    root: Path
+    config: ModelConfig
+    layout: ExpertLayout
+    manifest: dict
+
+    def dense_files(self) -> list[Path]:
+        return sorted(self.root / rel for rel in self.manifest["files"] if rel.startswith("dense/"))
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every dense tensor (resident + planes), CPU, viewing the file mappings in place."""
+        out: dict[str, torch.Tensor] = {}
+        for path in self.dense_files():
+            hdr = read_header(path)
+            buf = torch.frombuffer(_map_private(path), dtype=torch.uint8) if hdr.file_size else None
+            for name, e in hdr.entries.items():
+                dt = TORCH_DTYPES[e.dtype]
+                raw = buf[e.begin : e.end] if buf is not None else torch.empty(0, dtype=torch.uint8)
+                if e.begin % raw.new_empty(0, dtype=dt).element_size():
+                    raw = raw.clone()  # misaligned (not written by us): copy rather than fail
+                out[name] = raw.view(dt).view(e.shape)
+        return out
+
+    def expert_path(self, layer: int, expert: int) -> Path:
+        if not self.config.is_moe(layer) or not 0 <= expert < self.config.num_experts:
+            raise CheckpointError(f"{self.root}: no routed expert ({layer}, {expert}) in this model")
+        return self.root / expert_relpath(layer, expert)
+
+    def load_expert(self, layer: int, expert: int) -> ExpertWeights:
+        """CPU views of the expert's mapping; header validated (not the checksum)."""
+        path = self.expert_path(layer, expert)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: expert file missing")
+        return parse_expert(_map_private(path), self.layout, name=str(path), expect=(layer, expert))
+
+    def expert_checksum(self, layer: int, expert: int) -> str | None:
+        entry = self.manifest["files"].get(expert_relpath(layer, expert))
+        return entry.get("blake2b") if entry else None
+
+    def check_expert(self, layer: int, expert: int) -> None:
+        """Re-hash one expert file against the manifest; CheckpointError on a mismatch."""
+        path, want = self.expert_path(layer, expert), self.expert_checksum(layer, expert)
+        got = file_digest(path)
+        if got != want:
+            raise CheckpointError(f"{path}: checksum mismatch (manifest {want}, file {got}); run `streamrt verify --full`")
+
+
+def read_manifest(root: Path) -> dict:
+    f = root / MANIFEST
+    if not f.is_file():
+        raise CheckpointError(f"{f}: missing: not a converted streamrt tree (run `streamrt convert` first)")
+    try:
+        m = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: cannot read manifest: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{f}: not a streamrt manifest (format {m.get('format') if isinstance(m, dict) else None!r})")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{f}: format_version {m.get('format_version')!r}, this streamrt reads {FORMAT_VERSION}")
+    for key, typ in (("files", dict), ("tensor_names", list), ("geometry", dict)):
+        if not isinstance(m.get(key), typ):
+            raise CheckpointError(f"{f}: field {key!r} missing or not a {typ.__name__}")
+    return m
+
+
+def open_tree(path: str | Path) -> StreamrtTree:
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such directory")
+    manifest = read_manifest(root)
+    cfg = load_config(root)  # gating against manifest.tensor_names
+    want = geometry(cfg)
+    got = manifest["geometry"]
+    bad = sorted(k for k in want if got.get(k) != want[k])
+    if bad:
+        raise CheckpointError(f"{root / MANIFEST}: geometry field {bad[0]!r} is {got.get(bad[0])!r}, config.json implies {want[bad[0]]!r}")
+    if manifest.get("variant") != cfg.variant:
+        raise CheckpointError(f"{root / MANIFEST}: variant {manifest.get('variant')!r} but config.json is {cfg.variant!r}")
+    return StreamrtTree(root, cfg, ExpertLayout.for_config(cfg), manifest)

@@ -1,0 +1,89 @@
+"""`streamrt verify DIR [--full]`: is a converted tree whole?
+
+Fast mode checks that every file the config implies is in the manifest and on disk with
+the recorded size, and parses every header (expert headers against the layout and their
+own (layer, expert); safetensors headers bounds-checked). `--full` also re-hashes every
+file against its blake2b in the manifest. Every bad file is listed by path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from streamrt.checkpoint.convert import dense_files
+from streamrt.checkpoint.expert_file import HEADER_BYTES, parse_header
+from streamrt.checkpoint.fileio import file_digest
+from streamrt.checkpoint.names import dense_specs, expert_relpath
+from streamrt.checkpoint.reader import open_tree
+from streamrt.checkpoint.safetensors_io import read_header
+from streamrt.errors import StreamrtError
+
+
+def verify_tree(root: str | Path, *, full: bool = False, workers: int | None = None, progress: bool | None = None) -> tuple[list[tuple[str, str]], int]:
+    """Returns ([(relpath, reason)] for every bad file, number of files checked)."""
+    tree = open_tree(root)  # manifest + config gating; a broken manifest is one error
+    root = tree.root
+    cfg, files = tree.config, tree.manifest["files"]
+    expected = ["config.json", *dense_files(dense_specs(cfg))]
+    expected += [expert_relpath(l, e) for l in cfg.moe_layers for e in range(cfg.num_experts)]
+    bad: list[tuple[str, str]] = [(rel, "missing from manifest.json") for rel in expected if rel not in files]
+    rels = sorted(files)
+    lock = threading.Lock()
+
+    from tqdm import tqdm
+
+    total = sum(int(files[r].get("size", 0)) for r in rels) if full else len(rels)
+    bar = tqdm(total=total, unit="B" if full else "file", unit_scale=full, desc="verify",
+               disable=None if progress is None else not progress)
+
+    def check(rel: str) -> None:
+        reason = _check_file(tree, root / rel, rel, files[rel], full)
+        with lock:
+            if reason:
+                bad.append((rel, reason))
+            bar.update(int(files[rel].get("size", 0)) if full else 1)
+
+    try:
+        with ThreadPoolExecutor(workers or min(16, os.cpu_count() or 1)) as ex:
+            list(ex.map(check, rels))
+    finally:
+        bar.close()
+    return sorted(bad), len(rels)
+
+
+def _check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"cannot stat: {e.strerror}"
+    if size != entry.get("size"):
+        return f"size {size}, manifest says {entry.get('size')}"
+    try:
+        if rel.endswith(".nvfp4"):
+            with open(path, "rb") as f:
+                h = parse_header(f.read(HEADER_BYTES), tree.layout, name=rel, file_size=size)
+            want = _ids_of(rel)
+            if (h.layer, h.expert) != want:
+                return f"header says layer {h.layer} expert {h.expert}, path implies layer {want[0]} expert {want[1]}"
+        elif rel.endswith(".safetensors"):
+            read_header(path)
+        if full:
+            got = file_digest(path)
+            if got != entry.get("blake2b"):
+                return f"checksum mismatch (manifest {entry.get('blake2b')}, file {got})"
+    except StreamrtError as e:
+        return str(e).replace(f"{path}: ", "").replace(f"{rel}: ", "")
+    except OSError as e:
+        return f"cannot read: {e.strerror}"
+    return None
+
+
+def _ids_of(rel: str) -> tuple[int, int]:
+    # experts/L{layer:03d}/E{expert:04d}.nvfp4
+    parts = rel.split("/")
+    return int(parts[1][1:]), int(parts[2][1:].split(".")[0])

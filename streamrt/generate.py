@@ -1,0 +1,142 @@
+"""Prefill + decode: batched generation with greedy or seeded temperature / top-p sampling.
+
+Each prompt is prefilled on its own (so a row's arithmetic never depends on its batch
+companions), the per-sequence caches are stacked, and the batch decodes one token per
+row per step with row-wise ops. Rows stop at a stop token or `max_new_tokens`; finished
+rows leave the batch. How a forward is driven is pluggable: `runner(gen) -> logits`
+(default: `run_sync(gen, provider)`), so the asyncio scheduler can drive the same loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from streamrt.errors import StreamrtError
+from streamrt.model import DirectExpertProvider, ModelCache, logits_hash, run_sync  # noqa: F401  (re-exported)
+from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM
+
+Runner = Callable[[ForwardSteps], Tensor]
+TokenCallback = Callable[[int, int], None]  # (row, token id)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per row (a stop token, if hit, is the last entry)
+    finish_reasons: list[str]  # "stop" or "length"
+    prefill_logits: Tensor  # [B, V] fp32: the last prompt position of each row
+    prefill_hashes: list[str]  # logits_hash of each row's prefill_logits
+    step_hashes: list[list[str]] = field(default_factory=list)  # per row, per decode step (hash_steps=True)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = sum(max(0, len(t) - 1) for t in self.tokens)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """One token from logits [V]: argmax (first max) when temperature == 0, else nucleus sampling."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # smallest prefix reaching top_p (always >= 1 token)
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def generate(
+    model: KimiLinearForCausalLM,
+    prompts: Sequence[Sequence[int]] | Sequence[int],
+    *,
+    provider: ExpertProvider | None = None,
+    runner: Runner | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Iterable[int] | None = None,
+    on_token: TokenCallback | None = None,
+    hash_steps: bool = False,
+) -> GenerationResult:
+    """Generate for a batch of prompts (lists of token ids; lengths may differ).
+
+    stop_ids default to the config's eos_token_id. Sampling is seeded per row
+    (seed, row), so a row's samples do not depend on the batch. on_token(row, id) is called
+    for every generated token, in order.
+    """
+    if prompts and isinstance(prompts[0], int):
+        prompts = [prompts]  # one prompt
+    prompts = [list(p) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise StreamrtError("generate: every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise StreamrtError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 < top_p <= 1:
+        raise StreamrtError(f"generate: top_p must be in (0, 1], got {top_p}")
+    runner = runner or (lambda gen: run_sync(gen, provider))
+    stops = set(stop_ids) if stop_ids is not None else {model.config.eos_token_id}
+    device = model.lm_head.weight.device
+    B = len(prompts)
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + row) for row in range(B)]
+
+    t0 = time.perf_counter()
+    caches, last = [], []
+    with torch.no_grad():
+        for p in prompts:  # per-sequence prefill
+            cache = model.new_cache(1, device)
+            logits = runner(model.forward_steps(torch.tensor([p], device=device), cache, last_only=True))  # [1, 1, V]
+            caches.append(cache)
+            last.append(logits[0, 0].float())
+    prefill_logits = torch.stack(last)  # [B, V]
+    t1 = time.perf_counter()
+
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    reasons = ["length"] * B
+    step_hashes: list[list[str]] = [[] for _ in range(B)]
+    cache = ModelCache.stack(caches) if B > 1 else caches[0]
+    active = list(range(B))  # original row of each cache row
+    logits = prefill_logits
+    steps = 0
+    with torch.no_grad():
+        while True:
+            still = []
+            for i, row in enumerate(active):
+                tok = sample(logits[i], temperature, top_p, gens[row])
+                tokens[row].append(tok)
+                if on_token is not None:
+                    on_token(row, tok)
+                if tok in stops:
+                    reasons[row] = "stop"
+                elif len(tokens[row]) < max_new_tokens:
+                    still.append(i)
+            if not still:
+                break
+            if len(still) < len(active):
+                cache = cache.select(still)
+                active = [active[i] for i in still]
+            ids = torch.tensor([[tokens[row][-1]] for row in active], device=device)  # [B', 1]
+            logits = runner(model.forward_steps(ids, cache))[:, 0].float()  # [B', V]
+            steps += 1
+            if hash_steps:
+                for i, row in enumerate(active):
+                    step_hashes[row].append(logits_hash(logits[i]))
+    t2 = time.perf_counter()
+    return GenerationResult(
+        tokens=tokens,
+        finish_reasons=reasons,
+        prefill_logits=prefill_logits,
+        prefill_hashes=[logits_hash(l) for l in prefill_logits],
+        step_hashes=step_hashes,
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        decode_steps=steps,
+    )

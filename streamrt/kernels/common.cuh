@@ -1,0 +1,125 @@
+// streamrt kernels: shared device helpers. Plain CUDA C++, no torch, no CUDA headers needed.
+//
+// Conventions for every kernel in this folder:
+//   * raw pointers + sizes, `extern "C"` entry points (no name mangling);
+//   * activations fp32; weights fp32 or bf16 (a runtime flag `*_bf16` says which);
+//   * reductions in a fixed order: per-thread sequential sums, then an xor-butterfly across the
+//     warp (every lane ends with the bit-identical value), then warp partials summed in warp
+//     order. No float atomics anywhere, so every result is bit-reproducible run to run.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define SRT_DEV __device__ __forceinline__
+#define SRT_FULL 0xffffffffu
+
+// ---- 16-byte vectors (own types: no CUDA headers needed) ----------------------------------
+
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(16) f32x4 { float x, y, z, w; };
+
+// Streaming 16-byte load of read-only data (weights): read-only path, no L1 allocation.
+SRT_DEV u32x4 ld_stream16(const void* p) {
+  u32x4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+// ---- conversions ---------------------------------------------------------------------------
+
+SRT_DEV float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+SRT_DEV float bf16lo(u32 w) { return __uint_as_float(w << 16); }
+SRT_DEV float bf16hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Element i of a weight vector that is fp32 (is_bf16 = 0) or bf16 (is_bf16 = 1).
+SRT_DEV float ldw(const void* p, long long i, int is_bf16) {
+  return is_bf16 ? bf16_to_f32(((const u16*)p)[i]) : ((const float*)p)[i];
+}
+
+// E4M3 (fn) byte -> fp32, exact. 0x7f / 0xff are NaN; exponent 0 is subnormal (m * 2^-9).
+SRT_DEV float e4m3_to_f32(u32 b) {
+  u32 mag = b & 0x7fu;
+  float v;
+  if (mag >= 8u) v = __uint_as_float((mag << 20) + (120u << 23));  // (1 + m/8) * 2^(e-7)
+  else v = (float)mag * 0.001953125f;                            // m * 2^-9
+  if (mag == 0x7fu) v = __uint_as_float(0x7fc00000u);
+  return (b & 0x80u) ? -v : v;
+}
+
+// Two fp16 values packed in a u32 -> two floats (exact).
+SRT_DEV void h2_to_f32(u32 h, float& lo, float& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+}
+
+// Eight E2M1 nibbles of one little-endian word (nibble e = element e; low nibble = even
+// element) -> f[e] = e2m1(nibble e) * 2^-14, exactly. Decoded in registers by bit placement
+// into fp16 (sign -> bit 15, exponent|mantissa -> bits 11..9), two elements per 32-bit word.
+// Callers fold the 2^14 into the block scale (a power of two: exact).
+SRT_DEV void e2m1x8(u32 q, float f[8]) {
+  u32 t = q;
+  h2_to_f32((t & 0x80008000u) | ((t >> 3) & 0x0e000e00u), f[3], f[7]);
+  t = q << 4;
+  h2_to_f32((t & 0x80008000u) | ((t >> 3) & 0x0e000e00u), f[2], f[6]);
+  t = q << 8;
+  h2_to_f32((t & 0x80008000u) | ((t >> 3) & 0x0e000e00u), f[1], f[5]);
+  t = q << 12;
+  h2_to_f32((t & 0x80008000u) | ((t >> 3) & 0x0e000e00u), f[0], f[4]);
+}
+#define SRT_E2M1_UNSCALE 16384.0f  // 2^14
+
+// ---- math ----------------------------------------------------------------------------------
+
+SRT_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// SiTU-GLU of one element: beta*tanh(g/beta)*sigmoid(g) * (lbeta*tanh(u/lbeta) or u).
+// beta_inf: SiLU gate (the beta -> inf limit).
+SRT_DEV float situ(float g, float u, float beta, int beta_inf, float lbeta, int has_lin) {
+  float ga = beta_inf ? g * sigmoidf_(g) : beta * tanhf(g / beta) * sigmoidf_(g);
+  float ua = has_lin ? lbeta * tanhf(u / lbeta) : u;
+  return ga * ua;
+}
+
+// ---- reductions (deterministic) ------------------------------------------------------------
+
+SRT_DEV float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(SRT_FULL, v, o);
+  return v;
+}
+
+SRT_DEV float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(SRT_FULL, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the same value. `red` holds >= 32 floats of shared
+// memory. Safe to call repeatedly with the same `red`.
+SRT_DEV float block_sum(float v, float* red) {
+  const int nw = (blockDim.x + 31) >> 5, w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  v = warp_sum(v);
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int i = 0; i < nw; ++i) t += red[i];
+  return t;
+}
+
+SRT_DEV float block_max(float v, float* red) {
+  const int nw = (blockDim.x + 31) >> 5, w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  v = warp_max(v);
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  float t = red[0];
+  for (int i = 1; i < nw; ++i) t = fmaxf(t, red[i]);
+  return t;
+}

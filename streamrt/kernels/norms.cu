@@ -1,0 +1,126 @@
+// Row-wise decode ops: RMSNorm, sigmoid-gated RMSNorm, LayerNorm (w + b), L2 norm,
+// SiTU-GLU, the short causal conv step, and the AttnRes depth mix.
+// One block per row (grid.x = rows); fixed-order block reductions (common.cuh).
+#include "common.cuh"
+
+// out[r, :] = (x * rsqrt(mean(x^2) + eps)) * w          x, out [rows, D]; w [D]
+extern "C" __global__ void srt_rmsnorm(const float* __restrict__ x, const void* __restrict__ w, int w_bf16,
+                                       float* __restrict__ out, int D, float eps) {
+  __shared__ float red[32];
+  const long long r = blockIdx.x;
+  const float* xr = x + r * D;
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
+  s = block_sum(s, red);
+  const float inv = 1.0f / sqrtf(s / (float)D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (xr[i] * inv) * ldw(w, i, w_bf16);
+}
+
+// KDA output norm, per (t, h) row of V: (o * rsqrt(mean(o^2) + eps)) * w * sigmoid(gate).
+extern "C" __global__ void srt_gated_rmsnorm(const float* __restrict__ o, const float* __restrict__ gate,
+                                             const void* __restrict__ w, int w_bf16, float* __restrict__ out,
+                                             int V, float eps) {
+  __shared__ float red[32];
+  const long long r = blockIdx.x;
+  const float* orow = o + r * V;
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) s = fmaf(orow[i], orow[i], s);
+  s = block_sum(s, red);
+  const float inv = 1.0f / sqrtf(s / (float)V + eps);
+  for (int i = threadIdx.x; i < V; i += blockDim.x)
+    out[r * V + i] = ((orow[i] * inv) * ldw(w, i, w_bf16)) * sigmoidf_(gate[r * V + i]);
+}
+
+// LayerNorm with weight and bias over the last dim (biased variance, two passes).
+extern "C" __global__ void srt_layernorm(const float* __restrict__ x, const void* __restrict__ w,
+                                         const void* __restrict__ b, int wb_bf16, float* __restrict__ out, int D,
+                                         float eps) {
+  __shared__ float red[32];
+  const long long r = blockIdx.x;
+  const float* xr = x + r * D;
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i];
+  const float mu = block_sum(s, red) / (float)D;
+  float q = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float c = xr[i] - mu;
+    q = fmaf(c, c, q);
+  }
+  const float inv = 1.0f / sqrtf(block_sum(q, red) / (float)D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    out[r * D + i] = (xr[i] - mu) * inv * ldw(w, i, wb_bf16) + ldw(b, i, wb_bf16);
+}
+
+// x * rsqrt(sum(x^2) + eps) over the last dim.
+extern "C" __global__ void srt_l2norm(const float* __restrict__ x, float* __restrict__ out, int D, float eps) {
+  __shared__ float red[32];
+  const long long r = blockIdx.x;
+  const float* xr = x + r * D;
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
+  const float inv = 1.0f / sqrtf(block_sum(s, red) + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = xr[i] * inv;
+}
+
+// Elementwise SiTU-GLU over n elements (grid-stride).
+extern "C" __global__ void srt_situ_glu(const float* __restrict__ gate, const float* __restrict__ up,
+                                        float* __restrict__ out, long long n, float beta, int beta_inf,
+                                        float lbeta, int has_lin) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    out[i] = situ(gate[i], up[i], beta, beta_inf, lbeta, has_lin);
+}
+
+// Depthwise causal conv, one token, one thread per (t, p):
+// state[t, p, :] <- roll left, state[t, p, W-1] = z[t, p] (in place);
+// out[t, p] = SiLU(sum_j state[t, p, j] * w[p, j]), j ascending.
+extern "C" __global__ void srt_short_conv_step(const float* __restrict__ z, float* __restrict__ state,
+                                               const void* __restrict__ w, int w_bf16, float* __restrict__ out,
+                                               int T, int P, int W) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // = t * P + p
+  if (i >= (long long)T * P) return;
+  const int p = (int)(i % P);
+  float* s = state + i * W;
+  float acc = 0.0f;
+  for (int j = 0; j < W; ++j) {
+    const float v = (j + 1 < W) ? s[j + 1] : z[i];
+    s[j] = v;
+    acc = fmaf(v, ldw(w, (long long)p * W + j, w_bf16), acc);
+  }
+  out[i] = acc * sigmoidf_(acc);
+}
+
+// AttnRes, one block per row t. Sources s = 0..nb-1 are blocks[t, s, :], source nb is
+// prefix[t, :]. logit_s = sum_d (V_s[d] * rsqrt(mean(V_s^2) + eps)) * wq[d];
+// p = softmax_s(logit); out[t, :] = sum_s p_s V_s (s ascending).
+#define SRT_ATTNRES_MAXS 64
+extern "C" __global__ void srt_attnres_mix(const float* __restrict__ prefix, const float* __restrict__ blocks,
+                                           const void* __restrict__ wq, int wq_bf16, float* __restrict__ out,
+                                           int nb, int D, float eps) {
+  __shared__ float red[32];
+  __shared__ float logit[SRT_ATTNRES_MAXS];
+  const long long t = blockIdx.x;
+  const int S = nb + 1;
+  for (int s = 0; s < S; ++s) {
+    const float* v = (s < nb) ? blocks + (t * nb + s) * (long long)D : prefix + t * (long long)D;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss = fmaf(v[i], v[i], ss);
+    const float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)D + eps);
+    float dq = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) dq = fmaf(v[i] * inv, ldw(wq, i, wq_bf16), dq);
+    dq = block_sum(dq, red);
+    if (threadIdx.x == 0) logit[s] = dq;
+  }
+  __syncthreads();
+  float m = logit[0];
+  for (int s = 1; s < S; ++s) m = fmaxf(m, logit[s]);
+  float l = 0.0f;
+  for (int s = 0; s < S; ++s) l += expf(logit[s] - m);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float* v = (s < nb) ? blocks + (t * nb + s) * (long long)D : prefix + t * (long long)D;
+      acc = fmaf(expf(logit[s] - m) / l, v[i], acc);
+    }
+    out[t * (long long)D + i] = acc;
+  }
+}

@@ -1,0 +1,125 @@
+"""Decode caches and the per-forward context.
+
+Per layer and sequence (spec/MODEL.md §2.3, §3.3, K31_INDEXER.md):
+- KDA: conv_q / conv_k / conv_v [B, P, W] (the last W conv inputs) and state [B, H, K, V] fp32.
+- MLA: c [B, cap, R] (post kv_a_layernorm latent), kr [B, cap, Dr] (un-rotated key dims),
+  plus ik [B, cap, Di] (indexer keys) on indexer layers. Rows fill independently:
+  `lengths[b]` positions of row b are valid.
+AttnRes needs no cache (its sources are rebuilt on every forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+class KDACache:
+    def __init__(self, conv_q: Tensor, conv_k: Tensor, conv_v: Tensor, state: Tensor):
+        self.conv_q, self.conv_k, self.conv_v, self.state = conv_q, conv_k, conv_v, state
+
+    @classmethod
+    def empty(cls, cfg, batch: int, device) -> "KDACache":
+        P, W, H, K = cfg.kda_proj_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads, cfg.kda_head_dim
+        z = lambda *s: torch.zeros(*s, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(z(batch, P, W), z(batch, P, W), z(batch, P, W), z(batch, H, K, K))
+
+    def tensors(self) -> list[Tensor]:
+        return [self.conv_q, self.conv_k, self.conv_v, self.state]
+
+    def map(self, fn) -> "KDACache":
+        return KDACache(*(fn(t) for t in self.tensors()))
+
+
+class MLACache:
+    def __init__(self, c: Tensor, kr: Tensor, ik: Tensor | None):
+        self.c, self.kr, self.ik = c, kr, ik
+
+    @classmethod
+    def empty(cls, cfg, batch: int, device, indexer: bool, cap: int = 64) -> "MLACache":
+        z = lambda d: torch.zeros(batch, cap, d, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(z(cfg.kv_lora_rank), z(cfg.qk_rope_head_dim), z(cfg.indexer.head_dim) if indexer else None)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.c, self.kr, self.ik) if t is not None]
+
+    def map(self, fn) -> "MLACache":
+        return MLACache(fn(self.c), fn(self.kr), None if self.ik is None else fn(self.ik))
+
+    def reserve(self, n: int) -> None:
+        """Grow capacity (doubling) to hold n positions."""
+        cap = self.c.shape[1]
+        if n <= cap:
+            return
+        new = max(n, 2 * cap)
+        grow = lambda t: torch.cat((t, t.new_zeros(t.shape[0], new - cap, t.shape[2])), dim=1)  # noqa: E731
+        self.c, self.kr = grow(self.c), grow(self.kr)
+        if self.ik is not None:
+            self.ik = grow(self.ik)
+
+
+class ModelCache:
+    """Every layer's decode state for a batch of B sequences."""
+
+    def __init__(self, layers: list, lengths: list[int]):
+        self.layers = layers  # KDACache | MLACache per layer
+        self.lengths = lengths  # valid positions per row
+
+    @classmethod
+    def empty(cls, cfg, batch: int, device=None) -> "ModelCache":
+        device = torch.device(device or "cpu")
+        layers = [
+            MLACache.empty(cfg, batch, device, cfg.has_indexer(i)) if cfg.layer_kind(i) == "mla" else KDACache.empty(cfg, batch, device)
+            for i in range(cfg.num_layers)
+        ]
+        return cls(layers, [0] * batch)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def select(self, rows: Sequence[int]) -> "ModelCache":
+        """A cache holding only `rows` (e.g. the sequences still generating)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        pick = lambda t: t.index_select(0, idx.to(t.device))  # noqa: E731
+        return ModelCache([lc.map(pick) for lc in self.layers], [self.lengths[r] for r in rows])
+
+    def clone(self) -> "ModelCache":
+        return ModelCache([lc.map(torch.clone) for lc in self.layers], list(self.lengths))
+
+    @classmethod
+    def stack(cls, caches: Sequence["ModelCache"]) -> "ModelCache":
+        """Concatenate caches along the batch (rows may have different lengths)."""
+        layers = []
+        for per_layer in zip(*(c.layers for c in caches)):
+            if isinstance(per_layer[0], MLACache):
+                cap = max(lc.c.shape[1] for lc in per_layer)
+                for lc in per_layer:
+                    lc.reserve(cap)
+                cat = [torch.cat(ts, dim=0) for ts in zip(*(lc.tensors() for lc in per_layer))]
+                layers.append(MLACache(cat[0], cat[1], cat[2] if len(cat) > 2 else None))
+            else:
+                layers.append(KDACache(*(torch.cat(ts, dim=0) for ts in zip(*(lc.tensors() for lc in per_layer)))))
+        return cls(layers, [n for c in caches for n in c.lengths])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for lc in self.layers for t in lc.tensors())
+
+
+@dataclass
+class Step:
+    """Per-forward context the blocks share (nano-vllm's `Context`)."""
+
+    be: object  # the Backend
+    batch: int  # B sequences
+    seqlen: int  # T new tokens per sequence
+    cache: ModelCache | None
+    start: int  # first position of the new tokens (prefill forms; rows share it)
+
+    @property
+    def decode(self) -> bool:
+        """One new token per sequence on a cache: recurrent KDA, absorbed MLA."""
+        return self.cache is not None and self.seqlen == 1

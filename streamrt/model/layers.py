@@ -1,0 +1,57 @@
+"""Small parameter holders shared by the blocks: norms and the SiTU-GLU MLP.
+
+Modules own parameters under the checkpoint's names; arithmetic goes through a Backend
+(`be`), so the nvrtc backend runs the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """KimiRMSNorm: weight * x * rsqrt(mean(x^2) + eps), fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, be) -> Tensor:
+        return be.rmsnorm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (the indexer's k_norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor, be) -> Tensor:
+        return be.layernorm(x, self.weight, self.bias, self.eps)
+
+
+class GLUMLP(nn.Module):
+    """gate_proj / up_proj / down_proj with SiTU-GLU: the dense layer-0 MLP and the shared experts."""
+
+    def __init__(self, dim: int, inter: int, beta: float, linear_beta: float | None):
+        super().__init__()
+        self.beta, self.linear_beta = beta, linear_beta
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x: Tensor, be) -> Tensor:
+        h = be.situ_glu(be.linear(x, self.gate_proj.weight), be.linear(x, self.up_proj.weight), self.beta, self.linear_beta)
+        return be.linear(h, self.down_proj.weight)  # [N, D]
+
+
+def act_betas(cfg) -> tuple[float, float | None]:
+    """(beta, linear_beta) for the config's hidden_act; SiLU is SiTU's beta -> inf limit."""
+    if cfg.hidden_act == "silu":
+        return float("inf"), None
+    return cfg.situ_beta, cfg.situ_linear_beta

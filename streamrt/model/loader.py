@@ -1,0 +1,119 @@
+"""Loading a converted tree into the torch model, and expert providers.
+
+gpt-fast `_load_model`: build on the meta device, then `load_state_dict(assign=True)` with
+the tree's (mmap'd) tensors, so nothing is materialised twice. The names must match
+exactly; the K3 / K3.1 Pro mismatch in either direction gets its own message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from streamrt.errors import CheckpointError
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.model.model import KimiLinearForCausalLM
+from streamrt.model.moe import ExpertRequest
+
+FP32_TENSORS = ("self_attn.A_log", "self_attn.dt_bias", "gate.e_score_correction_bias")
+
+
+def check_state_dict(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], source: str = "checkpoint") -> None:
+    """Names and shapes of sd must equal the model's; CheckpointError naming what differs."""
+    cfg = model.config
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(want) - set(sd))
+    extra = sorted(set(sd) - set(want))
+    idx_missing = [k for k in missing if ".self_attn.indexer." in k]
+    idx_extra = [k for k in extra if ".self_attn.indexer." in k]
+    if idx_missing:
+        raise CheckpointError(
+            f"{source}: config is {cfg.variant} but {len(idx_missing)} Lightning Indexer tensors are missing "
+            f"(e.g. {idx_missing[0]}): these look like K3 weights, which cannot run as K3.1 Pro"
+        )
+    if idx_extra:
+        raise CheckpointError(
+            f"{source}: config is {cfg.variant} but the weights carry {len(idx_extra)} Lightning Indexer tensors "
+            f"(e.g. {idx_extra[0]}): a K3.1 Pro checkpoint cannot run as K3"
+        )
+    if missing:
+        raise CheckpointError(f"{source}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+    if extra:
+        raise CheckpointError(f"{source}: {len(extra)} unexpected tensors, e.g. {', '.join(extra[:3])}")
+    for k, shape in want.items():
+        if tuple(sd[k].shape) != shape:
+            raise CheckpointError(f"{source}: tensor {k} has shape {list(sd[k].shape)}, expected {list(shape)}")
+
+
+def load_weights(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], *, dtype: torch.dtype | None = None, source: str = "checkpoint") -> KimiLinearForCausalLM:
+    """Check and assign a dense state dict (tree names minus `language_model.`).
+
+    dtype: cast floating tensors (not A_log / dt_bias / router bias, which stay fp32); None keeps them.
+    """
+    check_state_dict(model, sd, source)
+    cast = {}
+    for k, v in sd.items():
+        if v.is_floating_point():
+            keep32 = any(k.endswith(s) for s in FP32_TENSORS)
+            v = v.float() if keep32 else (v.to(dtype) if dtype is not None else v)
+        cast[k] = v
+    model.load_state_dict(cast, strict=True, assign=True)  # A_log padding checked by a post-hook
+    return model
+
+
+def load_model(tree_or_path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.bfloat16, backend=None) -> KimiLinearForCausalLM:
+    """A ready-to-run model from a converted tree (an opened tree or its path).
+
+    Dense tensors as loaded, cast to `dtype` (None: keep); experts stay in the tree
+    (pair the model with `DirectExpertProvider(tree)` or the store).
+    """
+    tree = tree_or_path
+    if isinstance(tree_or_path, (str, Path)):
+        from streamrt.checkpoint.reader import open_tree
+
+        tree = open_tree(tree_or_path)
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(tree.config, backend=backend)
+    load_weights(model, tree.dense_state_dict(), dtype=dtype, source=str(getattr(tree, "root", "tree")))
+    model = model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def _to(ew: ExpertWeights, device) -> ExpertWeights:
+    mv = lambda m: NVFP4Matrix(m.packed.to(device), m.scales.to(device), m.global_scale.to(device))  # noqa: E731
+    return ExpertWeights(mv(ew.gate), mv(ew.up), mv(ew.down))
+
+
+class DirectExpertProvider:
+    """Reads each requested expert straight from the tree (`tree.load_expert`), no store.
+
+    The simplest correct provider: CI, tests, and the reference for the store's answers.
+    """
+
+    def __init__(self, tree, device: str | torch.device | None = None):
+        self.tree, self.device = tree, device
+        self.loads = 0
+
+    def __call__(self, req: ExpertRequest) -> dict[int, ExpertWeights]:
+        out = {}
+        for e in req.unique_ids():
+            ew = self.tree.load_expert(req.layer, e)
+            out[e] = _to(ew, self.device) if self.device is not None else ew
+            self.loads += 1
+        return out
+
+
+class DictExpertProvider:
+    """Experts from an in-memory mapping {(layer, expert): ExpertWeights} (tests, synthetic models)."""
+
+    def __init__(self, experts: Mapping[tuple[int, int], ExpertWeights], record: bool = False):
+        self.experts, self.record = experts, record
+        self.requests: list[ExpertRequest] = []  # filled when record is True
+
+    def __call__(self, req: ExpertRequest) -> dict[int, ExpertWeights]:
+        if self.record:
+            self.requests.append(req)
+        return {e: self.experts[(req.layer, e)] for e in req.unique_ids()}

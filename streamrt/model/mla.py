@@ -1,0 +1,105 @@
+"""MLA, NoPE and gated (spec/MODEL.md §3), with K3.1 Pro's Lightning Indexer selection.
+
+Axis legend: B sequences, T new tokens, N = B*T rows, n cached positions, H heads,
+dn / dr / dv nope / "rope" (un-rotated) / value head dims, R latent rank (kv_lora_rank),
+rq q-LoRA rank. No rotary anywhere: the dr "rope" key dims are one shared plain vector.
+
+Prefill runs the expanded form (K and V per head from the latent); decode runs the
+absorbed form over the latent cache (R + dr values per token):
+    q_lat_h = W_UK[h]^T q_nope_h;  p = softmax((q_lat.c + q_rot.kr) * s);  O_h = W_UV[h] (sum p c)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from streamrt.model.cache import MLACache, Step
+from streamrt.model.indexer import LightningIndexer, topk_mask
+from streamrt.model.layers import RMSNorm
+
+
+class KimiMLAAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        dn, dr, dv, R, rq = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+        self.layer_idx, self.H, self.dn, self.dr, self.dv, self.R = layer_idx, H, dn, dr, dv, R
+        self.scale = (dn + dr) ** -0.5
+        self.q_a_proj = nn.Linear(D, rq, bias=False)
+        self.q_a_layernorm = RMSNorm(rq, cfg.mla_norm_eps)
+        self.q_b_proj = nn.Linear(rq, H * (dn + dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, R + dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(R, cfg.mla_norm_eps)
+        self.kv_b_proj = nn.Linear(R, H * (dn + dv), bias=False)  # rows per head: [k_nope ; v]
+        self.o_proj = nn.Linear(H * dv, D, bias=False)
+        self.g_proj = nn.Linear(D, H * dv, bias=False) if cfg.mla_use_output_gate else None
+        self.indexer = LightningIndexer(cfg) if cfg.has_indexer(layer_idx) else None  # K3: never built
+
+    def forward(self, x: Tensor, step: Step, cache: MLACache | None) -> Tensor:
+        """x [N, D] (post input_layernorm) -> [N, D]."""
+        be, N, H, dn, dr, R = step.be, x.shape[0], self.H, self.dn, self.dr, self.R
+        cq = self.q_a_layernorm(be.linear(x, self.q_a_proj.weight), be)  # [N, rq]
+        q = be.linear(cq, self.q_b_proj.weight).view(N, H, dn + dr)
+        q_nope, q_rot = q[..., :dn], q[..., dn:]  # [N, H, dn], [N, H, dr]
+        kv = be.linear(x, self.kv_a_proj_with_mqa.weight)  # [N, R + dr]
+        c = self.kv_a_layernorm(kv[:, :R], be)  # [N, R]
+        kr = kv[:, R:]  # [N, dr], shared by all heads, not rotated
+        idx = self.indexer(x, cq, be) if self.indexer is not None else None  # (q [N,Hi,Di], k [N,Di], w [N,Hi])
+        if step.decode:
+            o = self._decode(q_nope, q_rot, c, kr, idx, step, cache)
+        else:
+            o = self._prefill(q_nope, q_rot, c, kr, idx, step, cache)  # [N, H, dv]
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(be.linear(x, self.g_proj.weight).view(N, H, self.dv))  # gate from the layer input
+        return be.linear(o.reshape(N, H * self.dv), self.o_proj.weight)  # [N, D]
+
+    def _prefill(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache | None) -> Tensor:
+        be, B, T, H, dn, R, s0 = step.be, step.batch, step.seqlen, self.H, self.dn, self.R, step.start
+        c, kr = c.view(B, T, R), kr.view(B, T, -1)
+        ki = idx[1].view(B, T, -1) if idx is not None else None
+        if cache is not None:  # append, then attend over the whole history
+            n = s0 + T
+            cache.reserve(n)
+            c_all, kr_all = torch.cat((cache.c[:, :s0], c), 1), torch.cat((cache.kr[:, :s0], kr), 1)
+            cache.c[:, s0:n], cache.kr[:, s0:n] = c.detach(), kr.detach()
+            if ki is not None:
+                ki_all = torch.cat((cache.ik[:, :s0], ki), 1)
+                cache.ik[:, s0:n] = ki.detach()
+        else:
+            c_all, kr_all, ki_all = c, kr, ki
+        n = c_all.shape[1]
+        kvb = be.linear(c_all.reshape(B * n, R), self.kv_b_proj.weight).view(B, n, H, dn + self.dv)
+        k_nope, v = kvb[..., :dn], kvb[..., dn:]  # [B, n, H, dn], [B, n, H, dv]
+        qn, qr = q_nope.reshape(B, T, H, dn), q_rot.reshape(B, T, H, -1)
+        scores = (torch.einsum("bthd,bshd->bhts", qn, k_nope) + torch.einsum("bthd,bsd->bhts", qr, kr_all)) * self.scale
+        pos = torch.arange(n, device=c.device)
+        qpos = s0 + torch.arange(T, device=c.device)
+        allowed = (pos[None, :] <= qpos[:, None]).expand(B, T, n)  # [B, T, n] causal
+        if idx is not None:  # Lightning Indexer: each query keeps its top-k positions
+            qi, _, wi = idx
+            I = self.indexer.prefill_scores(qi.view(B, T, *qi.shape[1:]), wi.view(B, T, -1), ki_all, s0)  # [B, T, n]
+            allowed = allowed & topk_mask(I, (qpos + 1).expand(B, T), self.indexer.topk)
+        p = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)  # [B, H, T, n] fp32
+        o = torch.einsum("bhts,bshd->bthd", p, v)  # [B, T, H, dv]
+        return o.reshape(B * T, H, self.dv)
+
+    def _decode(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache) -> Tensor:
+        be, H, dn, R = step.be, self.H, self.dn, self.R
+        lengths = step.cache.lengths
+        cache.reserve(max(lengths) + 1)
+        W = self.kv_b_proj.weight.float().view(H, dn + self.dv, R)
+        W_UK, W_UV = W[:, :dn], W[:, dn:]  # [H, dn, R], [H, dv, R]
+        outs = []
+        for b, n in enumerate(lengths):  # row-wise: each sequence on its own
+            cache.c[b, n], cache.kr[b, n] = c[b].detach(), kr[b].detach()
+            if idx is not None:
+                cache.ik[b, n] = idx[1][b].detach()
+            q_lat = torch.bmm(q_nope[b][:, None, :], W_UK)[:, 0]  # [H, R]
+            select = None
+            if idx is not None and n + 1 > self.indexer.topk:
+                scores = be.indexer_scores(idx[0][b], idx[2][b], cache.ik[b, : n + 1])  # [n+1]
+                select = be.select_topk(scores, self.indexer.topk)
+            o_lat = be.mla_decode(q_lat, q_rot[b], cache.c[b, : n + 1], cache.kr[b, : n + 1], self.scale, select)  # [H, R]
+            outs.append(torch.bmm(W_UV, o_lat[:, :, None])[..., 0])  # [H, dv]
+        return torch.stack(outs)  # [B, H, dv]

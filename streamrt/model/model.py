@@ -1,0 +1,188 @@
+"""The KimiLinear forward (Kimi K3 / K3.1 Pro), one module per block, in paper order.
+
+Module paths equal the checkpoint's tensor names minus `language_model.`, so
+`model.load_state_dict(tree.dense_state_dict(), assign=True)` loads a tree. Routed
+experts are not parameters (inference): the forward is a generator that yields one
+`ExpertRequest` per MoE layer and is sent the experts' NVFP4 weights (docs/CONTRACTS.md,
+"Model <-> store"). Axis legend: B sequences, T new tokens per sequence, N = B*T rows,
+D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Generator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from streamrt.backends.torch_backend import TorchBackend
+from streamrt.errors import StreamrtError
+from streamrt.expert_weights import ExpertWeights
+from streamrt.model.attnres import attn_res
+from streamrt.model.cache import ModelCache, Step
+from streamrt.model.kda import KimiDeltaAttention
+from streamrt.model.layers import GLUMLP, RMSNorm, act_betas
+from streamrt.model.mla import KimiMLAAttention
+from streamrt.model.moe import ExpertRequest, LatentMoE
+
+ExpertProvider = Callable[[ExpertRequest], Mapping[int, ExpertWeights]]
+ForwardSteps = Generator[ExpertRequest, Mapping[int, ExpertWeights], Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """AttnRes mix -> token mixer (KDA or MLA) -> AttnRes mix -> FFN (dense or latent MoE)."""
+
+    def __init__(self, cfg, i: int, float_experts: bool = False):
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx = i
+        self.block_start = i in cfg.attnres_block_starts
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.self_attention_res_norm = RMSNorm(D, eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(D, eps)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.self_attn = KimiMLAAttention(cfg, i) if cfg.layer_kind(i) == "mla" else KimiDeltaAttention(cfg, i)
+        if cfg.is_moe(i):
+            self.block_sparse_moe = LatentMoE(cfg, i, float_experts)
+        else:
+            self.mlp = GLUMLP(D, cfg.intermediate_size, *act_betas(cfg))
+
+    def forward_steps(self, partial: Tensor, blocks: list[Tensor], step: Step):
+        """partial [N, D] in-block running sum, blocks: completed sources -> (partial, blocks)."""
+        be = step.be
+        cache = step.cache.layers[self.layer_idx] if step.cache is not None else None
+        x = attn_res(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm, be) if blocks else partial
+        if self.block_start:  # the finished block (or the embedding) becomes a source
+            blocks, partial = blocks + [partial], None
+        a = self.self_attn(self.input_layernorm(x, be), step, cache)  # [N, D]
+        partial = a if partial is None else partial + a
+        y = attn_res(partial, blocks, self.mlp_res_proj, self.mlp_res_norm, be)
+        h = self.post_attention_layernorm(y, be)
+        if hasattr(self, "block_sparse_moe"):
+            m = yield from self.block_sparse_moe.forward_steps(h, be)
+        else:
+            m = self.mlp(h, be)
+        partial = partial + m
+        return partial, blocks
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, cfg, float_experts: bool = False):
+        super().__init__()
+        D = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, float_experts) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """The language model. `float_experts=True` gives trainable float routed experts."""
+
+    def __init__(self, cfg, *, float_experts: bool = False, backend=None):
+        super().__init__()
+        self.config = cfg
+        self.backend = backend or TorchBackend()
+        self.model = KimiLinearModel(cfg, float_experts)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def float_experts(self) -> bool:
+        return any(getattr(l, "block_sparse_moe", None) is not None and l.block_sparse_moe.experts is not None for l in self.model.layers)
+
+    def new_cache(self, batch: int = 1, device=None) -> ModelCache:
+        return ModelCache.empty(self.config, batch, device or self.lm_head.weight.device)
+
+    def check_weights(self) -> None:
+        """Checks the loader cannot express as names and shapes (A_log padding)."""
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                layer.self_attn.check_a_log()
+
+    def forward_steps(self, input_ids: Tensor, cache: ModelCache | None = None, *, last_only: bool = False) -> ForwardSteps:
+        """input_ids [T] or [B, T] -> logits [T, V] / [B, T, V] fp32 ([.., 1, V] if last_only).
+
+        With a cache: T == 1 decodes (rows may sit at different lengths); T > 1 is a
+        prefill continuing from the cache (rows must share one length). Without a cache:
+        the full parallel forward (training, or a one-shot prefill).
+        """
+        be, cfg = self.backend, self.config
+        ids = torch.as_tensor(input_ids, device=self.lm_head.weight.device)
+        squeeze = ids.dim() == 1
+        ids = ids[None] if squeeze else ids
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise StreamrtError(f"input_ids must be an integer tensor [T] or [B, T], got {tuple(ids.shape)} {ids.dtype}")
+        B, T = ids.shape
+        if T == 0:
+            raise StreamrtError("input_ids is empty")
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            raise StreamrtError(f"token id out of range [0, {cfg.vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
+        if cache is not None:
+            if cache.batch != B:
+                raise StreamrtError(f"cache holds {cache.batch} sequences but input_ids has {B}")
+            if T > 1 and len(set(cache.lengths)) > 1:
+                raise StreamrtError(f"a prefill on a cache needs rows of one length, got lengths {cache.lengths}")
+        step = Step(be=be, batch=B, seqlen=T, cache=cache, start=cache.lengths[0] if cache is not None else 0)
+
+        h = F.embedding(ids.reshape(-1), self.model.embed_tokens.weight).float()  # [N, D]
+        partial, blocks = h, []
+        for layer in self.model.layers:
+            partial, blocks = yield from layer.forward_steps(partial, blocks, step)
+        if cache is not None:
+            cache.lengths = [n + T for n in cache.lengths]
+        if last_only:  # every op below is row-wise
+            rows = torch.arange(B, device=ids.device) * T + (T - 1)
+            partial, blocks, T = partial[rows], [b[rows] for b in blocks], 1
+        h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be)
+        h = self.model.norm(h, be)
+        logits = be.linear(h, self.lm_head.weight)  # [N, V] fp32
+        return logits.view(T, -1) if squeeze else logits.view(B, T, -1)
+
+    def forward(self, input_ids: Tensor, cache: ModelCache | None = None, provider: ExpertProvider | None = None, *, last_only: bool = False) -> Tensor:
+        return run_sync(self.forward_steps(input_ids, cache, last_only=last_only), provider)
+
+
+def run_sync(gen: ForwardSteps, provider: ExpertProvider | None) -> Tensor:
+    """Drive a forward generator to completion, answering each ExpertRequest with provider(req)."""
+    try:
+        req = next(gen)
+        while True:
+            if provider is None:
+                gen.close()
+                raise StreamrtError(f"layer {req.layer} requests routed experts but no expert provider was given")
+            req = gen.send(provider(req))
+    except StopIteration as stop:
+        return stop.value
+
+
+def logits_hash(logits: Tensor) -> str:
+    """First 16 hex digits of sha256 over the last position's float32 logits bytes."""
+    last = logits.detach().reshape(-1, logits.shape[-1])[-1].float().cpu().contiguous()
+    return hashlib.sha256(last.numpy().tobytes()).hexdigest()[:16]
+
+
+def dense_state_dict(model: KimiLinearForCausalLM) -> dict[str, Tensor]:
+    """The state dict a converted tree holds: everything except float routed experts."""
+    return {k: v for k, v in model.state_dict().items() if ".block_sparse_moe.experts." not in k}
+
+
+def export_float_experts(model: KimiLinearForCausalLM) -> dict[tuple[int, int], dict[str, Tensor]]:
+    """Float routed experts of a training-mode model: {(layer, expert): {"w1", "w2", "w3"}}
+    as detached fp32 CPU tensors (w1 gate [I, Dl], w3 up [I, Dl], w2 down [Dl, I])."""
+    out = {}
+    for layer in model.model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is None or moe.experts is None:
+            continue
+        for e, ex in enumerate(moe.experts):
+            out[(layer.layer_idx, e)] = {n: getattr(ex, n).weight.detach().float().cpu().clone() for n in ("w1", "w2", "w3")}
+    if not out:
+        raise StreamrtError("model has no float routed experts (build it with float_experts=True)")
+    return out

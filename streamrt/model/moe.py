@@ -1,0 +1,113 @@
+"""K3 "Stable LatentMoE" (spec/MODEL.md §4, §5.1) and the model <-> store protocol.
+
+Axis legend: N rows, D hidden, Dl routed (latent) width, I expert intermediate, E experts,
+k experts per token.
+
+    (ids, w) = router(x)                       # fp32 sigmoid on the full x; bias only chooses
+    z = routed_expert_down_proj(x)             # [N, Dl]
+    u = sum_j w_j E_ids_j(z)                   # fp32, j in order
+    y = routed_expert_up_proj(routed_expert_norm(u)) + shared_experts(x)
+
+Inference: routed experts are not parameters. `forward_steps` yields an `ExpertRequest`
+and is sent back `Mapping[int, ExpertWeights]` (NVFP4, dequantised inside the op).
+Training: `float_experts=True` makes `experts.{e}.w1/w2/w3.weight` float parameters and
+the same forward runs without yielding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generator, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from streamrt.errors import StreamrtError
+from streamrt.expert_weights import ExpertWeights
+from streamrt.model.layers import GLUMLP, RMSNorm, act_betas
+
+
+@dataclass(frozen=True)
+class ExpertRequest:
+    """What layer `layer` needs: ids [N, k] (row-wise, by descending biased score),
+    weights [N, k] fp32, hidden [N, D] = the FFN input (post-norm) that routed them."""
+
+    layer: int
+    ids: Tensor
+    weights: Tensor
+    hidden: Tensor
+
+    def unique_ids(self) -> list[int]:
+        return torch.unique(self.ids).tolist()
+
+
+ExpertSteps = Generator[ExpertRequest, Mapping[int, ExpertWeights], Tensor]
+
+
+class MoEGate(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+
+
+class FloatExpert(nn.Module):
+    """Training form of one routed expert: w1 gate [I, Dl], w3 up [I, Dl], w2 down [Dl, I]."""
+
+    def __init__(self, dl: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Linear(dl, inter, bias=False)
+        self.w2 = nn.Linear(inter, dl, bias=False)
+        self.w3 = nn.Linear(dl, inter, bias=False)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg, layer_idx: int, float_experts: bool = False):
+        super().__init__()
+        D, Dl = cfg.hidden_size, cfg.routed_expert_hidden_size
+        self.layer_idx, self.k = layer_idx, cfg.experts_per_token
+        self.renormalize, self.scale = cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.n_group, self.topk_group = cfg.num_expert_group, cfg.topk_group
+        self.beta, self.linear_beta = act_betas(cfg)
+        self.gate = MoEGate(cfg)
+        self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
+        self.routed_expert_norm = RMSNorm(Dl, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+        self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
+        self.shared_experts = GLUMLP(D, cfg.shared_intermediate_size, self.beta, self.linear_beta) if cfg.num_shared_experts else None
+        self.experts = (
+            nn.ModuleList(FloatExpert(Dl, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)) if float_experts else None
+        )
+
+    def forward_steps(self, x: Tensor, be) -> ExpertSteps:
+        """x [N, D] (post post_attention_layernorm) -> [N, D]; yields one ExpertRequest unless float experts."""
+        kw = {"n_group": self.n_group, "topk_group": self.topk_group} if self.n_group > 1 else {}
+        ids, w = be.router(x, self.gate.weight, self.gate.e_score_correction_bias, self.k, self.renormalize, self.scale, **kw)
+        z = be.linear(x, self.routed_expert_down_proj.weight)  # [N, Dl]
+        if self.experts is not None:
+            u = self._float_expert_ffn(z, ids, w, be)
+        else:
+            experts = yield ExpertRequest(self.layer_idx, ids, w, x)
+            missing = sorted(set(torch.unique(ids).tolist()) - set(experts))
+            if missing:
+                raise StreamrtError(f"expert provider returned no weights for layer {self.layer_idx} experts {missing[:8]}")
+            u = be.expert_ffn(z, ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
+        if self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u, be)
+        y = be.linear(u, self.routed_expert_up_proj.weight)  # [N, D]
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x, be)  # shared experts see the full-width x
+        return y
+
+    def _float_expert_ffn(self, z: Tensor, ids: Tensor, w: Tensor, be) -> Tensor:
+        """Differentiable routed sum with float experts (same order of combination as expert_ffn)."""
+        N, k = ids.shape
+        outs = z.new_zeros(N, k, z.shape[-1])  # [N, k, Dl]
+        for e in torch.unique(ids).tolist():
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            ex = self.experts[e]
+            h = be.situ_glu(be.linear(z[rows], ex.w1.weight), be.linear(z[rows], ex.w3.weight), self.beta, self.linear_beta)
+            outs = outs.index_put((rows, slots), be.linear(h, ex.w2.weight))
+        acc = outs[:, 0] * w[:, 0:1]
+        for j in range(1, k):
+            acc = acc + outs[:, j] * w[:, j : j + 1]
+        return acc

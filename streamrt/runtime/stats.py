@@ -1,0 +1,76 @@
+"""Counters of the streaming runtime and the `--stats-json` payload.
+
+Every byte moved and every stall is accounted for:
+  host_hits / host_misses      host-tier lookups (a miss maps, and on CUDA page-locks, a file)
+  device_hits / device_misses  device-tier references (one per unique expert per layer request)
+  bytes_h2d                    bytes copied host -> device slots (staged predictions included)
+  bytes_disk                   bytes of expert files newly mapped (page cache or disk), plus
+                               `--prefetch discard` reads
+  evictions                    host-tier evictions (each retires one mapping)
+  retired / released           mappings queued on the RetireQueue / released from it
+  full_synchronizes            device-wide synchronizes (0 on the decode path by design)
+  stall_s                      host time the decode loop spent awaiting mappings it needed
+                               for the current request (cold files)
+  predicted_recall             |predicted ∩ routed| / |routed| over all layer requests with a
+                               prediction (layer l+1's router on layer l's FFN input)
+  effective_gbps               bytes_h2d / decode wall time (1e9 bytes per second)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PAYLOAD_KEYS = (
+    "tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses", "bytes_h2d",
+    "bytes_disk", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
+    "effective_gbps",
+)
+
+
+@dataclass
+class RuntimeStats:
+    tokens: int = 0
+    decode_s: float = 0.0
+    host_hits: int = 0
+    host_misses: int = 0
+    device_hits: int = 0
+    device_misses: int = 0
+    bytes_h2d: int = 0
+    bytes_disk: int = 0
+    evictions: int = 0
+    released_sync: int = 0  # released at once under --evict sync (not via the RetireQueue)
+    stall_s: float = 0.0
+    predicted: int = 0  # routed experts that had been predicted
+    routed: int = 0  # routed experts of requests that had a prediction
+    staged: int = 0  # experts copied ahead on a prediction
+    trace: list | None = field(default=None, repr=False)  # [[layer, [experts]], ...] when recording
+
+    def payload(self, *, retire=None, device=None) -> dict:
+        """The `--stats-json` object: exactly PAYLOAD_KEYS."""
+        retired = retire.retired if retire is not None else 0
+        released = (retire.released if retire is not None else 0) + self.released_sync
+        out = {
+            "tokens": self.tokens,
+            "s_per_token": self.decode_s / self.tokens if self.tokens else 0.0,
+            "host_hits": self.host_hits,
+            "host_misses": self.host_misses,
+            "device_hits": self.device_hits,
+            "device_misses": self.device_misses,
+            "bytes_h2d": self.bytes_h2d,
+            "bytes_disk": self.bytes_disk,
+            "evictions": self.evictions,
+            "retired": retired,
+            "released": released,
+            "full_synchronizes": device.full_synchronizes if device is not None else 0,
+            "stall_s": self.stall_s,
+            "predicted_recall": self.predicted / self.routed if self.routed else 0.0,
+            "effective_gbps": self.bytes_h2d / self.decode_s / 1e9 if self.decode_s else 0.0,
+        }
+        assert tuple(out) == PAYLOAD_KEYS
+        return out
+
+
+def write_stats_json(path: str | Path, payload: dict) -> None:
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")

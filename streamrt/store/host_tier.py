@@ -1,0 +1,167 @@
+"""`HostTier`: expert files mapped into host memory, kept open in an LRU retention window.
+
+A mapping is opened on first use (never eagerly at load), kept while it is among the `window`
+most recently used, and on a CUDA device page-locked in place (`cudaHostRegister`, read-only)
+so the GPU DMAs straight from the page cache. Mapping and registering an 18.6 MB expert costs
+~1 ms, three times its 0.34 ms copy: retention (map and register once) is what makes the link
+the bound. An evicted mapping is *retired*, not unmapped: one event on the copy stream marks
+the copies queued from it, and the `RetireQueue` releases it once that event completed.
+
+`window` must cover the per-token working set, or the layer-ordered access pattern is a cyclic
+scan that LRU never hits (the seed's 512-vs-1472 bug); the default is max(2 x working set,
+65536) capped by `--host-mem`.
+
+Thread model: `open_mapping` (file open + mmap + register, the slow part) runs in a worker
+thread; every other method runs on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from streamrt.errors import CheckpointError, StreamrtError
+from streamrt.store.keys import ExpertKey
+from streamrt.store.retire import RetireQueue
+
+
+class HostMapping:
+    """One expert file mapped read-only; `data` is a zero-copy uint8 tensor over it."""
+
+    __slots__ = ("key", "path", "nbytes", "_mm", "data", "registered", "_device")
+
+    def __init__(self, key: ExpertKey, path: Path, nbytes: int, device, register: bool) -> None:
+        self.key, self.path, self.nbytes, self._device = key, path, nbytes, device
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != nbytes:
+                    raise CheckpointError(
+                        f"expert file {path}: {size} bytes, expected {nbytes}; re-run 'streamrt convert'"
+                    )
+                self._mm = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise CheckpointError(f"expert file {path}: missing; run 'streamrt verify'") from None
+        except OSError as e:
+            raise CheckpointError(f"expert file {path}: cannot map ({e.strerror or e})") from None
+        with warnings.catch_warnings():  # the mapping is read-only on purpose; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            self.data: Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.registered = register and device.host_register(self.data)
+
+    def release(self) -> None:
+        """Unregister and unmap. Only after every copy queued from it has executed."""
+        if self.data is None:
+            return
+        if self.registered:
+            self._device.host_unregister(self.data)
+            self.registered = False
+        self.data = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a CPU view of it is still alive somewhere; the mapping goes when that view does
+
+
+class HostTier:
+    def __init__(
+        self,
+        path_of: Callable[[ExpertKey], Path],
+        file_bytes: int,
+        window: int,
+        *,
+        device,
+        retire: RetireQueue,
+        stats,
+        register: bool = True,
+        evict: str = "event",
+    ) -> None:
+        if window < 1:
+            raise StreamrtError(f"--window must be >= 1 (mappings kept open), got {window}")
+        if evict not in ("event", "sync"):
+            raise StreamrtError(f"--evict: expected event or sync, got {evict!r}")
+        self.path_of = path_of
+        self.file_bytes = file_bytes
+        self.window = window
+        self.device = device
+        self.retire = retire
+        self.stats = stats
+        self.register = register and device.kind == "cuda"
+        self.evict_mode = evict
+        self._open: OrderedDict[ExpertKey, HostMapping] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, key: ExpertKey) -> bool:
+        return key in self._open
+
+    def lookup(self, key: ExpertKey) -> HostMapping | None:
+        """A hit moves the mapping to the most-recent end. Counts host_hits; a None return is
+        followed by `open_mapping` + `insert`, which count the miss."""
+        m = self._open.get(key)
+        if m is not None:
+            self._open.move_to_end(key)
+            self.stats.host_hits += 1
+        return m
+
+    def open_mapping(self, key: ExpertKey) -> HostMapping:
+        """Map (and page-lock) one expert file. Thread-safe: touches no shared state."""
+        return HostMapping(key, self.path_of(key), self.file_bytes, self.device, self.register)
+
+    def insert(self, mapping: HostMapping) -> HostMapping:
+        """Admit a fresh mapping (a miss), evicting the least recently used beyond `window`.
+        If another fill of the same key won the race, keep that one and drop this one."""
+        key = mapping.key
+        if key in self._open:
+            mapping.release()  # nothing was ever copied from it
+            self._open.move_to_end(key)
+            return self._open[key]
+        self.stats.host_misses += 1
+        self.stats.bytes_disk += mapping.nbytes
+        self._open[key] = mapping
+        while len(self._open) > self.window:
+            _, old = self._open.popitem(last=False)
+            self._evict(old)
+        return mapping
+
+    def get(self, key: ExpertKey) -> HostMapping:
+        """Synchronous lookup-or-open (CPU tests, the synchronous provider)."""
+        return self.lookup(key) or self.insert(self.open_mapping(key))
+
+    def _evict(self, mapping: HostMapping) -> None:
+        self.stats.evictions += 1
+        if self.evict_mode == "sync":
+            # The seed's failure mode: wait for every queued copy (and all unrelated work).
+            self.device.synchronize()
+            mapping.release()
+            self.stats.released_sync += 1
+        else:
+            # One event on the copy stream after every copy queued from this mapping.
+            self.retire.retire(self.device.record_copy_event(), mapping)
+
+    def preparse(self, keys, parse) -> int:
+        """`--preparse` (the seed's failure mode): eagerly map and parse up to `window` experts
+        at load, in path order rather than decode order. Returns how many."""
+        n = 0
+        for key in keys:
+            if n >= self.window:
+                break
+            m = self.get(key)
+            parse(m.data)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        """Retire every open mapping and release them all (shutdown)."""
+        while self._open:
+            _, m = self._open.popitem(last=False)
+            self.retire.retire(self.device.record_copy_event(), m)
+        self.retire.drain()

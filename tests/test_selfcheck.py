@@ -1,0 +1,98 @@
+"""`streamrt selfcheck`: PASS only when every cycle, in this process and a spawned one, gives the
+same logits_hash and top-1; injected nondeterminism must turn it into FAIL (exit 1)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from streamrt import run_cmd
+from streamrt.cli import main
+from streamrt.errors import StreamrtError
+from streamrt.run_cmd import NOISE_ENV, Session, child_cycles, run_cycles
+from streamrt.tokenizer import ByteTokenizer
+
+
+class FixedSession(Session):
+    """Logits as a pure function of the prompt: a deterministic model in miniature."""
+
+    name = "fixed"
+
+    def __init__(self):
+        self.tokenizer = ByteTokenizer(512)
+
+    def control_logits(self, ids):
+        g = torch.Generator().manual_seed(sum(ids))
+        return torch.randn(512, generator=g)
+
+
+@pytest.fixture
+def fixed(monkeypatch, tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")
+    session = FixedSession()
+    monkeypatch.setattr(run_cmd, "open_session", lambda *a, **k: session)
+    # The spawned half runs the same session in this process; the real spawn is tested below.
+    monkeypatch.setattr(run_cmd, "child_cycles", lambda d, n, extra: run_cycles(session, n, 2))
+    return tmp_path
+
+
+def test_deterministic_session_passes(fixed, capsys):
+    assert main(["selfcheck", "--model", str(fixed), "--cycles", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("logits_hash") == 7 and "PASS: 6/6 cycles bit-identical" in out
+    assert "process 2" in out
+
+
+def test_injected_nondeterminism_fails_with_exit_1(fixed, capsys, monkeypatch):
+    monkeypatch.setenv(NOISE_ENV, "1")
+    assert main(["selfcheck", "--model", str(fixed), "--cycles", "2", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["result"] == "FAIL" and len(data["cycles"]) == 4
+    assert len({c["logits_hash"] for c in data["cycles"]}) > 1
+
+
+def test_child_mode_prints_only_its_cycles(fixed, capsys):
+    assert main(["selfcheck", "--model", str(fixed), "--cycles", "2", "--child"]) == 0
+    cycles = json.loads(capsys.readouterr().out)["cycles"]
+    assert [c["cycle"] for c in cycles] == [1, 2] and len({c["logits_hash"] for c in cycles}) == 1
+
+
+def test_a_failing_child_process_is_a_one_line_error(tmp_path):
+    with pytest.raises(StreamrtError, match=r"child process failed \(exit 2\): streamrt: --model .*no such directory"):
+        child_cycles(tmp_path / "missing", 1, [])
+
+
+def test_runtime_flags_are_forwarded_to_the_child():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model")
+    p.add_argument("--cycles", default="3")
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--trace", action="store_true")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(["--model", "m", "--cycles", "2", "--window", "8", "--trace"])
+    assert run_cmd._forwarded_flags(p, args) == ["--window", "8", "--trace"]
+
+
+# ---- the real thing: the embedded default model (tiny-k3.1-pro), in-process and spawned ----------
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    pytest.importorskip("streamrt.checkpoint.reader")
+    pytest.importorskip("streamrt.checkpoint.convert")
+    pytest.importorskip("streamrt.model.loader")
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_selfcheck_passes_on_tiny_and_fails_with_injected_noise(tiny_cache, capsys, monkeypatch):
+    monkeypatch.setenv("STREAMRT_CACHE", str(tiny_cache))
+    monkeypatch.delenv(NOISE_ENV, raising=False)
+    assert main(["selfcheck", "--cycles", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["result"] == "PASS" and data["model"] == "tiny-k3.1-pro"
+    assert [c["process"] for c in data["cycles"]] == [1, 1, 2, 2]
+    assert len({c["pid"] for c in data["cycles"]}) == 2
+    monkeypatch.setenv(NOISE_ENV, "1")
+    assert main(["selfcheck", "--cycles", "2"]) == 1
+    assert "FAIL" in capsys.readouterr().out
