@@ -20,7 +20,7 @@ COMMAND_MODULES = (
     "streamrt.inspect_cmd",  # inspect
     "streamrt.checkpoint.commands",  # synth, convert, verify
     "streamrt.trace",  # trace summarize
-    "streamrt.sweep_cmd",  # sweep
+    "streamrt.sweep",  # sweep
 )
 
 
@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:  # the sweep owns its whole flag set (see streamrt/sweep.py)
+        from streamrt.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

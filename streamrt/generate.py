@@ -21,7 +21,7 @@ from streamrt.model import DirectExpertProvider, ModelCache, logits_hash, run_sy
 from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM
 
 Runner = Callable[[ForwardSteps], Tensor]
-TokenCallback = Callable[[int, int], None]  # (row, token id)
+TokenCallback = Callable[..., None]  # on_token(token) for one prompt, on_token(row, token) for a batch
 
 
 @dataclass
@@ -34,6 +34,15 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def stop(self) -> str:
+        """Finish reason of the first row ("stop" or "length"): the single-prompt answer."""
+        return self.finish_reasons[0]
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -69,12 +78,14 @@ def generate(
 ) -> GenerationResult:
     """Generate for a batch of prompts (lists of token ids; lengths may differ).
 
-    stop_ids default to the config's eos_token_id. Sampling is seeded per row
-    (seed, row), so a row's samples do not depend on the batch. on_token(row, id) is called
-    for every generated token, in order.
+    `prompts` is one list of ids or a list of them. stop_ids default to the config's
+    eos_token_id. Sampling is seeded per row (seed, row), so a row's samples do not depend
+    on the batch. on_token is called for every generated token, in order: on_token(id) for
+    a single prompt, on_token(row, id) for a batch.
     """
-    if prompts and isinstance(prompts[0], int):
-        prompts = [prompts]  # one prompt
+    single = len(prompts) > 0 and isinstance(prompts[0], int)
+    if single:
+        prompts = [prompts]
     prompts = [list(p) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise StreamrtError("generate: every prompt needs at least one token")
@@ -113,7 +124,7 @@ def generate(
                 tok = sample(logits[i], temperature, top_p, gens[row])
                 tokens[row].append(tok)
                 if on_token is not None:
-                    on_token(row, tok)
+                    on_token(tok) if single else on_token(row, tok)
                 if tok in stops:
                     reasons[row] = "stop"
                 elif len(tokens[row]) < max_new_tokens:

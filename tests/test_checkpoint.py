@@ -261,10 +261,9 @@ def test_synth_skew_zero_gives_flat_router_bias():
 
 
 def test_synth_dry_run_full_geometry(tmp_path, capsys):
-    for name in ("kimi-k3", "kimi-k3.1-pro"):
-        assert cli_main(["synth", "--config", name, "--dry-run"]) == 0
+    assert cli_main(["synth", "--config", "kimi-k3.1-pro", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "497,052 tensors" in out and "497,172 tensors" in out
+    assert "497,172 tensors" in out and "1,560,302,127,872 bytes" in out
     assert not any(tmp_path.iterdir())
 
 
@@ -405,10 +404,9 @@ def _rewrite_header(path: Path, edit) -> None:
     n = struct.unpack("<Q", raw[:8])[0]
     hdr = json.loads(raw[8 : 8 + n])
     edit(hdr)
-    new = json.dumps(hdr).encode()
-    new += b" " * (n - len(new)) if len(new) <= n else b""
-    assert len(new) == n, "test edit must not grow the header"
-    path.write_bytes(raw[:8] + new + raw[8 + n :])
+    new = json.dumps(hdr, separators=(",", ":")).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 T_EXP = "language_model.model.layers.2.block_sparse_moe.experts.5.w1.weight_scale"
@@ -430,32 +428,32 @@ def test_truncated_shard(rel_copy, tmp_path):
     one_line_error(ei, shard.name, "truncated")
 
 
-def test_header_offsets_overlap_or_run_past(rel_copy):
+def test_header_offsets_overlap(rel_copy):
     shard = _shard_of(rel_copy, T_DENSE)
 
     def overlap(h):
         names = [k for k in h if k != "__metadata__"]
         a, b = h[names[0]], h[names[1]]
-        a["data_offsets"], b["data_offsets"] = b["data_offsets"], a["data_offsets"]  # keep sizes honest below
-        b["data_offsets"] = list(a["data_offsets"])
-        b["shape"], b["dtype"] = a["shape"], a["dtype"]
+        size = b["data_offsets"][1] - b["data_offsets"][0]
+        b["data_offsets"] = [a["data_offsets"][0], a["data_offsets"][0] + size]  # b now starts inside a
 
     _rewrite_header(shard, overlap)
     with pytest.raises(CheckpointError) as ei:
         open_release(rel_copy)
-    one_line_error(ei, shard.name, "overlaps", "tensor ")
+    one_line_error(ei, shard.name, "overlaps", "tensor language_model.")
 
-    shard2 = _shard_of(rel_copy, T_EXP)
+
+def test_header_offsets_run_past_the_file(rel_copy):
+    shard = _shard_of(rel_copy, T_EXP)
 
     def past(h):
         e = h[T_EXP]
         e["data_offsets"] = [e["data_offsets"][0] + 10**9, e["data_offsets"][1] + 10**9]
 
-    _rewrite_header(shard2, past)
+    _rewrite_header(shard, past)
     with pytest.raises(CheckpointError) as ei:
         open_release(rel_copy)
-    msg = one_line_error(ei, T_EXP)
-    assert shard.name in msg or shard2.name in msg
+    one_line_error(ei, shard.name, T_EXP, "ends at data byte")
 
 
 @pytest.mark.parametrize("what", ["dtype", "shape"])

@@ -59,7 +59,7 @@ def tokens(cfg, n: int, seed: int) -> torch.Tensor:
 
 
 def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a.detach() - b.detach()).norm() / b.detach().norm())
 
 
 def decode_one_by_one(model, ids, provider) -> torch.Tensor:

@@ -18,15 +18,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
-def _load_sweep():
-    spec = importlib.util.spec_from_file_location("sweep", ROOT / "profiling" / "sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sweep"] = mod  # dataclasses look their module up here
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sweep = _load_sweep()
+import streamrt.sweep as sweep
 
 # A stand-in for `streamrt run`: parses the flags the sweep passes, writes the stats JSON with
 # an LRU-like host cliff (window < working set -> no hits), prints `--json` output with a hash.

@@ -236,6 +236,10 @@ class NvrtcBackend:
     def _k(self, program: str, name: str) -> _Kernel:
         return kernel(program, name, self._dev)
 
+    def _empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Every output and scratch buffer comes from here (tests poison it to prove full writes)."""
+        return torch.empty(*shape, dtype=dtype, device=self.device)
+
     # ---- dense ---------------------------------------------------------------------------------
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
@@ -259,7 +263,7 @@ class NvrtcBackend:
         if T > self.rowwise_max:
             return self._linear_gemm(x2.float(), w).view(*lead, N)
         w, w_bf16 = _wt(w, "linear.w", dev)
-        out = torch.empty(T, N, dtype=torch.float32, device=dev)
+        out = self._empty(T, N, dtype=torch.float32)
         if T == 0 or N == 0:
             return out.view(*lead, N)
         x_bf16 = int(x2.dtype == torch.bfloat16)
@@ -294,7 +298,7 @@ class NvrtcBackend:
         w, wb = _wt(w, "rmsnorm.w", self.device)
         D = w.numel()
         rows = self._rows("rmsnorm", x, D)
-        out = torch.empty_like(x)
+        out = self._empty(*x.shape)
         if rows:
             self._k("norms", "srt_rmsnorm")((rows,), (_threads(D, 512),), [_p(x), _p(w), _i32(wb), _p(out), _i32(D), _f32(eps)])
         return out
@@ -308,7 +312,7 @@ class NvrtcBackend:
         w, wb = _wt(w, "gated_rmsnorm.w", self.device)
         V = w.numel()
         rows = self._rows("gated_rmsnorm", o, V)
-        out = torch.empty_like(o)
+        out = self._empty(*o.shape)
         if rows:
             self._k("norms", "srt_gated_rmsnorm")(
                 (rows,), (_threads(V, 256),), [_p(o), _p(gate), _p(w), _i32(wb), _p(out), _i32(V), _f32(eps)]
@@ -326,7 +330,7 @@ class NvrtcBackend:
         if b.numel() != D:
             raise ValueError(f"layernorm: w has {D} elements, b {b.numel()}")
         rows = self._rows("layernorm", x, D)
-        out = torch.empty_like(x)
+        out = self._empty(*x.shape)
         if rows:
             self._k("norms", "srt_layernorm")(
                 (rows,), (_threads(D, 512),), [_p(x), _p(w), _p(b), _i32(wb), _p(out), _i32(D), _f32(eps)]
@@ -338,7 +342,7 @@ class NvrtcBackend:
         x = _act(x, "l2norm.x", self.device)
         D = x.shape[-1]
         rows = x.numel() // D if D else 0
-        out = torch.empty_like(x)
+        out = self._empty(*x.shape)
         if rows:
             self._k("norms", "srt_l2norm")((rows,), (_threads(D, 512),), [_p(x), _p(out), _i32(D), _f32(eps)])
         return out
@@ -349,7 +353,7 @@ class NvrtcBackend:
         up = _act(up, "situ_glu.up", self.device)
         if gate.shape != up.shape:
             raise ValueError(f"situ_glu: gate {tuple(gate.shape)} != up {tuple(up.shape)}")
-        out = torch.empty_like(gate)
+        out = self._empty(*gate.shape)
         n = gate.numel()
         if n:
             binf = int(math.isinf(beta))
@@ -370,7 +374,7 @@ class NvrtcBackend:
         W = conv_state.shape[-1]
         _inplace(conv_state, "short_conv_step.conv_state", self.device, (T, P, W))
         w, wb = _wt(w.reshape(P, W), "short_conv_step.w", self.device)
-        out = torch.empty_like(z)
+        out = self._empty(*z.shape)
         if T * P:
             self._k("norms", "srt_short_conv_step")(
                 (math.ceil(T * P / 256),), (256,), [_p(z), _p(conv_state), _p(w), _i32(wb), _p(out), _i32(T), _i32(P), _i32(W)]
@@ -392,7 +396,7 @@ class NvrtcBackend:
         if K > KDA_MAXK:
             raise ValueError(f"kda_step: head dim K={K} > {KDA_MAXK} (the kernel keeps a state column in registers)")
         _inplace(state, "kda_step.state", dev, (T, H, K, V))
-        out = torch.empty(T, H, V, dtype=torch.float32, device=dev)
+        out = self._empty(T, H, V, dtype=torch.float32)
         if T * H * V:
             self._k("kda", "srt_kda_step")(
                 (math.ceil(V / 32), H, T), (32,),
@@ -431,9 +435,9 @@ class NvrtcBackend:
         if m == 0:
             raise ValueError("mla_decode: no positions to attend to")
         S = math.ceil(m / MLA_CHUNK)
-        part_acc = torch.empty(S, H, R, dtype=torch.float32, device=dev)
-        part_ml = torch.empty(S, H, 2, dtype=torch.float32, device=dev)
-        out = torch.empty(H, R, dtype=torch.float32, device=dev)
+        part_acc = self._empty(S, H, R, dtype=torch.float32)
+        part_ml = self._empty(S, H, 2, dtype=torch.float32)
+        out = self._empty(H, R, dtype=torch.float32)
         smem = MLA_HG * (R + Dr) * 4
         self._k("attention", "srt_mla_partial")(
             (S, math.ceil(H / MLA_HG)), (256,),
@@ -453,7 +457,7 @@ class NvrtcBackend:
             raise ValueError(f"indexer_scores: q {tuple(q.shape)} w {tuple(w.shape)} k_cache {tuple(k_cache.shape)} do not agree")
         k_cache, kb = _wt(k_cache, "indexer_scores.k_cache", dev)
         n = k_cache.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=dev)
+        out = self._empty(n, dtype=torch.float32)
         if n:
             smem = (Hi * (Di + 1) + 8 * Di) * 4
             self._k("attention", "srt_indexer_scores")(
@@ -472,7 +476,7 @@ class NvrtcBackend:
         s2 = s.view(1, -1) if one else s
         rows, n = s2.shape
         kk = min(int(k), n)
-        out = torch.empty(rows, max(kk, 0), dtype=torch.int64, device=self.device)
+        out = self._empty(rows, max(kk, 0), dtype=torch.int64)
         if kk > 0 and rows:
             self._k("topk", "srt_select_topk")((rows,), (1024,), [_p(s2), _p(out), _i32(n), _i32(kk)])
         return out[0] if one else out
@@ -510,8 +514,8 @@ class NvrtcBackend:
         bias, bb = _wt(bias.reshape(-1), "router.bias", self.device)
         if bias.numel() != E:
             raise ValueError(f"router: bias has {bias.numel()} entries, w_gate {E} experts")
-        ids = torch.empty(T, k, dtype=torch.int64, device=self.device)
-        wts = torch.empty(T, k, dtype=torch.float32, device=self.device)
+        ids = self._empty(T, k, dtype=torch.int64)
+        wts = self._empty(T, k, dtype=torch.float32)
         if T:
             self._k("topk", "srt_router_topk")(
                 (T,), (256,),
@@ -555,11 +559,11 @@ class NvrtcBackend:
             if ptrs[e][9] != I:
                 raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e][9]}, expert {uniq[0]} has {I}")
         P = T * k
-        out = torch.empty(T, Dl, dtype=torch.float32, device=dev)
+        out = self._empty(T, Dl, dtype=torch.float32)
         if P == 0:
             return out.zero_()
-        h = torch.empty(P, I, dtype=torch.float32, device=dev)
-        y = torch.empty(P, Dl, dtype=torch.float32, device=dev)
+        h = self._empty(P, I, dtype=torch.float32)
+        y = self._empty(P, Dl, dtype=torch.float32)
         binf = int(math.isinf(beta))
         gu, dn = self._k("nvfp4_moe", "srt_nvfp4_gateup"), self._k("nvfp4_moe", "srt_nvfp4_down")
         pairs = [(t, e) for t, row in enumerate(id_rows) for e in row]
@@ -593,7 +597,7 @@ class NvrtcBackend:
         if nb + 1 > ATTNRES_MAXS:
             raise ValueError(f"attnres_mix: {nb + 1} sources > {ATTNRES_MAXS}")
         wq, wb = _wt(wq.reshape(-1), "attnres_mix.wq", dev)
-        out = torch.empty(T, D, dtype=torch.float32, device=dev)
+        out = self._empty(T, D, dtype=torch.float32)
         if T:
             self._k("norms", "srt_attnres_mix")(
                 (T,), (_threads(D, 512),), [_p(prefix), _p(blocks), _p(wq), _i32(wb), _p(out), _i32(nb), _i32(D), _f32(eps)]

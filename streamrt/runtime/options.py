@@ -1,0 +1,145 @@
+"""Runtime flags shared by `run`, `selfcheck` and the profiling scripts.
+
+    add_runtime_flags(parser)          adds the flags below
+    RuntimeOptions.from_args(args)     validates them (StreamrtError naming the flag)
+    opts.resolve(cfg, file_bytes, device)  -> ResolvedSizes(window, gpu_experts)
+
+The failure-mode switches reproduce the seed's engine for the sweep and are off by default:
+`--preparse`, `--prefetch discard`, `--evict sync`, `--staging off` (pageable, unstaged: the
+baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+
+from streamrt.errors import StreamrtError
+from streamrt.store.policies import DEFAULT_POLICY, POLICIES
+
+DEFAULT_WINDOW_FLOOR = 65536
+CPU_SLAB_BYTES = 2 << 30  # default device-tier budget of the CPU twin
+GPU_RESERVE_BYTES = 6 << 30  # left free for activations, caches and workspace by default
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """'64G', '512MiB', '1.5TB', '1000000' -> bytes (K/M/G/T alone are binary)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise StreamrtError(f"{flag}: expected a size like 64G, 512MiB or 1.5TB, got {text!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise StreamrtError(f"{flag}: must be positive, got {text!r}")
+    return n
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("streaming runtime")
+    g.add_argument("--window", type=int, default=None, metavar="N",
+                   help="expert mappings kept open in host memory (LRU); default max(2 x working set, 65536), "
+                        "capped by --host-mem")
+    g.add_argument("--host-mem", default=None, metavar="BYTES", help="cap on mapped expert bytes (e.g. 96G)")
+    g.add_argument("--gpu-experts", type=int, default=None, metavar="M",
+                   help="expert slots on the device; default from --gpu-mem or free device memory")
+    g.add_argument("--gpu-mem", default=None, metavar="BYTES", help="device memory for expert slots (e.g. 40G)")
+    g.add_argument("--gpu-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help=f"device-tier replacement policy (default {DEFAULT_POLICY}: frequency with aging)")
+    g.add_argument("--staging", default="on", choices=("on", "off"),
+                   help="on: copy stream, page-locked mappings, stage predicted experts of the next layer; "
+                        "off: pageable synchronous copies, no staging (the baseline)")
+    g.add_argument("--preparse", action="store_true", help="failure mode: eagerly map and parse experts at load")
+    g.add_argument("--prefetch", default="none", choices=("none", "discard"),
+                   help="failure mode 'discard': read each routed file into a throwaway buffer first")
+    g.add_argument("--evict", default="event", choices=("event", "sync"),
+                   help="event: retire evicted mappings behind a copy-stream event (FIFO); "
+                        "sync: synchronize the device per eviction (failure mode)")
+    g.add_argument("--stats-json", default=None, metavar="FILE", help="write runtime counters as JSON")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    return parser
+
+
+@dataclass(frozen=True)
+class ResolvedSizes:
+    window: int
+    gpu_experts: int
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    window: int | None = None
+    host_mem: int | None = None
+    gpu_experts: int | None = None
+    gpu_mem: int | None = None
+    gpu_policy: str = DEFAULT_POLICY
+    staging: bool = True
+    preparse: bool = False
+    prefetch: str = "none"
+    evict: str = "event"
+    stats_json: str | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise StreamrtError(f"--window must be >= 1 (expert mappings kept open), got {self.window}")
+        if self.gpu_experts is not None and self.gpu_experts < 1:
+            raise StreamrtError(f"--gpu-experts must be >= 1, got {self.gpu_experts}")
+        if self.gpu_policy not in POLICIES:
+            raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.prefetch not in ("none", "discard"):
+            raise StreamrtError(f"--prefetch: expected none or discard, got {self.prefetch!r}")
+        if self.evict not in ("event", "sync"):
+            raise StreamrtError(f"--evict: expected event or sync, got {self.evict!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RuntimeOptions":
+        staging = getattr(args, "staging", "on")
+        if staging not in ("on", "off", True, False):
+            raise StreamrtError(f"--staging: expected on or off, got {staging!r}")
+        host_mem = getattr(args, "host_mem", None)
+        gpu_mem = getattr(args, "gpu_mem", None)
+        return cls(
+            window=getattr(args, "window", None),
+            host_mem=parse_bytes(host_mem, "--host-mem") if host_mem is not None else None,
+            gpu_experts=getattr(args, "gpu_experts", None),
+            gpu_mem=parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None,
+            gpu_policy=getattr(args, "gpu_policy", DEFAULT_POLICY),
+            staging=staging in ("on", True),
+            preparse=bool(getattr(args, "preparse", False)),
+            prefetch=getattr(args, "prefetch", "none"),
+            evict=getattr(args, "evict", "event"),
+            stats_json=getattr(args, "stats_json", None),
+            device=getattr(args, "device", "auto"),
+        )
+
+    def resolve(self, cfg, file_bytes: int, device, *, batch: int = 1) -> ResolvedSizes:
+        """Concrete window and slot count for a model config and device."""
+        working_set = cfg.working_set_experts
+        window = self.window if self.window is not None else max(2 * working_set, DEFAULT_WINDOW_FLOOR)
+        if self.host_mem is not None:
+            cap = self.host_mem // file_bytes
+            if cap < 1:
+                raise StreamrtError(f"--host-mem {self.host_mem} bytes holds no {file_bytes}-byte expert file")
+            window = min(window, cap)
+        window = min(window, cfg.expert_files) if self.window is None else window
+
+        per_layer = min(cfg.num_experts, batch * cfg.experts_per_token)
+        if self.gpu_experts is not None:
+            slots = self.gpu_experts
+        else:
+            if self.gpu_mem is not None:
+                budget = self.gpu_mem
+            elif device.kind == "cuda":
+                budget = max(0, (device.free_bytes() or 0) - GPU_RESERVE_BYTES)
+            else:
+                budget = CPU_SLAB_BYTES
+            slots = min(cfg.expert_files, budget // file_bytes)
+        if slots < per_layer:
+            raise StreamrtError(
+                f"--gpu-experts {slots}: one layer request needs up to {per_layer} expert slots "
+                f"(batch {batch} x top-{cfg.experts_per_token}); raise --gpu-experts or --gpu-mem"
+            )
+        return ResolvedSizes(window=window, gpu_experts=slots)

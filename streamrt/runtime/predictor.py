@@ -1,0 +1,57 @@
+"""Staging predictor: guess layer l+1's experts while layer l computes.
+
+Layer l+1's router (`block_sparse_moe.gate.weight` [E, D] and `e_score_correction_bias` [E])
+applied to layer l's FFN input. The residual stream changes little from one layer to the next,
+so the guess is usually close; the real router still decides, and a wrong guess costs only
+traffic. The scheduler reports recall (`predicted_recall`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+
+class Predictor:
+    def __init__(self, routers: Mapping[int, tuple[Tensor, Tensor]], moe_layers: tuple[int, ...], k: int) -> None:
+        self.routers = dict(routers)  # layer -> (weight [E, D], bias [E]) on the compute device
+        self.k = k
+        self.next_layer = {a: b for a, b in zip(moe_layers, moe_layers[1:])}
+
+    @classmethod
+    def from_model(cls, model) -> "Predictor":
+        """Routers straight from the model's own (device-resident) gate parameters: no copy."""
+        cfg = model.config
+        routers = {}
+        for layer in model.model.layers:
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None and hasattr(moe, "gate"):
+                routers[layer.layer_idx] = (moe.gate.weight, moe.gate.e_score_correction_bias)
+        return cls(routers, tuple(cfg.moe_layers), cfg.experts_per_token)
+
+    @classmethod
+    def from_state_dict(cls, sd: Mapping[str, Tensor], cfg, device=None) -> "Predictor":
+        routers = {}
+        for i in cfg.moe_layers:
+            w = sd[f"model.layers.{i}.block_sparse_moe.gate.weight"]
+            b = sd[f"model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias"]
+            routers[i] = (w.to(device) if device is not None else w, b.to(device) if device is not None else b)
+        return cls(routers, tuple(cfg.moe_layers), cfg.experts_per_token)
+
+    def target(self, layer: int) -> int | None:
+        """The MoE layer a prediction made at `layer` is for."""
+        nxt = self.next_layer.get(layer)
+        return nxt if nxt in self.routers else None
+
+    def predict(self, layer: int, hidden: Tensor) -> Tensor | None:
+        """hidden [T, D] (layer's FFN input) -> predicted ids [T, k] of the next MoE layer, on the
+        compute device (the caller brings them to the host together with the routed ids)."""
+        nxt = self.target(layer)
+        if nxt is None:
+            return None
+        w, b = self.routers[nxt]
+        logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()  # [T, E]; no fp32 copy of w
+        s = torch.sigmoid(logits) + b.float()  # selection scores
+        return torch.topk(s, self.k, dim=-1).indices  # [T, k]

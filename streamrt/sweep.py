@@ -1,0 +1,375 @@
+"""Throughput sweep: one fresh `streamrt run` per point, one table, one plot, one identity check.
+
+    streamrt sweep --model DIR   (or: python profiling/sweep.py --model DIR) [--points 0.35 1 1.4 large] [--tokens N] [--out DIR]
+
+Groups of points (one knob moved at a time from the defaults, `--groups` picks):
+
+    window    host window at fractions of the per-token working set (`large` = max(65536,
+              all expert files): everything retained); the seed's cliff lives here
+    device    --gpu-experts at fractions of the working set, for every --gpu-policy,
+              window large
+    staging   --staging off (the seed's first engine: the baseline), window large
+    failure   the seed's failure modes: --preparse, --prefetch discard (window large),
+              --evict sync (window at the smallest point, so evictions happen)
+
+Each point runs `streamrt run --model DIR --prompt P --greedy --max-new-tokens N --json
+--stats-json F <flags>` in its own process (no cache or page-locking carried over), and
+its stats JSON and log land in OUT/points/. Writes OUT/sweep.csv and OUT/sweep.png, prints
+the table, and checks that the logits hash is the same at every point: window, cache,
+policy and staging change timing, never arithmetic. Exit 1 if any point failed or any
+hash differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATS_KEYS = ("tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses",
+              "bytes_h2d", "bytes_disk", "evictions", "retired", "released", "full_synchronizes",
+              "stall_s", "predicted_recall", "effective_gbps")
+POINT_COLUMNS = ("point", "group", "label", "window", "window_frac", "gpu_experts", "gpu_policy", "flags")
+DERIVED_COLUMNS = ("host_hit_rate", "device_hit_rate", "logits_hash", "wall_s", "rc")
+COLUMNS = POINT_COLUMNS + STATS_KEYS + DERIVED_COLUMNS
+GROUPS = ("window", "device", "staging", "failure")
+LARGE_WINDOW = 65536  # the seed's shipped window
+DEFAULT_PROMPT = "What's the weather in Paris?"
+
+
+@dataclass
+class Point:
+    group: str
+    label: str
+    window: int
+    window_frac: float | None
+    flags: list[str] = field(default_factory=list)
+    gpu_experts: int | None = None
+    gpu_policy: str | None = None
+
+    def argv(self) -> list[str]:
+        out = ["--window", str(self.window)]
+        if self.gpu_experts is not None:
+            out += ["--gpu-experts", str(self.gpu_experts)]
+        if self.gpu_policy is not None:
+            out += ["--gpu-policy", self.gpu_policy]
+        return out + self.flags
+
+
+def _policies() -> list[str]:
+    try:
+        from streamrt.store.policies import POLICIES
+    except ImportError:
+        return ["lru", "lfu"]
+    return list(POLICIES)
+
+
+def plan_points(working_set: int, expert_files: int, points: list[str], cache_fracs: list[float],
+                groups: list[str]) -> list[Point]:
+    """The sweep's points, in run order. Windows are rounded to whole experts, at least 1."""
+    large = max(LARGE_WINDOW, expert_files)
+
+    def window_of(p: str) -> tuple[int, float | None]:
+        if p == "large":
+            return large, None
+        return max(1, round(float(p) * working_set)), float(p)
+
+    windows = [window_of(p) for p in points]
+    small = min(windows)
+    out: list[Point] = []
+    if "window" in groups:
+        for w, frac in windows:
+            out.append(Point("window", f"window {w}" + (f" ({frac:g} ws)" if frac is not None else " (large)"),
+                             w, frac))
+    if "device" in groups:
+        for policy in _policies():
+            for f in cache_fracs:
+                m = max(1, round(f * working_set))
+                out.append(Point("device", f"gpu {m} ({f:g} ws) {policy}", large, None,
+                                 gpu_experts=m, gpu_policy=policy))
+    if "staging" in groups:
+        out.append(Point("staging", "staging off", large, None, ["--staging", "off"]))
+    if "failure" in groups:
+        out.append(Point("failure", "preparse", large, None, ["--preparse"]))
+        out.append(Point("failure", "prefetch discard", large, None, ["--prefetch", "discard"]))
+        out.append(Point("failure", f"evict sync, window {small[0]}", small[0], small[1], ["--evict", "sync"]))
+    return out
+
+
+def find_logits_hash(stats: dict, stdout: str) -> str | None:
+    """The hash from the stats file, else from `--json` stdout (one object or JSON lines)."""
+    if isinstance(stats.get("logits_hash"), str):
+        return stats["logits_hash"]
+    docs = []
+    try:
+        docs.append(json.loads(stdout))
+    except json.JSONDecodeError:
+        for line in stdout.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    docs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    found = None
+    for doc in docs:  # the last one wins: a final summary line follows streamed tokens
+        h = _find_key(doc, "logits_hash")
+        found = h if h is not None else found
+    return found
+
+
+def _find_key(doc, key: str):
+    if isinstance(doc, dict):
+        if isinstance(doc.get(key), str):
+            return doc[key]
+        doc = list(doc.values())
+    if isinstance(doc, list):
+        for v in doc:
+            h = _find_key(v, key)
+            if h is not None:
+                return h
+    return None
+
+
+def _rate(hits, misses) -> float | str:
+    try:
+        total = float(hits) + float(misses)
+    except (TypeError, ValueError):
+        return ""
+    return float(hits) / total if total else ""
+
+
+def run_point(i: int, p: Point, args: argparse.Namespace, pts_dir: Path) -> dict:
+    stem = f"{i:02d}-{p.group}"
+    stats_path, log_path = pts_dir / f"{stem}.stats.json", pts_dir / f"{stem}.log"
+    stats_path.unlink(missing_ok=True)
+    cmd = [*args.streamrt, "run", "--model", str(args.model), "--prompt", args.prompt, "--greedy",
+           "--max-new-tokens", str(args.tokens), "--json", "--stats-json", str(stats_path), *p.argv()]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        # TimeoutExpired carries bytes even with text=True
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        rc, out, err = 124, text(e.stdout), text(e.stderr) + f"\ntimed out after {args.timeout} s"
+    wall = time.perf_counter() - t0
+    log_path.write_text(f"$ {shlex.join(cmd)}\n# rc {rc}, {wall:.2f} s\n--- stdout\n{out}\n--- stderr\n{err}")
+    stats: dict = {}
+    if rc == 0:
+        try:
+            stats = json.loads(stats_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            rc, err = 3, f"no readable stats JSON at {stats_path}: {e}"
+    row = {"point": i, "group": p.group, "label": p.label, "window": p.window,
+           "window_frac": "" if p.window_frac is None else p.window_frac,
+           "gpu_experts": "" if p.gpu_experts is None else p.gpu_experts,
+           "gpu_policy": p.gpu_policy or "", "flags": " ".join(p.flags)}
+    row.update({k: stats.get(k, "") for k in STATS_KEYS})
+    row.update(host_hit_rate=_rate(stats.get("host_hits"), stats.get("host_misses")),
+               device_hit_rate=_rate(stats.get("device_hits"), stats.get("device_misses")),
+               logits_hash=find_logits_hash(stats, out) or "", wall_s=round(wall, 3), rc=rc)
+    row["_error"] = "" if rc == 0 else (err.strip().splitlines() or ["(no output)"])[-1]
+    return row
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _num(v) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _line(ax, rows: list[dict], xkey: str, ykey: str, label: str | None = None, scale: float = 1.0) -> None:
+    pts = sorted((_num(r[xkey]), _num(r[ykey])) for r in rows if _num(r[ykey]) is not None and r[ykey] != "")
+    if pts:
+        ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], "o-", label=label)
+
+
+def plot(path: Path, rows: list[dict], title: str) -> None:
+    """Top: s/token, effective GB/s and hit rates against the host window. Bottom: device hit
+    rate and s/token against --gpu-experts per policy, and every point's s/token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["rc"] == 0]
+    win = [r for r in ok if r["group"] == "window"]
+    dev = [r for r in ok if r["group"] == "device"]
+    fig, ax = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig.suptitle(title)
+    _line(ax[0, 0], win, "window", "s_per_token")
+    _line(ax[0, 1], win, "window", "effective_gbps")
+    _line(ax[0, 2], win, "window", "host_hit_rate", "host", 100)
+    _line(ax[0, 2], win, "window", "device_hit_rate", "device", 100)
+    for a, ylabel in zip(ax[0], ("s / token", "effective GB/s", "hit rate %")):
+        a.set(xscale="log", xlabel="host window (experts)", ylabel=ylabel)
+    for policy in dict.fromkeys(r["gpu_policy"] for r in dev):
+        mine = [r for r in dev if r["gpu_policy"] == policy]
+        _line(ax[1, 0], mine, "gpu_experts", "device_hit_rate", policy, 100)
+        _line(ax[1, 1], mine, "gpu_experts", "s_per_token", policy)
+    ax[1, 0].set(xlabel="device slots (--gpu-experts)", ylabel="device hit rate %")
+    ax[1, 1].set(xlabel="device slots (--gpu-experts)", ylabel="s / token")
+    for a in (ax[0, 2], ax[1, 0]):
+        a.set_ylim(-5, 105)
+    for a in (*ax[0], ax[1, 0], ax[1, 1]):
+        a.grid(True, which="both", alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
+    bars = [r for r in ok if _num(r["s_per_token"]) is not None and r["s_per_token"] != ""]
+    ax[1, 2].barh([r["label"] for r in bars], [_num(r["s_per_token"]) for r in bars])
+    ax[1, 2].invert_yaxis()
+    ax[1, 2].set(xlabel="s / token", title="every point")
+    ax[1, 2].tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _fmt(v, spec: str) -> str:
+    n = _num(v)
+    return "-" if n is None or v == "" else format(n, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'#':>2} {'point':<34} {'s/token':>9} {'GB/s':>7} {'host hit':>8} {'dev hit':>8} "
+            f"{'evict':>7} {'syncs':>5} {'stall s':>8} {'hash':<18}")
+    lines = [head]
+    for r in rows:
+        pct = lambda v: "-" if _num(v) is None or v == "" else f"{100 * float(v):.1f}%"  # noqa: E731
+        if r["rc"] != 0:
+            lines.append(f"{r['point']:>2} {r['label']:<34} FAILED rc {r['rc']}: {r.get('_error', '')}")
+            continue
+        lines.append(f"{r['point']:>2} {r['label']:<34} {_fmt(r['s_per_token'], '.4f'):>9} "
+                     f"{_fmt(r['effective_gbps'], '.2f'):>7} {pct(r['host_hit_rate']):>8} "
+                     f"{pct(r['device_hit_rate']):>8} {_fmt(r['evictions'], '.0f'):>7} "
+                     f"{_fmt(r['full_synchronizes'], '.0f'):>5} {_fmt(r['stall_s'], '.3f'):>8} "
+                     f"{r['logits_hash'] or '(none)':<18}")
+    return "\n".join(lines)
+
+
+def identity_verdict(rows: list[dict]) -> tuple[bool, str]:
+    done = [r for r in rows if r["rc"] == 0]
+    if not done:
+        return False, "logits: no point finished, nothing to compare"
+    missing = [r["label"] for r in done if not r["logits_hash"]]
+    if missing:
+        return False, f"logits: no logits_hash reported at {len(missing)} point(s) ({missing[0]}, ...); cannot check identity"
+    hashes: dict[str, list[str]] = {}
+    for r in done:
+        hashes.setdefault(r["logits_hash"], []).append(r["label"])
+    if len(hashes) == 1:
+        return True, f"logits: bit-identical across all {len(done)} points (logits_hash {done[0]['logits_hash']})"
+    groups = "; ".join(f"{h}: {', '.join(labels)}" for h, labels in hashes.items())
+    return False, f"logits: DIFFER across points ({len(hashes)} distinct hashes) — {groups}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", required=True, type=Path, help="converted streamrt tree")
+    ap.add_argument("--points", nargs="+", default=["0.35", "1.0", "1.4", "large"],
+                    help="host windows as fractions of the per-token working set, or 'large'")
+    ap.add_argument("--cache-points", nargs="+", type=float, default=[0.25, 0.5, 1.0],
+                    help="--gpu-experts as fractions of the working set (device group)")
+    ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
+    ap.add_argument("--tokens", type=int, default=8, help="new tokens per point (default 8)")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default sweep-results/<model>)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per point")
+    ap.add_argument("--streamrt", type=shlex.split, default=[sys.executable, "-m", "streamrt"],
+                    help="command that runs streamrt (default: this Python's -m streamrt)")
+    args = ap.parse_args(argv)
+    args.groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    bad = [g for g in args.groups if g not in GROUPS] + \
+          [p for p in args.points if p != "large" and _num(p) is None]
+    if bad:
+        ap.error(f"unknown group or point: {', '.join(bad)}")
+    if args.tokens < 1:
+        ap.error("--tokens must be >= 1")
+    return args
+
+
+def missing_flags(streamrt: list[str], points: list[Point]) -> list[str]:
+    """Flags the sweep needs that `streamrt run --help` does not list (fail before point 1)."""
+    proc = subprocess.run([*streamrt, "run", "--help"], capture_output=True, text=True)
+    need = ["--model", "--prompt", "--greedy", "--max-new-tokens", "--json", "--stats-json"]
+    need += [f for p in points for f in p.argv() if f.startswith("--")]
+    return [f for f in dict.fromkeys(need) if f not in proc.stdout]
+
+
+def register(sub) -> None:
+    """`streamrt sweep ...`: the same flags as profiling/sweep.py."""
+    p = sub.add_parser("sweep", help="throughput sweep over window, cache, policy and staging",
+                       description=__doc__.splitlines()[0], add_help=False)
+    p.add_argument("sweep_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: main(a.sweep_args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from streamrt.config import load_config
+    from streamrt.errors import StreamrtError
+
+    try:
+        cfg = load_config(args.model, check_tensors=False)
+    except StreamrtError as e:
+        print(f"streamrt: {e}", file=sys.stderr)
+        return 2
+    out = args.out or Path("sweep-results") / args.model.name
+    pts_dir = out / "points"
+    pts_dir.mkdir(parents=True, exist_ok=True)
+    points = plan_points(cfg.working_set_experts, cfg.expert_files, args.points, args.cache_points, args.groups)
+    missing = missing_flags(args.streamrt, points)
+    if missing:
+        print(f"streamrt: `{shlex.join(args.streamrt)} run` has no {', '.join(missing)}; the sweep needs "
+              "the runtime flags (streamrt/runtime/options.py)", file=sys.stderr)
+        return 2
+    print(f"sweep: {cfg.name} ({cfg.variant}), working set {cfg.working_set_experts} experts/token, "
+          f"{cfg.expert_files} expert files; {len(points)} points x {args.tokens} tokens -> {out}", flush=True)
+
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    for i, p in enumerate(points):
+        print(f"[{i + 1}/{len(points)}] {p.label} ...", end=" ", flush=True)
+        row = run_point(i, p, args, pts_dir)
+        rows.append(row)
+        status = (f"{_fmt(row['s_per_token'], '.4f')} s/token" if row["rc"] == 0
+                  else f"FAILED rc {row['rc']}: {row['_error']}")
+        print(f"{status} ({row['wall_s']:.1f} s; {time.perf_counter() - t_start:.0f} s total)", flush=True)
+        write_csv(out / "sweep.csv", rows)  # kept current: an interrupted sweep still leaves a table
+
+    plot(out / "sweep.png", rows, f"streamrt sweep: {cfg.name}, {args.tokens} tokens, "
+                                  f"working set {cfg.working_set_experts}")
+    print()
+    print(format_table(rows))
+    ok, verdict = identity_verdict(rows)
+    print(verdict)
+    print(f"wrote {out / 'sweep.csv'} and {out / 'sweep.png'}")
+    failed = [r for r in rows if r["rc"] != 0]
+    if failed:
+        print(f"{len(failed)} point(s) failed; logs in {pts_dir}", file=sys.stderr)
+    return 0 if ok and not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
