@@ -70,6 +70,35 @@ def load_trace(path: str | Path) -> list[list[ExpertKey]]:
     return [[ExpertKey(int(layer), int(e)) for e in ids] for layer, ids in data]
 
 
+class FrequencyOracle:
+    """Offline reference for online policies: evicts the resident key referenced least often over
+    the whole trace (A0, the best static choice under independent references). Belady beats it
+    by knowing *when* each key comes back; no online policy knows that, so the distance from an
+    online policy to this oracle is the policy's own loss, the rest is clairvoyance."""
+
+    name = "oracle-freq"
+
+    def __init__(self, groups) -> None:
+        self.count: dict = {}
+        for g in groups:
+            for k in g:
+                self.count[k] = self.count.get(k, 0) + 1
+        self.resident: set = set()
+
+    def access(self, key) -> None:
+        pass
+
+    def insert(self, key) -> None:
+        self.resident.add(key)
+
+    def remove(self, key) -> None:
+        self.resident.discard(key)
+
+    def victim(self, pinned=()):
+        cands = [k for k in self.resident if k not in pinned]
+        return min(cands, key=lambda k: self.count[k]) if cands else None
+
+
 @dataclass
 class Row:
     fraction: float
@@ -78,7 +107,9 @@ class Row:
     rates: dict[str, float]
 
 
-def simulate(groups: list[list[ExpertKey]], working_set: int, fractions=FRACTIONS, policies=None) -> list[Row]:
+def simulate(
+    groups: list[list[ExpertKey]], working_set: int, fractions=FRACTIONS, policies=None, *, oracle: bool = False
+) -> list[Row]:
     policies = list(policies or POLICIES)
     rows = []
     for f in fractions:
@@ -89,6 +120,9 @@ def simulate(groups: list[list[ExpertKey]], working_set: int, fractions=FRACTION
         for name in policies:
             h, _ = replay(make_policy(name, capacity=m), groups, m)
             rates[name] = h / refs
+        if oracle:
+            h, _ = replay(FrequencyOracle(groups), groups, m)
+            rates[FrequencyOracle.name] = h / refs
         rows.append(Row(f, m, bh / refs, rates))
     return rows
 
@@ -125,18 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--oracle", action="store_true", help="also replay the offline frequency oracle (slow)")
+    ap.add_argument("--layers", type=int, help="override the number of MoE layers (keeps per-layer geometry)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     if args.trace:
         groups = load_trace(args.trace)
     else:
+        layers = args.layers or len(cfg.moe_layers)
         groups = synthetic_trace(
-            len(cfg.moe_layers), cfg.num_experts, cfg.experts_per_token, args.tokens,
-            alpha=args.alpha, drift=args.drift, batch=args.batch, seed=args.seed, layer_ids=cfg.moe_layers,
+            layers, cfg.num_experts, cfg.experts_per_token, args.tokens,
+            alpha=args.alpha, drift=args.drift, batch=args.batch, seed=args.seed,
+            layer_ids=None if args.layers else cfg.moe_layers,
         )
-    rows = simulate(groups, cfg.working_set_experts)
+    working_set = len({g[0].layer for g in groups}) * cfg.experts_per_token * args.batch
+    rows = simulate(groups, working_set, oracle=args.oracle)
     print(f"{args.config}: {len(groups)} requests, {sum(map(len, groups))} references, "
-          f"working set {cfg.working_set_experts}, alpha {args.alpha}, drift {args.drift}")
+          f"working set {working_set}, alpha {args.alpha}, drift {args.drift}")
     print(format_table(rows, args.markdown))
     return 0
 

@@ -54,7 +54,7 @@ def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Ge
     """One token from logits [V]: argmax (first max) when temperature == 0, else nucleus sampling."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    probs = torch.softmax(logits.detach().cpu().double() / temperature, dim=-1)  # CPU: device-independent draws
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True, stable=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # smallest prefix reaching top_p (always >= 1 token)
@@ -83,6 +83,8 @@ def generate(
     on the batch. on_token is called for every generated token, in order: on_token(id) for
     a single prompt, on_token(row, id) for a batch.
     """
+    if isinstance(prompts, Tensor):
+        prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)
     if single:
         prompts = [prompts]

@@ -88,6 +88,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=selfcheck_command, _parser=s)
 
 
+def _check_runtime_flags(args: argparse.Namespace) -> None:
+    """Validate the runtime flags up front, before a default model is built or a tree opened."""
+    try:
+        from streamrt.runtime.options import RuntimeOptions
+    except ModuleNotFoundError:
+        return
+    RuntimeOptions.from_args(args)
+
+
 def _int(value: str, flag: str, lo: int) -> int:
     try:
         n = int(value)
@@ -164,7 +173,8 @@ class GenStats:
 
     @property
     def decode_rate(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        # The first new token comes from the prefill; the decode steps make the rest.
+        return max(0, self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
     def line(self) -> str:
         hits = ", ".join(f"{k} {v:.1%}" for k, v in self.hits.items()) or "n/a"
@@ -187,110 +197,102 @@ class Session:
         """fp32 logits [V] of the last prompt position, from a fresh state."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        pass
+
 
 def open_session(model_dir: Path, args: argparse.Namespace, *, progress: bool) -> Session:
     return _ModelSession(model_dir, args, progress=progress)
 
 
 class _ModelSession(Session):
-    """The real runtime: converted tree -> model (streamrt.model) -> generate (streamrt.generate)."""
+    """The real runtime: tree -> model -> StreamingRuntime (host + device tiers) -> generate."""
 
     def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool):
         try:
             from streamrt.checkpoint.reader import open_tree
-            from streamrt.model.loader import DirectExpertProvider, load_model
+            from streamrt.model.loader import load_model
+            from streamrt.runtime.options import RuntimeOptions
+            from streamrt.runtime.scheduler import StreamingRuntime
+            from streamrt.runtime.streams import make_device
         except ModuleNotFoundError as exc:
             if not (exc.name or "").startswith("streamrt"):
                 raise
             raise StreamrtError(f"model runtime unavailable in this build ({exc.name} is missing)") from None
         from streamrt.tokenizer import load_tokenizer
 
-        tree = open_tree(model_dir)
-        self.tree = tree
-        self.name = tree.config.name
-        self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
-        self.options = _runtime_options(args)
-        device = getattr(self.options, "device", None) or ("cuda" if _cuda() else "cpu")
-        with _LoadBar(enabled=progress, desc=f"loading {self.name}") as bar:
-            self.model = load_model(tree, device, **_accepted(load_model, progress=bar.update))
-        # TODO(runtime): route through the store + scheduler once streamrt.runtime lands.
-        self.provider = DirectExpertProvider(tree, device)
+        self.options = RuntimeOptions.from_args(args)  # flag errors before any loading
+        with _LoadBar(enabled=progress, desc=f"loading {model_dir.name}", total=3) as bar:
+            tree = open_tree(model_dir)
+            self.name = tree.config.name
+            self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
+            bar.step("dense weights")
+            device = make_device(self.options.device)
+            self.model = load_model(tree, device.torch_device)
+            bar.step("expert store")
+            self.runtime = StreamingRuntime(tree, self.model, self.options, device=device)
+            bar.step("ready")
+
+    def _runner(self):
+        """generate's forward driver: the first forward is the prefill, each later one a decode step."""
+        calls = [0]
+
+        def run(gen):
+            calls[0] += 1
+            return self.runtime.run(gen, tokens=0 if calls[0] == 1 else 1)
+
+        return run
 
     def control_logits(self, ids):
         import torch
 
-        from streamrt.model.model import run_sync
-
         cache = self.model.new_cache()
         x = torch.tensor(ids, dtype=torch.long)
-        return run_sync(self.model.forward_steps(x, cache, last_only=True), self.provider).reshape(-1)
+        with torch.no_grad():
+            return self.runtime.run(self.model.forward_steps(x, cache, last_only=True)).reshape(-1).float()
 
     def generate(self, ids, sampling, on_token):
-        try:
-            from streamrt import generate as gen_mod
-        except ImportError:
-            raise StreamrtError("generation unavailable in this build (streamrt.generate is missing)") from None
-        r = gen_mod.generate(
+        from streamrt.generate import generate
+
+        r = generate(
             self.model,
             ids,
+            runner=self._runner(),
             max_new_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
             stop_ids=sorted(self.tokenizer.stop_ids),
             on_token=on_token,
-            **_accepted(gen_mod.generate, provider=self.provider, options=self.options),
         )
-        return GenStats(
-            prompt_tokens=len(ids),
-            new_tokens=int(getattr(r, "new_tokens", 0)),
-            prefill_s=float(getattr(r, "prefill_s", 0.0)),
-            decode_s=float(getattr(r, "decode_s", 0.0)),
-            stop=str(getattr(r, "stop", "length")),
-            hits=dict(getattr(r, "hit_rates", {}) or {}),
-        )
+        st = self.runtime.stats
+        hits = {}
+        for tier in ("device", "host"):
+            h, m = getattr(st, f"{tier}_hits"), getattr(st, f"{tier}_misses")
+            if h + m:
+                hits[tier] = h / (h + m)
+        return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits)
 
-
-def _accepted(fn: Callable, **kw) -> dict:
-    """The keyword arguments `fn` takes (optional features of a dependency's API)."""
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {k: v for k, v in kw.items() if k in params}
-
-
-def _runtime_options(args: argparse.Namespace):
-    try:
-        from streamrt.runtime.options import RuntimeOptions
-    except ModuleNotFoundError:
-        return None
-    return RuntimeOptions.from_args(args)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    def close(self) -> None:
+        if self.options.stats_json:
+            self.runtime.write_stats()
+        self.runtime.close()
 
 
 class _LoadBar:
-    """tqdm on stderr while the model loads; silent when not a terminal or in --json mode."""
+    """A tqdm bar on stderr over the loading stages; silent when not a terminal or in --json mode."""
 
-    def __init__(self, *, enabled: bool, desc: str):
+    def __init__(self, *, enabled: bool, desc: str, total: int):
         self._bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(desc=desc, unit="file", file=sys.stderr, leave=False)
+            self._bar = tqdm(desc=desc, total=total, file=sys.stderr, leave=False, bar_format="{desc}: {bar} {n}/{total} {postfix}")
 
-    def update(self, done: int, total: int) -> None:
+    def step(self, what: str) -> None:
         if self._bar is not None:
-            self._bar.total = total
-            self._bar.n = done
-            self._bar.refresh()
+            self._bar.set_postfix_str(what, refresh=False)
+            self._bar.update(1)
 
     def __enter__(self):
         return self
@@ -397,6 +399,7 @@ def _report(reply: Reply, stats: GenStats, sampling: Sampling) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     sampling = Sampling.from_args(args)
+    _check_runtime_flags(args)
     thinking = not args.no_thinking
     tools = None
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -409,6 +412,13 @@ def run_command(args: argparse.Namespace) -> int:
         raise StreamrtError("give --prompt TEXT, --chat or --messages FILE.json")
     model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
     session = open_session(model_dir, args, progress=not args.json)
+    try:
+        return _run(session, history, tools, sampling, thinking, args)
+    finally:
+        session.close()
+
+
+def _run(session, history, tools, sampling, thinking, args) -> int:
     if args.chat:
         return _chat_loop(session, history, sampling, thinking, args, sys.stdin)
     ids = encode_chat(session.tokenizer, history, tools, thinking=thinking)
@@ -529,9 +539,13 @@ def child_cycles(model_dir: Path, cycles: int, extra: list[str]) -> list[Cycle]:
 
 def selfcheck_command(args: argparse.Namespace) -> int:
     cycles = _int(args.cycles, "--cycles", 1)
+    _check_runtime_flags(args)
     model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
     session = open_session(model_dir, args, progress=not (args.json or args.child))
-    results = run_cycles(session, cycles, 1)
+    try:
+        results = run_cycles(session, cycles, 1)
+    finally:
+        session.close()
     if args.child:
         print(json.dumps({"cycles": [asdict(r) for r in results]}))
         return 0

@@ -297,3 +297,29 @@ def test_load_model_bf16_tree_and_direct_provider():
         want = twin(ids, provider=DictExpertProvider(experts))
     assert torch.equal(got, want)  # weights are upcast exactly inside every op
     assert prov.loads == tree.loads > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_cuda_reference_matches_cpu_and_is_batch_invariant(name):
+    from streamrt.generate import generate
+    from streamrt.model.loader import _to
+
+    cfg, model, experts = build(name)
+    gm = KimiLinearForCausalLM(cfg).eval().cuda()
+    gm.load_state_dict(model.state_dict())
+    gprov = DictExpertProvider({k: _to(v, "cuda") for k, v in experts.items()})
+    ids = tokens(cfg, T_LONG, 21)
+    with torch.no_grad():
+        cpu = model(ids, provider=DictExpertProvider(experts))
+        full = gm(ids.cuda(), provider=gprov)
+        again = gm(ids.cuda(), provider=gprov)
+    assert full.is_cuda and torch.equal(full, again)
+    assert rel(full.cpu(), cpu) < 1e-4
+    assert rel(decode_one_by_one(gm, ids.cuda(), gprov).cpu(), full.cpu()) < 1e-4
+    prompts = [tokens(cfg, 19, 22).tolist(), tokens(cfg, 9, 23).tolist()]
+    batch = generate(gm, prompts, provider=gprov, max_new_tokens=4, stop_ids=[], hash_steps=True)
+    one = generate(gm, prompts[1], provider=gprov, max_new_tokens=4, stop_ids=[], hash_steps=True)
+    assert batch.prefill_hashes[1] == one.prefill_hashes[0]
+    assert batch.step_hashes[1] == one.step_hashes[0]

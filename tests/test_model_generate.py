@@ -43,6 +43,9 @@ def test_greedy_matches_manual_decode(k31):
         for _ in range(6):  # no cache: full forward over the growing sequence
             seq.append(int(model(torch.tensor(seq), provider=prov)[-1].argmax()))
     assert res.tokens[0] == seq[len(p):]
+    seen = []
+    one = generate(model, torch.tensor(p), provider=prov, max_new_tokens=3, stop_ids=[], on_token=seen.append)
+    assert seen == one.tokens[0] == res.tokens[0][:3] and one.new_tokens == 3 and one.stop == "length"
     assert res.prefill_hashes[0] == logits_hash(res.prefill_logits[0])
 
 

@@ -30,6 +30,8 @@ def _one_line_error(capsys, argv, fragment):
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--temperature", "nan"], "--temperature must be finite"),
         (["--seed", "-3"], "--seed must be >= 0"),
+        (["--window", "0"], "--window must be >= 1"),
+        (["--host-mem", "lots"], "--host-mem: expected a size"),
     ],
 )
 def test_bad_flag_values_are_one_line_exit_2(capsys, flags, fragment):
@@ -192,3 +194,35 @@ def test_default_model_is_built_once_into_the_cache_with_a_notice(monkeypatch, t
     second = default_model.default_model_dir(notices.append)
     assert first == second and first.is_relative_to(tmp_path) and built == [first]
     assert len(notices) == 1 and "tiny-k3.1-pro" in notices[0] and "\n" not in notices[0]
+
+
+# ---- the real model: a synthetic tiny-k3.1-pro tree -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_tree(tmp_path_factory):
+    synth = pytest.importorskip("streamrt.checkpoint.synth")
+    pytest.importorskip("streamrt.checkpoint.reader")
+    tree = tmp_path_factory.mktemp("tiny") / "tree"
+    synth.synth("tiny-k3.1-pro", tree, seed=0, fmt="streamrt", device="cpu", progress=False)
+    return tree
+
+
+def test_inconsistent_variant_is_one_line_exit_2(capsys, tiny_tree, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_tree, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["text_config"]["dsa_config"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _one_line_error(capsys, ["run", "--model", str(bad), "--prompt", "hi"], "dsa_config missing")
+
+
+def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
+    argv = ["run", "--model", str(tiny_tree), "--prompt", "hi", "--json", "--greedy", "--max-new-tokens", "3", "--device", "cpu"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert 1 <= data["stats"]["new_tokens"] <= 3 and data["stats"]["prompt_tokens"] > 10
+    assert set(data["stats"]["hits"]) <= {"device", "host"} and data["stats"]["hits"]
+    assert data["finish_reason"] in ("stop", "length", "tool_calls")

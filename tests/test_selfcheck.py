@@ -90,9 +90,9 @@ def test_selfcheck_passes_on_tiny_and_fails_with_injected_noise(tiny_cache, caps
     monkeypatch.delenv(NOISE_ENV, raising=False)
     assert main(["selfcheck", "--cycles", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["result"] == "PASS" and data["model"] == "tiny-k3.1-pro"
+    assert data["result"] == "PASS" and data["model"].startswith("tiny-k3.1-pro")
     assert [c["process"] for c in data["cycles"]] == [1, 1, 2, 2]
     assert len({c["pid"] for c in data["cycles"]}) == 2
     monkeypatch.setenv(NOISE_ENV, "1")
-    assert main(["selfcheck", "--cycles", "2"]) == 1
+    assert main(["selfcheck", "--cycles", "1"]) == 1
     assert "FAIL" in capsys.readouterr().out

@@ -18,7 +18,8 @@ class Backend(Protocol):
     name: str
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation)."""
+        """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation).
+        Up to `rowwise_max` rows the result is row-wise (batch-invariant); beyond, a GEMM."""
 
     def rmsnorm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
         """KimiRMSNorm: w * (x * rsqrt(mean(x^2) + eps)); x [T, D], w [D]."""
@@ -49,7 +50,8 @@ class Backend(Protocol):
     ) -> Tensor:
         """Absorbed MLA attention for one query row: q_lat [H, R], q_rot [H, Dr],
         c_cache [n, R], kr_cache [n, Dr], select LongTensor[m] of positions or None (all).
-        softmax over positions of (q_lat.c + q_rot.kr) * scale; returns sum p c  [H, R]."""
+        softmax over positions of (q_lat.c + q_rot.kr) * scale; returns sum p c  [H, R].
+        The model passes select in select_topk's emitted order, and None while n <= index_topk."""
 
     def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor) -> Tensor:
         """Lightning Indexer scores of one query: q [Hi, Di], w [Hi], k_cache [n, Di] ->
@@ -60,10 +62,13 @@ class Backend(Protocol):
         positions ascending, then the boundary group from the lowest position up."""
 
     def router(
-        self, x: Tensor, w_gate: Tensor, bias: Tensor, k: int, renormalize: bool, scale: float
+        self, x: Tensor, w_gate: Tensor, bias: Tensor, k: int, renormalize: bool, scale: float,
+        n_group: int = 1, topk_group: int = 1,
     ) -> tuple[Tensor, Tensor]:
         """fp32 sigmoid router: x [T, D], w_gate [E, D], bias [E] (selection only) ->
-        (ids LongTensor [T, k], weights fp32 [T, k])."""
+        (ids LongTensor [T, k] by descending biased score, weights fp32 [T, k] from the
+        unbiased sigmoid, renormalised (+1e-20) then * scale). n_group / topk_group: the
+        group-limited top-k (a no-op at 1 / 1, K3); the model passes them only when n_group > 1."""
 
     def expert_ffn(
         self,

@@ -7,8 +7,8 @@ k top-k, E experts, P = H*K.
 Batch invariance. Decode ops are row-wise: a row's result depends only on that row. For
 elementwise and last-dim reductions that holds by construction. For matrix products it
 does not (a GEMM's blocking depends on the row count), so `linear` runs one GEMV per row
-while T <= `rowwise_max`; bigger T (prefill) takes one GEMM, which is faster but only
-equal to the row-wise result within rounding. Prefill is therefore run per sequence
+while T <= `rowwise_max`; bigger T (prefill) and anything autograd tracks (training) take
+one GEMM, which is faster but only equal to the row-wise result within rounding. Prefill is therefore run per sequence
 (see `streamrt.generate`), so a row never depends on its batch companions.
 
 All ops are differentiable (no in-place writes on inputs) except the two that update a
@@ -84,7 +84,7 @@ class TorchBackend:
         parts = []
         for r0 in range(0, out, rows):
             w32 = w[r0 : r0 + rows].float()  # [out_blk, in]
-            if x.shape[0] <= self.rowwise_max:
+            if x.shape[0] <= self.rowwise_max and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
                 parts.append(torch.stack([torch.mv(w32, x[t]) for t in range(x.shape[0])]) if x.shape[0] else x.new_zeros(0, w32.shape[0]))
             else:
                 parts.append(x @ w32.T)

@@ -38,7 +38,7 @@ from streamrt.checkpoint.fileio import (
     write_bytes_atomic,
 )
 from streamrt.checkpoint.names import TensorSpec, dense_group, dense_specs, expert_prefix, expert_relpath, strip_prefix
-from streamrt.checkpoint.release import INDEX, ReleaseTree, open_release, release_fingerprint
+from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint
 from streamrt.checkpoint.safetensors_io import build_header, order_for_alignment, write_stream
 from streamrt.config import ModelConfig
 from streamrt.errors import CheckpointError
@@ -329,4 +329,4 @@ def _summary_line(s: dict) -> str:
     )
 
 
-__all__ = ["convert", "dense_files", "expert_relpath", "write_manifest", "geometry", "MANIFEST", "FORMAT_VERSION", "INDEX"]
+__all__ = ["convert", "dense_files", "expert_relpath", "write_manifest", "geometry", "MANIFEST", "FORMAT_VERSION"]

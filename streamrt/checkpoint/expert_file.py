@@ -16,13 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from streamrt.checkpoint.fileio import AtomicWriter
 from streamrt.config import ModelConfig
 from streamrt.errors import CheckpointError
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+
+if TYPE_CHECKING:  # torch is imported lazily: `streamrt convert` / `verify` never need it
+    import torch
+
+    from streamrt.expert_weights import ExpertWeights
 
 MAGIC = b"SRTNVFP4"
 VERSION = 1
@@ -73,6 +78,11 @@ class ExpertLayout:
         """[out, in] of 'gate' / 'up' ([I, Dl]) or 'down' ([Dl, I])."""
         return self.matrix_shape_of(m, self.hidden, self.inter)
 
+    @property
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """{'gate.packed': (offset, nbytes), ...} in file order."""
+        return dict(zip(SECTIONS, self.sections))
+
     def section(self, m: str, part: str) -> tuple[int, int]:
         return self.sections[SECTIONS.index(f"{m}.{part}")]
 
@@ -93,7 +103,7 @@ class ExpertHeader:
 
 def parse_header(head, layout: ExpertLayout, *, name: str = "expert file", file_size: int | None = None) -> ExpertHeader:
     """Validate the first 4096 bytes against `layout`; CheckpointError naming the file."""
-    mv = memoryview(head).cast("B") if not isinstance(head, torch.Tensor) else memoryview(head[:HEADER_BYTES].numpy())
+    mv = memoryview(head[:HEADER_BYTES].numpy()) if hasattr(head, "numpy") else memoryview(head).cast("B")
     if len(mv) < HEADER_BYTES:
         raise CheckpointError(f"{name}: truncated expert file: {len(mv)} bytes, shorter than the {HEADER_BYTES}-byte header")
     magic, ver, layer, expert, hidden, inter, mode = _FIXED.unpack_from(mv, 0)
@@ -119,7 +129,9 @@ def parse_header(head, layout: ExpertLayout, *, name: str = "expert file", file_
     return ExpertHeader(layer, expert, hidden, inter, mode)
 
 
-def _as_u8_tensor(buf) -> torch.Tensor:
+def _as_u8_tensor(buf) -> "torch.Tensor":
+    import torch
+
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise TypeError("expected a 1-D uint8 tensor")
@@ -132,14 +144,28 @@ def _as_u8_tensor(buf) -> torch.Tensor:
 
 
 def parse_expert(
-    buf, layout: ExpertLayout, *, name: str = "expert file", expect: tuple[int, int] | None = None
-) -> ExpertWeights:
+    buf,
+    layout: ExpertLayout,
+    *,
+    name: str = "expert file",
+    expect: tuple[int, int] | None = None,
+    validate: bool = True,
+) -> "ExpertWeights":
     """Zero-copy views of one expert file's bytes (bytes-like, mmap, or uint8 tensor, on any
-    device). `expect=(layer, expert)` also checks the header's ids."""
+    device). `expect=(layer, expert)` also checks the header's ids. `validate=False` skips
+    the header check: for a GPU slot whose host copy was already validated, reading the
+    header back would cost a device sync."""
+    import torch
+
+    from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+
     t = _as_u8_tensor(buf)
-    head = t[:HEADER_BYTES].cpu() if t.device.type != "cpu" else t
-    h = parse_header(head, layout, name=name, file_size=t.numel())
-    if expect is not None and (h.layer, h.expert) != tuple(expect):
+    if t.numel() != layout.file_bytes:
+        raise CheckpointError(f"{name}: expert file is {t.numel()} bytes, expected {layout.file_bytes}")
+    if validate:
+        head = t[:HEADER_BYTES].cpu() if t.device.type != "cpu" else t
+        h = parse_header(head, layout, name=name, file_size=t.numel())
+    if validate and expect is not None and (h.layer, h.expert) != tuple(expect):
         raise CheckpointError(
             f"{name}: header says layer {h.layer} expert {h.expert}, expected layer {expect[0]} expert {expect[1]}"
         )
@@ -156,15 +182,15 @@ def parse_expert(
 
 
 def _numpy_triple(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if isinstance(m, NVFP4Matrix):
+    if hasattr(m, "global_scale"):  # an NVFP4Matrix
         m = (m.packed, m.scales, m.global_scale)
-    p, s, g = (x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x) for x in m)
+    p, s, g = (x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x) for x in m)
     return p, s, g
 
 
 def write_expert_file(
     path: Path,
-    weights: ExpertWeights | Mapping[str, tuple],
+    weights: "ExpertWeights | Mapping[str, tuple]",
     *,
     layer: int = 0,
     expert: int = 0,
@@ -175,7 +201,7 @@ def write_expert_file(
     """Write one expert atomically. `weights` is an ExpertWeights or a mapping
     {'gate'|'up'|'down': (packed uint8 [out, in/2], scales uint8 [out, in/16], global float32 [out] or scalar)}.
     Returns (size, blake2b hex)."""
-    get = (lambda m: getattr(weights, m)) if isinstance(weights, ExpertWeights) else (lambda m: weights[m])
+    get = (lambda m: weights[m]) if isinstance(weights, Mapping) else (lambda m: getattr(weights, m))
     trip = {m: _numpy_triple(get(m)) for m in MATRICES}
     if layout is None:
         out, inn = trip["gate"][0].shape[0], trip["gate"][0].shape[1] * 2

@@ -13,7 +13,7 @@ import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from streamrt.checkpoint.convert import FORMAT, FORMAT_VERSION, MANIFEST, geometry
 from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert
@@ -22,20 +22,14 @@ from streamrt.checkpoint.names import expert_relpath
 from streamrt.checkpoint.safetensors_io import read_header
 from streamrt.config import ModelConfig, load_config
 from streamrt.errors import CheckpointError
-from streamrt.expert_weights import ExpertWeights
 
-TORCH_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "BOOL": torch.bool,
-}
+if TYPE_CHECKING:  # torch loads lazily so `streamrt verify` starts fast
+    import torch
+
+    from streamrt.expert_weights import ExpertWeights
+
+TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "U8": "uint8",
+                     "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool"}
 
 
 def _map_private(path: Path) -> mmap.mmap:
@@ -57,16 +51,18 @@ class StreamrtTree:
     def dense_files(self) -> list[Path]:
         return sorted(self.root / rel for rel in self.manifest["files"] if rel.startswith("dense/"))
 
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+    def dense_state_dict(self) -> "dict[str, torch.Tensor]":
         """Every dense tensor (resident + planes), CPU, viewing the file mappings in place."""
+        import torch
+
         out: dict[str, torch.Tensor] = {}
         for path in self.dense_files():
             hdr = read_header(path)
             buf = torch.frombuffer(_map_private(path), dtype=torch.uint8) if hdr.file_size else None
             for name, e in hdr.entries.items():
-                dt = TORCH_DTYPES[e.dtype]
+                dt = getattr(torch, TORCH_DTYPE_NAMES[e.dtype])
                 raw = buf[e.begin : e.end] if buf is not None else torch.empty(0, dtype=torch.uint8)
-                if e.begin % raw.new_empty(0, dtype=dt).element_size():
+                if e.begin % torch.empty(0, dtype=dt).element_size():
                     raw = raw.clone()  # misaligned (not written by us): copy rather than fail
                 out[name] = raw.view(dt).view(e.shape)
         return out
@@ -76,7 +72,7 @@ class StreamrtTree:
             raise CheckpointError(f"{self.root}: no routed expert ({layer}, {expert}) in this model")
         return self.root / expert_relpath(layer, expert)
 
-    def load_expert(self, layer: int, expert: int) -> ExpertWeights:
+    def load_expert(self, layer: int, expert: int) -> "ExpertWeights":
         """CPU views of the expert's mapping; header validated (not the checksum)."""
         path = self.expert_path(layer, expert)
         if not path.is_file():

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from streamrt.checkpoint.names import TensorSpec, expert_prefix, is_expert_tensor, tensor_specs
+from streamrt.checkpoint.names import TensorSpec, expert_prefix, tensor_specs
 from streamrt.checkpoint.safetensors_io import STEntry, STHeader, read_header
 from streamrt.config import ModelConfig, load_config
 from streamrt.errors import CheckpointError
@@ -45,6 +46,7 @@ class ReleaseTree:
     headers: dict[str, STHeader]  # shard file name -> parsed header
     specs: list[TensorSpec]
     _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def shards(self) -> list[str]:
@@ -55,12 +57,13 @@ class ReleaseTree:
         return shard, self.headers[shard].entries[name]
 
     def _map(self, shard: str) -> mmap.mmap:
-        m = self._maps.get(shard)
-        if m is None:
-            with open(self.root / shard, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[shard] = m
-        return m
+        with self._lock:  # converter threads share one read-only mapping per shard
+            m = self._maps.get(shard)
+            if m is None:
+                with open(self.root / shard, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._maps[shard] = m
+            return m
 
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, zero-copy from the shard mapping."""
@@ -175,4 +178,4 @@ def release_fingerprint(root: Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["ReleaseTree", "open_release", "release_fingerprint", "is_expert_tensor", "INDEX", "TOKENIZER_FILES"]
+__all__ = ["ReleaseTree", "open_release", "release_fingerprint", "INDEX", "TOKENIZER_FILES"]

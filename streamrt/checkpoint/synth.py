@@ -30,10 +30,8 @@ import torch
 from streamrt import fp4
 from streamrt.checkpoint.names import (
     TensorSpec,
-    dense_group,
     dense_specs,
     expert_matrix_shapes,
-    expert_specs,
     is_expert_tensor,
     strip_prefix,
     tensor_specs,

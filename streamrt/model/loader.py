@@ -64,10 +64,17 @@ def load_weights(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], *, dtyp
     return model
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto' (or None) -> cuda when available, else cpu."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def load_model(tree_or_path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.bfloat16, backend=None) -> KimiLinearForCausalLM:
     """A ready-to-run model from a converted tree (an opened tree or its path).
 
-    Dense tensors as loaded, cast to `dtype` (None: keep); experts stay in the tree
+    device may be 'auto'. Dense tensors as loaded, cast to `dtype` (None: keep); experts stay in the tree
     (pair the model with `DirectExpertProvider(tree)` or the store).
     """
     tree = tree_or_path
@@ -78,7 +85,7 @@ def load_model(tree_or_path, device: str | torch.device = "cpu", dtype: torch.dt
     with torch.device("meta"):
         model = KimiLinearForCausalLM(tree.config, backend=backend)
     load_weights(model, tree.dense_state_dict(), dtype=dtype, source=str(getattr(tree, "root", "tree")))
-    model = model.to(device).eval().requires_grad_(False)
+    model = model.to(resolve_device(device)).eval().requires_grad_(False)
     return model
 
 
@@ -94,7 +101,7 @@ class DirectExpertProvider:
     """
 
     def __init__(self, tree, device: str | torch.device | None = None):
-        self.tree, self.device = tree, device
+        self.tree, self.device = tree, None if device is None else resolve_device(device)
         self.loads = 0
 
     def __call__(self, req: ExpertRequest) -> dict[int, ExpertWeights]:

@@ -65,11 +65,14 @@ class CpuDevice:
         self.full_synchronizes += 1
 
     # memory
-    def copy_h2d(self, dst: Tensor, src: Tensor, *, pinned: bool) -> None:
+    def copy_h2d(self, dst: Tensor, src: Tensor, *, pinned: bool, transient: bool = False) -> None:
         dst.copy_(src)
 
     def alloc_slab(self, slots: int, slot_bytes: int) -> Tensor:
         return torch.empty((slots, slot_bytes), dtype=torch.uint8)
+
+    def alloc_buffer(self, nbytes: int) -> Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def host_register(self, t: Tensor) -> bool:
         return False
@@ -123,14 +126,22 @@ class CudaDevice:
         torch.cuda.synchronize(self.torch_device)
 
     # memory
-    def copy_h2d(self, dst: Tensor, src: Tensor, *, pinned: bool) -> None:
+    def copy_h2d(self, dst: Tensor, src: Tensor, *, pinned: bool, transient: bool = False) -> None:
         """Queue dst <- src on the copy stream. From page-locked memory the copy is an async DMA;
-        from pageable memory (`pinned=False`, the baseline) it is a blocking staged copy."""
+        from pageable memory (`pinned=False`, the baseline) it is a blocking staged copy.
+        A transient `dst` (allocated on the compute stream) is marked as used by the copy
+        stream so the caching allocator cannot hand it out before the copy ran."""
         with torch.cuda.stream(self.copy_stream):
             dst.copy_(src, non_blocking=pinned)
+        if transient:
+            dst.record_stream(self.copy_stream)
 
     def alloc_slab(self, slots: int, slot_bytes: int) -> Tensor:
         return torch.empty((slots, slot_bytes), dtype=torch.uint8, device=self.torch_device)
+
+    def alloc_buffer(self, nbytes: int) -> Tensor:
+        """On the compute stream: freed for reuse once the compute reading it is queued."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
     def host_register(self, t: Tensor) -> bool:
         """Page-lock a read-only host range in place. False when the driver refuses (the

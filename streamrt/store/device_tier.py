@@ -43,6 +43,7 @@ class DeviceTier:
         self._pins: Counter[ExpertKey] = Counter()
         self._views: list = [None] * slots
         self.evictions = 0
+        self.transients = 0
 
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self._slot_of
@@ -109,6 +110,16 @@ class DeviceTier:
         self.device.copy_h2d(self.slab[slot], src, pinned=pinned)
         self.ready[slot] = self.device.record_copy_event()
         self.stats.bytes_h2d += self.slot_bytes
+
+    def fill_transient(self, src: Tensor, *, pinned: bool) -> tuple[Tensor, object]:
+        """A request needing more experts than there are unpinned slots (a long prefill) gets
+        the overflow in a transient buffer on the compute device, freed by the caching
+        allocator once the compute that reads it has run. Returns (buffer, ready event)."""
+        buf = self.device.alloc_buffer(self.slot_bytes)
+        self.device.copy_h2d(buf, src, pinned=pinned, transient=True)
+        self.stats.bytes_h2d += self.slot_bytes
+        self.transients += 1
+        return buf, self.device.record_copy_event()
 
     def views(self, slot: int, make: Callable[[Tensor], object]):
         """Zero-copy expert views of a slot; the layout is fixed, so built once per slot."""

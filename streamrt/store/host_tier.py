@@ -35,7 +35,7 @@ from streamrt.store.retire import RetireQueue
 class HostMapping:
     """One expert file mapped read-only; `data` is a zero-copy uint8 tensor over it."""
 
-    __slots__ = ("key", "path", "nbytes", "_mm", "data", "registered", "_device")
+    __slots__ = ("key", "path", "nbytes", "_mm", "data", "registered", "retired", "_device")
 
     def __init__(self, key: ExpertKey, path: Path, nbytes: int, device, register: bool) -> None:
         self.key, self.path, self.nbytes, self._device = key, path, nbytes, device
@@ -55,6 +55,11 @@ class HostMapping:
             warnings.simplefilter("ignore", UserWarning)
             self.data: Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.registered = register and device.host_register(self.data)
+        self.retired = False  # evicted from the window: no new copies may be queued from it
+
+    @property
+    def live(self) -> bool:
+        return not self.retired and self.data is not None
 
     def release(self) -> None:
         """Unregister and unmap. Only after every copy queued from it has executed."""
@@ -138,6 +143,7 @@ class HostTier:
 
     def _evict(self, mapping: HostMapping) -> None:
         self.stats.evictions += 1
+        mapping.retired = True
         if self.evict_mode == "sync":
             # The seed's failure mode: wait for every queued copy (and all unrelated work).
             self.device.synchronize()

@@ -1,0 +1,172 @@
+"""Kernel bandwidth benchmark for the nvrtc backend (one run, one GPU).
+
+1. The HBM copy rate: a large device-to-device copy (bytes read + bytes written per second).
+2. NVFP4 expert FFN at `slice` geometry (Dl=3584, I=3072, 16 experts of one layer, one token):
+   effective bytes/s = expert bytes read (nibbles + E4M3 scales + global scales) / time.
+3. BF16 GEMV at batch 1: 7168x12288 and 12288x7168 (weight bytes / time).
+4. A few other decode ops, for the record.
+Each timing replays a CUDA graph of `--reps` back-to-back calls (no Python in the loop),
+median of `--trials`. Ratios are against the copy rate of the same run (target >= 0.8).
+
+    python profiling/bench_kernels.py [--markdown out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from streamrt.backends.nvrtc import NvrtcBackend  # noqa: E402
+from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix  # noqa: E402
+
+
+def graph_time(fn, reps: int, trials: int) -> float:
+    """Seconds per call of fn, replaying a CUDA graph of `reps` calls; median over trials."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def loop_time(fn, reps: int, trials: int) -> float:
+    """Seconds per call, plain loop between two events (for code that syncs, e.g. the torch backend)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def copy_rate(nbytes: int, trials: int) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = graph_time(lambda: b.copy_(a), reps=5, trials=trials)
+    return 2 * nbytes / t
+
+
+def rand_nvfp4(rows: int, cols: int) -> NVFP4Matrix:
+    packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(0x28, 0x49, (rows, cols // 16), dtype=torch.uint8, device="cuda")
+    glob = torch.rand(rows, device="cuda") * (0.6 / math.sqrt(cols)) + 1e-3
+    return NVFP4Matrix(packed, scales, glob)
+
+
+def nbytes(m: NVFP4Matrix) -> int:
+    return sum(t.numel() * t.element_size() for t in (m.packed, m.scales, m.global_scale))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
+    ap.add_argument("--torch", action="store_true", help="also time the torch backend for each op")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    nv, tb = NvrtcBackend(), TorchBackend()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(0)
+    copy = copy_rate(int(args.copy_gib * 2**30), args.trials)
+    rows = []  # (name, bytes, seconds, torch seconds or None)
+
+    def bench(name, nb, fn, tfn=None):
+        t = graph_time(fn, args.reps, args.trials)
+        tt = loop_time(tfn, max(1, args.reps // 4), 3) if (args.torch and tfn is not None) else None
+        rows.append((name, nb, t, tt))
+
+    # NVFP4 expert FFN, slice geometry, 16 experts in one launch
+    Dl, I, k = 3584, 3072, 16
+    experts = {e: ExpertWeights(rand_nvfp4(I, Dl), rand_nvfp4(I, Dl), rand_nvfp4(Dl, I)) for e in range(k)}
+    ids = torch.arange(k).view(1, k)  # host ids: the graph captures launches, not a sync
+    w = torch.softmax(torch.randn(1, k, device=dev), -1)
+    z = torch.randn(1, Dl, device=dev)
+    ex_bytes = sum(nbytes(m) for ew in experts.values() for m in (ew.gate, ew.up, ew.down))
+    bench("nvfp4 expert FFN slice (16 x 3584x3072 x3), T=1", ex_bytes,
+          lambda: nv.expert_ffn(z, ids, w, experts, 4.0, 25.0),
+          lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
+
+    for N, K in ((7168, 12288), (12288, 7168)):
+        W = torch.randn(N, K, device=dev).to(torch.bfloat16)
+        x = torch.randn(1, K, device=dev)
+        bench(f"bf16 GEMV {N}x{K}, T=1", N * K * 2, lambda W=W, x=x: nv.linear(x, W), lambda W=W, x=x: tb.linear(x, W))
+    W = torch.randn(7168, 12288, device=dev).to(torch.bfloat16)
+    x8 = torch.randn(8, 12288, device=dev)
+    bench("bf16 GEMV 7168x12288, T=8", W.numel() * 2, lambda: nv.linear(x8, W), lambda: tb.linear(x8, W))
+
+    # other decode ops (bytes = main tensors read + written)
+    H, K_, n = 96, 128, 8192
+    q = torch.nn.functional.normalize(torch.randn(1, H, K_, device=dev), dim=-1)
+    kk = torch.nn.functional.normalize(torch.randn(1, H, K_, device=dev), dim=-1)
+    v, g = torch.randn(1, H, K_, device=dev), -torch.rand(1, H, K_, device=dev)
+    beta, S = torch.rand(1, H, device=dev), torch.randn(1, H, K_, K_, device=dev) * 0.1
+    bench("kda_step H=96 K=V=128", 2 * S.numel() * 4, lambda: nv.kda_step(q, kk, v, g, beta, S))
+    ql, qr = torch.randn(96, 512, device=dev), torch.randn(96, 64, device=dev)
+    c, kr = torch.randn(n, 512, device=dev), torch.randn(n, 64, device=dev)
+    bench(f"mla_decode H=96 n={n}", (c.numel() + kr.numel()) * 4, lambda: nv.mla_decode(ql, qr, c, kr, 0.072, None),
+          lambda: tb.mla_decode(ql, qr, c, kr, 0.072, None))
+    sel = torch.randperm(n, device=dev)[:2048]
+    bench(f"mla_decode H=96 n={n} select 2048", 2048 * 576 * 4, lambda: nv.mla_decode(ql, qr, c, kr, 0.072, sel))
+    qi, wi, ki = torch.randn(32, 128, device=dev), torch.randn(32, device=dev), torch.randn(65536, 128, device=dev)
+    bench("indexer_scores Hi=32 Di=128 n=65536", ki.numel() * 4, lambda: nv.indexer_scores(qi, wi, ki),
+          lambda: tb.indexer_scores(qi, wi, ki))
+    sc = torch.randn(65536, device=dev)
+    bench("select_topk n=65536 k=2048", sc.numel() * 4, lambda: nv.select_topk(sc, 2048))
+    xr, wn = torch.randn(1, 7168, device=dev), torch.rand(7168, device=dev)
+    bench("rmsnorm D=7168", 2 * xr.numel() * 4, lambda: nv.rmsnorm(xr, wn, 1e-5))
+
+    date = datetime.date.today().isoformat()
+    head = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, {date}"
+    lines = [f"# bench_kernels: {head}", "",
+             f"HBM copy rate (D2D, read+write): {copy / 1e9:.0f} GB/s", "",
+             "| op | bytes | time (us) | GB/s | / copy rate | torch (us) |", "|---|---:|---:|---:|---:|---:|"]
+    for name, nb, t, tt in rows:
+        lines.append(f"| {name} | {nb / 1e6:.1f} MB | {t * 1e6:.1f} | {nb / t / 1e9:.0f} | {nb / t / copy:.2f} | "
+                     f"{'' if tt is None else f'{tt * 1e6:.1f}'} |")
+    md = "\n".join(lines)
+    print(md)
+    if args.markdown:
+        args.markdown.write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

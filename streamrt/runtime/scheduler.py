@@ -1,0 +1,411 @@
+"""The streaming runtime: one asyncio coroutine per decode step drives the model's forward
+generator and moves routed experts host -> device around its compute.
+
+The whole I/O story of a decode step is in `decode_step` and `serve`, top to bottom:
+
+    the model runs until a MoE layer's router has spoken and yields ExpertRequest(layer, ids, ...)
+    1. finish   the previous layer's compute is queued: one compute event marks its slots'
+                last use; its pins drop
+    2. route    ids to the host (one transfer, together with the predictor's guess for the
+                next layer); predicted recall is recorded
+    3. fetch    device hits need nothing. Every miss is issued at once: a miss whose mapping
+                is open is copied now on the copy stream (one event per expert); cold files
+                are mapped (and page-locked) by a bounded thread pool, each copied the moment
+                its mapping arrives
+    4. stage    the next layer's predicted experts start copying, behind this layer's misses,
+                while this layer computes
+    5. retire   mappings evicted from the host window are released once the copy-stream event
+                recorded at their eviction completed (front of the FIFO only)
+    6. compute  the model receives lazy expert views: taking expert e makes the compute stream
+                wait for e's copy event (GPU-side), so the first experts compute while later
+                ones still arrive. No host synchronize anywhere on this path.
+
+Completion reaches asyncio by event-query polling (`_event_done`), never by blocking the loop.
+Batch decode needs nothing special: B sequences yield one request per layer and its unique ids
+are fetched once.
+
+Failure modes of the seed, for the sweep (off by default): `--staging off` (no pool, no
+staging, pageable synchronous copies: the baseline), `--prefetch discard`, `--evict sync`,
+`--preparse`.
+
+Construction and driving (what `streamrt run` does):
+
+    rt = StreamingRuntime(tree, model, RuntimeOptions.from_args(args), batch=B)
+    logits = rt.run(model.forward_steps(prompt_ids, cache))             # prefill
+    logits = rt.run(model.forward_steps(next_ids, cache), tokens=B)     # each decode step
+    rt.write_stats(args.stats_json); rt.close()
+or synchronously: `run_sync(gen, rt.provider)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from streamrt.checkpoint.expert_file import parse_expert
+from streamrt.expert_weights import ExpertWeights
+from streamrt.runtime.options import RuntimeOptions
+from streamrt.runtime.predictor import Predictor
+from streamrt.runtime.stats import RuntimeStats, write_stats_json
+from streamrt.runtime.streams import make_device
+from streamrt.store.device_tier import DeviceTier, relocate_views
+from streamrt.store.host_tier import HostMapping, HostTier
+from streamrt.store.keys import ExpertKey
+from streamrt.store.policies import make_policy
+from streamrt.store.retire import RetireQueue
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed, else the default loop."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
+
+
+class StreamedExperts(Mapping):
+    """The answer to one ExpertRequest: expert id -> ExpertWeights views of its device slot.
+    Taking an expert makes the compute stream wait for that expert's copy (a GPU-side wait);
+    listing the ids waits for nothing."""
+
+    def __init__(self, device, views: dict[int, ExpertWeights], events: dict[int, object]) -> None:
+        self._device, self._views, self._events = device, views, events
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        ev = self._events.pop(e, None)
+        if ev is not None:
+            self._device.compute_wait(ev)
+        return self._views[e]
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
+class StreamingRuntime:
+    def __init__(
+        self,
+        tree,
+        model=None,
+        options: RuntimeOptions | None = None,
+        *,
+        device=None,
+        batch: int = 1,
+        predictor: Predictor | None = None,
+        workers: int | None = None,
+        record_trace: bool = False,
+    ) -> None:
+        self.options = opts = options or RuntimeOptions()
+        self.cfg = cfg = tree.config
+        self.layout = tree.layout
+        self.device = device or make_device(opts.device)
+        sizes = opts.resolve(cfg, self.layout.file_bytes, self.device, batch=batch)
+        self.window, self.gpu_experts = sizes.window, sizes.gpu_experts
+        self.stats = RuntimeStats(trace=[] if record_trace else None)
+        self.retire = RetireQueue()
+        self.host = HostTier(
+            lambda key: tree.expert_path(key.layer, key.expert),
+            self.layout.file_bytes,
+            sizes.window,
+            device=self.device,
+            retire=self.retire,
+            stats=self.stats,
+            register=opts.staging,  # the baseline copies from pageable mappings
+            evict=opts.evict,
+        )
+        self.gpu = DeviceTier(
+            sizes.gpu_experts,
+            self.layout.file_bytes,
+            device=self.device,
+            policy=make_policy(opts.gpu_policy, capacity=sizes.gpu_experts),
+            stats=self.stats,
+        )
+        if predictor is None and model is not None and opts.staging:
+            predictor = Predictor.from_model(model)
+        self.predictor = predictor if opts.staging else None
+        self.pool = ThreadPoolExecutor(
+            max_workers=workers or min(16, os.cpu_count() or 1),
+            thread_name_prefix="streamrt-map",
+            initializer=self.device.thread_init,
+        )
+        self.loop = new_event_loop()
+        self._inflight: dict[ExpertKey, asyncio.Future] = {}  # cold mappings being opened
+        self._tasks: set[asyncio.Task] = set()  # staging fetches in flight
+        self._held: list[ExpertKey] = []  # keys the last served request pinned
+        self._transient: dict[ExpertKey, tuple] = {}  # overflow of a request wider than the slab
+        self._predicted: dict[int, set[int]] = {}  # layer -> ids predicted for it
+        self._staged: dict[int, list[ExpertKey]] = {}  # layer -> keys pinned for it by staging
+        if opts.preparse:
+            keys = [ExpertKey(l, e) for l in cfg.moe_layers for e in range(cfg.num_experts)]
+            self.host.preparse(keys, lambda buf: parse_expert(buf, self.layout))
+
+    # ---- driving the model ----------------------------------------------------------
+
+    def run(self, gen, *, tokens: int = 0) -> torch.Tensor:
+        """Drive one forward generator (a prefill, or a decode step producing `tokens` tokens)
+        to its logits on this runtime's loop. Decode steps (tokens > 0) are timed."""
+        return self.loop.run_until_complete(self.decode_step(gen, tokens=tokens))
+
+    def provider(self, req) -> Mapping[int, ExpertWeights]:
+        """Synchronous provider for `streamrt.model.run_sync` (same fetch path, same answers)."""
+        return self.loop.run_until_complete(self.serve(req))
+
+    async def decode_step(self, gen, *, tokens: int = 0) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            req = next(gen)  # runs the model up to the first MoE router
+            while True:
+                experts = await self.serve(req)
+                req = gen.send(experts)  # queues this layer's compute, runs to the next router
+        except StopIteration as stop:
+            logits = stop.value
+        finally:
+            gen.close()
+            self._finish_previous()
+            await self._settle()
+        if tokens:
+            await _event_done(self.device.record_compute_event())  # the step's GPU work is done
+            self.stats.tokens += tokens
+            self.stats.decode_s += time.perf_counter() - t0
+        return logits
+
+    # ---- one layer request: the I/O story ---------------------------------------------
+
+    async def serve(self, req) -> StreamedExperts:
+        layer = req.layer
+
+        # 1. finish: the previous layer's compute is queued; mark its slots' last use, unpin.
+        self._finish_previous()
+
+        # 2. route: routed ids (and the guess for the next layer) reach the host together.
+        ids, guess = self._route(req)
+        keys = [ExpertKey(layer, e) for e in ids]
+        if layer in self._predicted:
+            hit = self._predicted.pop(layer)
+            self.stats.predicted += sum(1 for e in ids if e in hit)
+            self.stats.routed += len(ids)
+        if self.stats.trace is not None:
+            self.stats.trace.append([layer, ids])
+        if self.options.prefetch == "discard":
+            await self._discard_reads(keys)  # the seed's failure mode: traffic for nothing
+        self.gpu.pin(keys)
+        self._held = keys
+
+        # 3. fetch: hits need nothing; open mappings are copied now; cold files via the pool.
+        cold = []
+        for key in keys:
+            if self.gpu.lookup(key) is not None:
+                continue
+            if not self.options.staging:  # baseline: synchronous map + pageable copy, one by one
+                self._copy_in(key, self.host.lookup(key) or self.host.insert(self._open(key)))
+                continue
+            m = self.host.lookup(key)
+            if m is not None:
+                self._copy_in(key, m)
+            else:
+                cold.append(key)
+        if cold:
+            t = time.perf_counter()
+            await asyncio.gather(*(self._fetch(k) for k in cold))
+            self.stats.stall_s += time.perf_counter() - t
+
+        # 4. stage: the next layer's predicted experts copy while this layer computes.
+        if guess is not None:
+            self._stage(*guess)
+
+        # 5. retire: release evicted mappings whose copies have executed (front only).
+        self.retire.release()
+
+        # 6. compute: lazy views; the compute stream waits per expert, on the GPU.
+        views, events = {}, {}
+        for key in keys:
+            if key in self._transient:
+                views[key.expert], events[key.expert] = self._transient[key]
+                continue
+            slot = self.gpu.slot_of(key)
+            views[key.expert] = self.gpu.views(slot, self._slot_views)
+            if self.gpu.ready[slot] is not None:
+                events[key.expert] = self.gpu.ready[slot]
+        return StreamedExperts(self.device, views, events)
+
+    # ---- the steps' parts -----------------------------------------------------------
+
+    def _finish_previous(self) -> None:
+        self._transient.clear()  # the compute reading them is queued; the allocator takes over
+        if not self._held:
+            return
+        ev = self.device.record_compute_event()
+        for key in self._held:
+            slot = self.gpu.slot_of(key)
+            if slot is not None:
+                self.gpu.last_use[slot] = ev
+        self.gpu.unpin(self._held)
+        layer = self._held[0].layer
+        self.gpu.unpin(self._staged.pop(layer, ()))
+        self._held = []
+
+    def _route(self, req) -> tuple[list[int], tuple[int, list[int]] | None]:
+        """Unique routed ids, and (next layer, unique predicted ids) when staging."""
+        ids = req.ids.reshape(-1)
+        target = self.predictor.target(req.layer) if self.predictor is not None else None
+        if target is None:
+            return sorted(set(ids.tolist())), None
+        guess = self.predictor.predict(req.layer, req.hidden).reshape(-1)
+        both = torch.cat((ids.to(guess.dtype), guess)).tolist()  # one device-to-host transfer
+        n = ids.numel()
+        return sorted(set(both[:n])), (target, sorted(set(both[n:])))
+
+    def _copy_in(self, key: ExpertKey, m: HostMapping, *, required: bool = True) -> bool:
+        """Give `key` a slot and queue its copy from mapping `m` (one ready event)."""
+        if key in self.gpu or key in self._transient:
+            return True
+        slot = self.gpu.admit(key, required=False)
+        if slot is None:  # every slot pinned: only a request wider than the slab gets here
+            if required:
+                buf, ev = self.gpu.fill_transient(m.data, pinned=m.registered)
+                self._transient[key] = (relocate_views(parse_expert(m.data, self.layout), m.data, buf), ev)
+            return required
+        self.gpu.fill(slot, m.data, pinned=m.registered)
+        # The slot's views (built once, from the first mapping copied into it: same layout).
+        self.gpu.views(slot, lambda t: relocate_views(parse_expert(m.data, self.layout), m.data, t))
+        return True
+
+    async def _fetch(self, key: ExpertKey) -> None:
+        """A cold miss: copied the moment its mapping arrives (no-op if staging got it first)."""
+        self._copy_in(key, await self._mapping(key))
+
+    def _slot_views(self, slot_tensor):  # views are always built in _copy_in first
+        raise AssertionError("slot views requested before the slot was filled")
+
+    async def _mapping(self, key: ExpertKey) -> HostMapping:
+        """The open mapping of `key`, live when this returns (the caller copies from it before
+        its next await): a host hit, a fill already in flight, or a new one mapped (and
+        page-locked) on the pool, inserted into the host window on this thread. A fill shared
+        with another task may have been evicted again by the time this task resumes (a window
+        smaller than the request): then map it once more."""
+        while True:
+            m = await self._mapping_once(key)
+            if m.live:
+                return m
+
+    async def _mapping_once(self, key: ExpertKey) -> HostMapping:
+        m = self.host.lookup(key)
+        if m is not None:
+            return m
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = self._inflight[key] = self.loop.create_future()
+            try:
+                m = await self.loop.run_in_executor(self.pool, self._open, key)
+                m = self.host.insert(m)
+                fut.set_result(m)
+            except BaseException as e:
+                fut.set_exception(e)
+                fut.exception()  # retrieved: waiters re-raise it
+                raise
+            finally:
+                del self._inflight[key]
+            return m
+        return await fut
+
+    def _open(self, key: ExpertKey) -> HostMapping:
+        """Pool thread: map (+ register) and validate the header against the key."""
+        m = self.host.open_mapping(key)
+        try:
+            parse_expert(m.data, self.layout, name=str(m.path), expect=(key.layer, key.expert))
+        except BaseException:
+            m.release()
+            raise
+        return m
+
+    def _stage(self, layer: int, ids: list[int]) -> None:
+        """Start copying `layer`'s predicted experts: open ones now, cold ones when mapped.
+        Staged keys are pinned until `layer` has been served; with no free victim, skip."""
+        self._predicted[layer] = set(ids)
+        pinned = self._staged.setdefault(layer, [])
+        for e in ids:
+            key = ExpertKey(layer, e)
+            if key in self.gpu:
+                continue
+            m = self.host.lookup(key)
+            if m is not None:
+                if self._copy_in(key, m, required=False):
+                    self.gpu.pin((key,))
+                    pinned.append(key)
+                    self.stats.staged += 1
+            else:
+                task = self.loop.create_task(self._stage_cold(layer, key))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _stage_cold(self, layer: int, key: ExpertKey) -> None:
+        m = await self._mapping(key)
+        if key in self.gpu or layer not in self._staged:  # already served, or the layer is done
+            return
+        if self._copy_in(key, m, required=False):
+            self.gpu.pin((key,))
+            self._staged[layer].append(key)
+            self.stats.staged += 1
+
+    async def _settle(self) -> None:
+        """End of a step: let staging fetches still mapping files finish (they only map; the
+        layer they were for has been served, so they copy nothing)."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for layer in list(self._staged):
+            self.gpu.unpin(self._staged.pop(layer))
+        self._predicted.clear()
+
+    async def _discard_reads(self, keys: list[ExpertKey]) -> None:
+        """`--prefetch discard`: read each routed file into a throwaway buffer (aiofiles)."""
+        import aiofiles
+
+        async def read(key: ExpertKey) -> None:
+            async with aiofiles.open(self.host.path_of(key), "rb", executor=self.pool) as f:
+                self.stats.bytes_disk += len(await f.read())
+
+        await asyncio.gather(*(read(k) for k in keys))
+
+    # ---- results and shutdown ----------------------------------------------------------
+
+    def payload(self) -> dict:
+        """The `--stats-json` object."""
+        return self.stats.payload(retire=self.retire, device=self.device)
+
+    def write_stats(self, path=None) -> dict:
+        p = self.payload()
+        path = path or self.options.stats_json
+        if path:
+            write_stats_json(path, p)
+        return p
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.run_until_complete(self._settle())
+        self.host.close()
+        self.pool.shutdown(wait=True)
+        self.loop.close()
+
+    def __enter__(self) -> "StreamingRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+async def _event_done(ev) -> None:
+    """Wait for an event without blocking the loop: query, yield, back off to 100 us."""
+    delay = 0.0
+    while not ev.query():
+        await asyncio.sleep(delay)
+        delay = min(1e-4, delay * 2 or 5e-6)

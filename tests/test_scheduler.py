@@ -1,0 +1,157 @@
+"""The streaming runtime end to end on the CPU twin, tiny-k3.1-pro synthesised into a tmp dir:
+logits bit-identical to the direct provider across window, policy, staging and batch; the
+cyclic-scan and compulsory-miss counts; no full synchronize on the decode path."""
+
+import pytest
+import torch
+
+from streamrt.checkpoint.reader import open_tree
+from streamrt.checkpoint.synth import synth
+from streamrt.model import DirectExpertProvider, ModelCache, load_model, run_sync
+from streamrt.runtime.options import RuntimeOptions
+from streamrt.runtime.scheduler import StreamedExperts, StreamingRuntime
+from streamrt.runtime.stats import PAYLOAD_KEYS
+from streamrt.store.keys import ExpertKey
+
+PROMPT = [256, 72, 101, 108]
+CONT = [44, 32]  # forced continuation: every run decodes the same tokens
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny") / "tree"
+    synth("tiny-k3.1-pro", root, fmt="streamrt", seed=0, workers=1, progress=False)
+    return open_tree(root)
+
+
+@pytest.fixture(scope="module")
+def model(tree):
+    return load_model(tree, "cpu", dtype=None)
+
+
+def decode(model, runner, prompt=PROMPT, cont=CONT):
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        out = [runner(model.forward_steps(torch.tensor([prompt]), cache, last_only=True), 0)]
+        for t in cont:
+            out.append(runner(model.forward_steps(torch.tensor([[t]]), cache), 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tree, model):
+    return decode(model, lambda g, _: run_sync(g, DirectExpertProvider(tree)))
+
+
+def runtime(tree, model, **kw):
+    return StreamingRuntime(tree, model, RuntimeOptions(device="cpu", **kw), workers=2, record_trace=True)
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+WS = 32  # tiny-k3.1-pro: 8 MoE layers x top-4
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(window=2),
+        dict(window=WS, gpu_policy="lru", gpu_experts=8),
+        dict(window=65536, gpu_policy="lfu", gpu_experts=12),
+        dict(window=2, gpu_policy="lru", gpu_experts=4, staging=False),
+        dict(window=65536, gpu_policy="lru", gpu_experts=16, staging=False),
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_logits_bit_identical_and_no_full_synchronize(tree, model, reference, kw):
+    with runtime(tree, model, **kw) as rt:
+        out = decode(model, lambda g, n: rt.run(g, tokens=n))
+        p = rt.payload()
+    assert same(out, reference)
+    assert tuple(p) == PAYLOAD_KEYS and p["tokens"] == len(CONT)
+    assert p["full_synchronizes"] == 0
+    assert p["retired"] == p["evictions"] and p["released"] == p["retired"]  # CPU events: done at once
+    assert p["device_hits"] + p["device_misses"] == sum(len(ids) for _, ids in rt.stats.trace)
+    if kw.get("window") == 2:
+        assert p["evictions"] > 0
+    if kw.get("staging", True):
+        assert 0 < p["predicted_recall"] <= 1
+    else:
+        assert p["predicted_recall"] == 0 and rt.stats.staged == 0
+
+
+def test_window_2_with_lru_reproduces_the_cyclic_scan(tree, model):
+    with runtime(tree, model, window=2, gpu_policy="lru", gpu_experts=4, staging=False) as rt:
+        decode(model, lambda g, n: rt.run(g, tokens=n))
+        st = rt.stats
+    assert st.host_misses > 0 and st.host_hits == 0 and st.device_hits == 0
+    assert st.host_misses == st.device_misses  # every reference went to the files
+
+
+def test_window_above_expert_count_gives_compulsory_misses_only(tree, model):
+    with runtime(tree, model, window=65536, gpu_policy="lru", gpu_experts=4, staging=False) as rt:
+        decode(model, lambda g, n: rt.run(g, tokens=n))
+        st = rt.stats
+    touched = {ExpertKey(layer, e) for layer, ids in st.trace for e in ids}
+    assert st.host_misses == len(touched)
+    assert st.host_hits == st.device_misses - len(touched) > 0
+
+
+def test_sync_provider_gives_the_same_answers(tree, model, reference):
+    with runtime(tree, model, gpu_experts=8) as rt:
+        assert same(decode(model, lambda g, _: run_sync(g, rt.provider)), reference)
+
+
+def test_batch_shares_fetches_and_is_bit_identical_to_single(tree, model):
+    prompts = [PROMPT, [256, 87, 111, 114, 108, 100]]
+    with runtime(tree, model, window=WS, gpu_experts=16) as rt:
+        caches = []
+        with torch.no_grad():
+            for p in prompts:
+                c = model.new_cache(1)
+                rt.run(model.forward_steps(torch.tensor([p]), c, last_only=True))
+                caches.append(c)
+            single = caches[1].clone()
+            batch = ModelCache.stack(caches)
+            n0 = len(rt.stats.trace)
+            for t in CONT:
+                lb = rt.run(model.forward_steps(torch.tensor([[t]] * 2), batch), tokens=2)
+                ls = rt.run(model.forward_steps(torch.tensor([[t]]), single), tokens=1)
+                assert torch.equal(lb[1], ls[0])
+        batched = rt.stats.trace[n0::2]  # batch requests alternate with the single row's
+    assert len(batched) == len(CONT) * 8
+    assert all(len(ids) == len(set(ids)) <= min(32, 2 * 4) for _, ids in batched)
+    assert any(len(ids) < 2 * 4 for _, ids in batched)  # some experts were shared: fetched once
+
+
+def test_failure_modes_change_cost_not_logits(tree, model, reference):
+    with runtime(tree, model, window=3, gpu_experts=8, evict="sync") as rt:
+        assert same(decode(model, lambda g, n: rt.run(g, tokens=n)), reference)
+        p = rt.payload()
+    assert p["full_synchronizes"] == p["evictions"] > 0 and p["retired"] == 0 and p["released"] == p["evictions"]
+
+    with runtime(tree, model, window=65536, prefetch="discard") as rt:
+        assert same(decode(model, lambda g, n: rt.run(g, tokens=n)), reference)
+        p = rt.payload()
+    assert p["bytes_disk"] > p["host_misses"] * tree.layout.file_bytes  # the discarded reads on top
+
+    with runtime(tree, model, window=100, preparse=True) as rt:
+        assert rt.stats.host_misses == 100  # mapped and parsed at load, in path order
+        assert same(decode(model, lambda g, n: rt.run(g, tokens=n)), reference)
+
+
+def test_compute_waits_per_expert_only_when_taken():
+    class Dev:
+        waits = []
+
+        def compute_wait(self, ev):
+            self.waits.append(ev)
+
+    dev = Dev()
+    ex = StreamedExperts(dev, {3: "w3", 7: "w7"}, {3: "ev3", 7: "ev7"})
+    assert sorted(ex) == [3, 7] and len(ex) == 2 and dev.waits == []  # listing ids waits for nothing
+    assert ex[7] == "w7" and dev.waits == ["ev7"]
+    assert ex[7] == "w7" and dev.waits == ["ev7"]  # once per expert
+    assert ex[3] == "w3" and dev.waits == ["ev7", "ev3"]
