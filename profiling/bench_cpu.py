@@ -70,7 +70,7 @@ def main() -> None:
     except OSError:
         commit = "?"
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{a.threads} threads    date: {date.today()}    commit: {commit}")
+          f"{a.threads} threads, load average {os.getloadavg()[0]:.1f}    date: {date.today()}    commit: {commit}")
     print(f"geometry: tiny    command: python profiling/bench_cpu.py --threads {a.threads} --prompt {a.prompt} "
           f"--decode {a.decode} --batch {' '.join(map(str, a.batch))}")
     print()

@@ -134,14 +134,28 @@ def nvfp4_dequant(packed: np.ndarray, scales: np.ndarray, global_scale) -> np.nd
 # ---- lossless repack -------------------------------------------------------------------
 
 
+_LIVE_ROWS = 256  # rows per step of the live-half scan: keeps its uint64 temporary ~1 MB
+
+
 def nonzero_halves(packed: np.ndarray) -> np.ndarray:
     """bool [out, in/16]: which 16-element half-blocks hold a nibble other than ±0.
 
     A half-block is 8 packed bytes, so one uint64 per half; 0x7 masks drop the signs.
+    Scanned in row chunks with one reused scratch buffer: large short-lived temporaries
+    cost page faults and munmap()s, which serialise a multi-threaded converter.
     """
     p = np.ascontiguousarray(packed, dtype=np.uint8)
     n = p.shape[0]
-    return (p.view(np.uint64).reshape(n, -1) & np.uint64(0x7777777777777777)) != 0
+    words = p.view(np.uint64).reshape(n, -1)
+    out = np.empty(words.shape, dtype=bool)
+    tmp = np.empty((min(n, _LIVE_ROWS), words.shape[1]), dtype=np.uint64)
+    mask = np.uint64(0x7777777777777777)
+    for r in range(0, n, _LIVE_ROWS):
+        w = words[r : r + _LIVE_ROWS]
+        t = tmp[: len(w)]
+        np.bitwise_and(w, mask, out=t)
+        np.not_equal(t, 0, out=out[r : r + _LIVE_ROWS])
+    return out
 
 
 def mxfp4_to_nvfp4(
@@ -152,7 +166,7 @@ def mxfp4_to_nvfp4(
     `packed` is returned as is (nibbles verbatim). `global_scale` is float32 of shape ()
     (one power of two for the tensor) or [out] when `per_row` (one per row, each row
     needing span <= 17 only). Raises FP4RangeError naming `name` for a NaN scale byte or
-    a span the chosen mode cannot hold.
+    a span the chosen mode cannot hold. Integer work on uint8 arrays only.
     """
     packed, scales = np.asarray(packed, np.uint8), np.asarray(scales, np.uint8)
     n, k = _check_shapes(packed, scales, MX_BLOCK)
@@ -163,17 +177,22 @@ def mxfp4_to_nvfp4(
             f"{name}: E8M0 scale byte 0xFF (NaN) at row {r}, block {j} ({int(nan.sum())} NaN scales); "
             "NVFP4 has no equivalent"
         )
-    s_half = np.repeat(scales, 2, axis=1).astype(np.int32)  # [n, k/16]: each E8M0 byte duplicated
-    live = nonzero_halves(packed)
-    lo = np.where(live, s_half, np.iinfo(np.int32).max)
-    hi = np.where(live, s_half, -1)
+    live = nonzero_halves(packed)  # [n, k/16] bool
+    # Both halves of block j as one uint16: non-zero iff the block has a live half. The
+    # same view of the output below keeps half 0 <-> byte 0 whatever the endianness.
+    live16 = live.view(np.uint16)  # [n, k/32]
+    blk = live16 != 0
     if per_row:
-        s_min, s_max = lo.min(axis=1), hi.max(axis=1)  # [n]
+        s_max = np.where(blk, scales, np.uint8(0)).max(axis=1).astype(np.int32)
+        s_min = np.where(blk, scales, np.uint8(255)).min(axis=1).astype(np.int32)
+        any_live = blk.any(axis=1)
     else:
-        s_min, s_max = lo.min(keepdims=True).reshape(1), hi.max(keepdims=True).reshape(1)
-    empty = s_max < 0  # no non-zero half: any scale will do
-    s_max = np.where(empty, E8M0_BIAS + 8, s_max)  # makes G = 0
-    s_min = np.where(empty, s_max, s_min)
+        sel = scales[blk]
+        any_live = np.array([sel.size > 0])
+        s_max = np.array([sel.max() if sel.size else 0], np.int32)
+        s_min = np.array([sel.min() if sel.size else 0], np.int32)
+    s_max = np.where(any_live, s_max, E8M0_BIAS + E4M3_POW2_MAX)  # nothing live: G = 0
+    s_min = np.where(any_live, s_min, s_max)
     span = s_max - s_min
     if (span > MAX_SPAN).any():
         r = int(np.argmax(span))
@@ -185,9 +204,18 @@ def mxfp4_to_nvfp4(
             f"2^{E4M3_POW2_MIN}..2^{E4M3_POW2_MAX}{hint}"
         )
     g = s_max - (E8M0_BIAS + E4M3_POW2_MAX)  # G = S_max - 135: the largest scale lands on 2^8
-    e = s_half - E8M0_BIAS - (g[:, None] if per_row else g)
-    e = np.where(live, e, E4M3_POW2_MIN)  # dead halves: any in-window scale
-    scales_e4m3 = e4m3_pow2_byte(e)
+    if per_row:
+        e = np.clip(scales.astype(np.int32) - E8M0_BIAS - g[:, None], E4M3_POW2_MIN, E4M3_POW2_MAX)
+        byte = e4m3_pow2_byte(e)  # [n, k/32]
+    else:  # one 256-entry table E8M0 byte -> E4M3 byte for this G
+        lut = e4m3_pow2_byte(np.clip(np.arange(256) - E8M0_BIAS - int(g[0]), E4M3_POW2_MIN, E4M3_POW2_MAX))
+        byte = lut[scales]
+    # Live halves are inside the window (span checked), so the clip only touches dead
+    # ones, which get the fill byte: each E4M3 byte duplicated into both halves, masked.
+    m16 = live16 * np.uint16(0xFF)  # 0xFF in the byte of every live half
+    dup = byte.astype(np.uint16) * np.uint16(0x0101)
+    out16 = (dup & m16) | (np.uint16(E4M3_FILL * 0x0101) & ~m16)
+    scales_e4m3 = out16.view(np.uint8).reshape(n, k // NV_BLOCK)
     glob = np.ldexp(np.float32(1.0), g).astype(np.float32)  # exact, subnormal down to 2^-149
     return packed, scales_e4m3, glob if per_row else glob.reshape(())
 

@@ -45,7 +45,7 @@ def e4m3_value(b: int) -> float:
 E4M3 = [e4m3_value(b) for b in range(256)]
 
 
-def _make_backend():
+def _make_backend(**kw):
     if not HAS_CUDA:
         return None
     from streamrt.backends.nvrtc import NvrtcBackend
@@ -55,10 +55,11 @@ def _make_backend():
             fill = float("nan") if dtype.is_floating_point else -7
             return torch.full(shape, fill, dtype=dtype, device=self.device)
 
-    return PoisonedNvrtc()
+    return PoisonedNvrtc(**kw)
 
 
 NV = _make_backend()
+NV_IMPLS = {"mma": _make_backend(nvfp4_impl="mma"), "cuda_core": _make_backend(nvfp4_impl="cuda_core")}
 TB = TorchBackend()
 
 
@@ -373,7 +374,9 @@ def ffn_ref(z, ids, weights, experts, beta, lbeta):
     "T,k,E,Dl,I",
     [(1, 16, 16, 3584, 3072), (1, 4, 32, 32, 64), (3, 4, 6, 64, 96), (5, 16, 20, 64, 96), (2, 8, 8, 256, 512)],
 )
-def test_expert_ffn(gen, T, k, E, Dl, I):
+@pytest.mark.parametrize("impl", ["mma", "cuda_core"])
+def test_expert_ffn(gen, T, k, E, Dl, I, impl):
+    nv = NV_IMPLS[impl]
     if CPU_DRY and Dl > 1000:
         pytest.skip("slice geometry: GPU only")
     experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
@@ -383,10 +386,12 @@ def test_expert_ffn(gen, T, k, E, Dl, I):
     z = randn(gen, T, Dl)
     ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    out = check(f"expert_ffn T={T} k={k} Dl={Dl} I={I}", gen, ref, tb, lambda: NV.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+    out = check(f"expert_ffn[{impl}] T={T} k={k} Dl={Dl} I={I}", gen, ref, tb, lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+    if out is not None:
+        assert torch.equal(nv.expert_ffn(z, ids.cpu(), weights, experts, 4.0, 25.0), out), "host ids / rerun differ"
     if out is not None and T > 1:  # batch invariance: each row alone gives the same bits
         for t in range(T):
-            alone = NV.expert_ffn(z[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts, 4.0, 25.0)
+            alone = nv.expert_ffn(z[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts, 4.0, 25.0)
             assert torch.equal(alone[0], out[t]), f"expert_ffn row {t} differs alone vs in the batch"
 
 

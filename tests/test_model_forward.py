@@ -97,6 +97,38 @@ def test_decode_with_caches_equals_full_forward(name):
     assert cache.lengths == [T_LONG]
 
 
+def _mixer_prefill_vs_decode(model, cfg, layer: int, T: int, seed: int):
+    """One token mixer alone: parallel form over T rows vs T single-row steps on a cache."""
+    from streamrt.backends.torch_backend import TorchBackend
+    from streamrt.model.cache import ModelCache, Step
+
+    attn = model.model.layers[layer].self_attn
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
+    be = TorchBackend()
+    with torch.no_grad():
+        full = attn(x, Step(be, 1, T, None, 0), None)  # [T, D]
+        cache = ModelCache.empty(cfg, 1)
+        steps = []
+        for t in range(T):
+            steps.append(attn(x[t : t + 1], Step(be, 1, 1, cache, t), cache.layers[layer])[0])
+            cache.lengths = [t + 1]
+    return torch.stack(steps), full
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_mla_absorbed_decode_equals_expanded_prefill(name):
+    cfg, model, _ = build(name)
+    dec, full = _mixer_prefill_vs_decode(model, cfg, cfg.mla_layers[0], T_LONG, 31)
+    assert rel(dec, full) < 1e-5
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_kda_recurrent_decode_equals_chunked_prefill(name):
+    cfg, model, _ = build(name)
+    dec, full = _mixer_prefill_vs_decode(model, cfg, cfg.kda_layers[1], T_LONG, 32)
+    assert rel(dec, full) < 1e-5
+
+
 def _dense_twin(name):
     """Same weights, index_topk so large the selection never bites: dense MLA."""
     cfg, model, experts = build(name)

@@ -145,6 +145,7 @@ def test_failure_modes_change_cost_not_logits(tree, model, reference):
 def test_compute_waits_per_expert_only_when_taken():
     class Dev:
         waits = []
+        compute_stream = None
 
         def compute_wait(self, ev):
             self.waits.append(ev)

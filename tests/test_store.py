@@ -171,9 +171,20 @@ def test_relocated_views_match_the_parsed_layout():
 
 
 def test_stats_payload_has_exactly_the_documented_keys():
-    p = RuntimeStats(tokens=2, decode_s=1.0, bytes_h2d=4e9).payload(retire=RetireQueue(), device=CpuDevice())
+    p = RuntimeStats(tokens=2, decode_s=1.0, bytes_h2d=5e9, decode_bytes_h2d=4e9).payload(retire=RetireQueue(), device=CpuDevice())
     assert tuple(p) == PAYLOAD_KEYS == (
         "tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses", "bytes_h2d",
         "bytes_disk", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
         "effective_gbps")
     assert p["s_per_token"] == 0.5 and p["effective_gbps"] == 4.0
+
+
+def test_release_never_unmaps_under_a_live_view(files):
+    # torch.frombuffer holds no buffer export, so an explicit mmap.close() would unmap memory a
+    # CPU view still reads (a segfault); release drops references and the view keeps it alive
+    host, st, retire, _ = host_tier(files, window=1)
+    view = host.get(ExpertKey(2, 5)).data[:16]
+    host.get(ExpertKey(2, 6))  # evict + retire
+    retire.release()
+    assert retire.released == 1
+    assert view.tolist() == [2 * 16 + 5] * 16

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 from typing import Mapping
 
@@ -34,9 +35,11 @@ from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 MOE_MAXP = 64  # SRT_MOE_MAXP in nvfp4_moe.cu: (row, expert) pairs per launch
 KDA_MAXK = 128  # SRT_KDA_MAXK in kda.cu
 ATTNRES_MAXS = 64  # SRT_ATTNRES_MAXS in norms.cu
-MLA_CHUNK, MLA_HG = 64, 8
+MLA_CHUNK, MLA_HG = 64, 16
 GEMV_ROWS_PER_BLOCK = 8  # GEMV_WARPS * GEMV_RPW in gemv.cu
-MOE_WARPS = 8
+MOE_WARPS = 8  # CUDA-core NVFP4 kernels
+MMA_WARPS_GU, MMA_WARPS_DN = 4, 2  # tensor-core NVFP4 kernels: warps per block (gate+up, down)
+NVFP4_IMPLS = ("mma", "cuda_core")
 SMEM_DEFAULT = 48 * 1024
 
 
@@ -221,7 +224,7 @@ class NvrtcBackend:
 
     name = "nvrtc"
 
-    def __init__(self, device: torch.device | str | int | None = None, rowwise_max: int = 64):
+    def __init__(self, device: torch.device | str | int | None = None, rowwise_max: int = 64, nvfp4_impl: str | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("NvrtcBackend needs a CUDA device")
         if device is None:
@@ -232,6 +235,10 @@ class NvrtcBackend:
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.rowwise_max = rowwise_max
         self._dev = self.device.index
+        # NVFP4 expert GEMVs: "mma" (tensor cores, default) or "cuda_core" (fp32 FMA); same math
+        self.nvfp4_impl = nvfp4_impl or os.environ.get("STREAMRT_NVFP4", "mma")
+        if self.nvfp4_impl not in NVFP4_IMPLS:
+            raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
 
     def _k(self, program: str, name: str) -> _Kernel:
         return kernel(program, name, self._dev)
@@ -268,6 +275,8 @@ class NvrtcBackend:
             return out.view(*lead, N)
         x_bf16 = int(x2.dtype == torch.bfloat16)
         vec = K % 8 == 0 and _aligned(w, 16)
+        if vec and not _aligned(x2, 16):
+            x2 = x2.clone()
         for t0 in range(0, T, 8):
             xt, ot = x2[t0 : t0 + 8], out[t0 : t0 + 8]
             tn = xt.shape[0]
@@ -537,7 +546,8 @@ class NvrtcBackend:
         [T, k] -> out[t] = sum_j (j ascending) weights[t, j] * down(situ_glu(gate z_t, up z_t)) [T, Dl].
 
         Per launch up to 64 (t, j) pairs (all of one token's experts at decode): gate+up+SiTU
-        into h [T*k, I], down into y [T*k, Dl], then a fixed-order weighted sum.
+        into h [T*k, I], down into y [T*k, Dl], then a fixed-order weighted sum. `ids` may live on
+        the host (no sync; CUDA-graph capturable) or on the device (one sync for the ids).
         """
         dev = self.device
         z = _act(z, "expert_ffn.z", dev)
@@ -565,20 +575,22 @@ class NvrtcBackend:
         h = self._empty(P, I, dtype=torch.float32)
         y = self._empty(P, Dl, dtype=torch.float32)
         binf = int(math.isinf(beta))
-        gu, dn = self._k("nvfp4_moe", "srt_nvfp4_gateup"), self._k("nvfp4_moe", "srt_nvfp4_down")
+        act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
+        mma = self.nvfp4_impl == "mma"
+        sfx = "_mma" if mma else ""
+        gu, dn = self._k("nvfp4_moe", f"srt_nvfp4_gateup{sfx}"), self._k("nvfp4_moe", f"srt_nvfp4_down{sfx}")
         pairs = [(t, e) for t, row in enumerate(id_rows) for e in row]
         for p0 in range(0, P, MOE_MAXP):
             chunk = pairs[p0 : p0 + MOE_MAXP]
             gtab, dtab = _tables(chunk, ptrs)
             np_ = len(chunk)
-            gu((math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
-               [gtab, _p(z), np.array([h[p0].data_ptr()], np.uint64), _i32(I), _i32(Dl),
-                _f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta),
-                _i32(linear_beta is not None)],
-               smem=Dl * 4)
-            dn((math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,),
-               [dtab, np.array([h[p0].data_ptr()], np.uint64), np.array([y[p0].data_ptr()], np.uint64), _i32(Dl), _i32(I)],
-               smem=I * 4)
+            hp, yp = np.array([h[p0].data_ptr()], np.uint64), np.array([y[p0].data_ptr()], np.uint64)
+            if mma:  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+                gu((math.ceil(I / (16 * MMA_WARPS_GU)), np_), (MMA_WARPS_GU * 32,), [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5)
+                dn((math.ceil(Dl / (32 * MMA_WARPS_DN)), np_), (MMA_WARPS_DN * 32,), [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5)
+            else:
+                gu((math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,), [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 4)
+                dn((math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 4)
         n = T * Dl
         self._k("nvfp4_moe", "srt_moe_combine")((min(math.ceil(n / 256), 4096),), (256,), [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl)])
         return out

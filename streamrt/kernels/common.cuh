@@ -74,6 +74,38 @@ SRT_DEV void e2m1x8(u32 q, float f[8]) {
 }
 #define SRT_E2M1_UNSCALE 16384.0f  // 2^14
 
+// ---- fp16 helpers for the tensor-core path -------------------------------------------------
+
+// Pack two floats as fp16x2 (round to nearest even): lo in bits 0..15.
+SRT_DEV u32 f2h2(float lo, float hi) {
+  u32 r;
+  asm("{\n\t.reg .b16 l, h;\n\tcvt.rn.f16.f32 l, %1;\n\tcvt.rn.f16.f32 h, %2;\n\tmov.b32 %0, {l, h};\n\t}"
+      : "=r"(r)
+      : "f"(lo), "f"(hi));
+  return r;
+}
+
+SRT_DEV u32 hmul2(u32 a, u32 b) {  // fp16x2 multiply, subnormals kept (no .ftz)
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The pair of E2M1 nibbles at bits 12..15 and 28..31 of (q << sh) as fp16x2, value * 2^-14:
+// sh = 12, 8, 4, 0 gives elements (0,4), (1,5), (2,6), (3,7) of the word.
+SRT_DEV u32 e2m1_pair(u32 q, int sh) {
+  const u32 t = q << sh;
+  return (t & 0x80008000u) | ((t >> 3) & 0x0e000e00u);
+}
+
+// D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulators (sm_80+).
+SRT_DEV void mma16816(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // ---- math ----------------------------------------------------------------------------------
 
 SRT_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }

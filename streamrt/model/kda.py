@@ -121,7 +121,7 @@ class KimiDeltaAttention(nn.Module):
             bad = int((pad != 0).nonzero()[0]) + self.H
             raise CheckpointError(
                 f"{name}: entries {self.H}..{self.A_log.numel() - 1} are padding and must be zero "
-                f"(entry {bad} is {float(self.A_log[bad])}); only the first {self.H} (one per head) are used"
+                f"(entry {bad} is {float(pad[bad - self.H])}); only the first {self.H} (one per head) are used"
             )
 
     def forward(self, x: Tensor, step: Step, cache: KDACache | None) -> Tensor:

@@ -35,6 +35,8 @@ class KimiMLAAttention(nn.Module):
         self.o_proj = nn.Linear(H * dv, D, bias=False)
         self.g_proj = nn.Linear(D, H * dv, bias=False) if cfg.mla_use_output_gate else None
         self.indexer = LightningIndexer(cfg) if cfg.has_indexer(layer_idx) else None  # K3: never built
+        # Training / test switch: False = dense attention (indexer keys still cached, selection skipped).
+        self.sparse = True
 
     def forward(self, x: Tensor, step: Step, cache: MLACache | None) -> Tensor:
         """x [N, D] (post input_layernorm) -> [N, D]."""
@@ -76,7 +78,7 @@ class KimiMLAAttention(nn.Module):
         pos = torch.arange(n, device=c.device)
         qpos = s0 + torch.arange(T, device=c.device)
         allowed = (pos[None, :] <= qpos[:, None]).expand(B, T, n)  # [B, T, n] causal
-        if idx is not None:  # Lightning Indexer: each query keeps its top-k positions
+        if idx is not None and self.sparse:  # Lightning Indexer: each query keeps its top-k positions
             qi, _, wi = idx
             I = self.indexer.prefill_scores(qi.view(B, T, *qi.shape[1:]), wi.view(B, T, -1), ki_all, s0)  # [B, T, n]
             allowed = allowed & topk_mask(I, (qpos + 1).expand(B, T), self.indexer.topk)
@@ -97,7 +99,7 @@ class KimiMLAAttention(nn.Module):
                 cache.ik[b, n] = idx[1][b].detach()
             q_lat = torch.bmm(q_nope[b][:, None, :], W_UK)[:, 0]  # [H, R]
             select = None
-            if idx is not None and n + 1 > self.indexer.topk:
+            if idx is not None and self.sparse and n + 1 > self.indexer.topk:
                 scores = be.indexer_scores(idx[0][b], idx[2][b], cache.ik[b, : n + 1])  # [n+1]
                 select = be.select_topk(scores, self.indexer.topk)
             o_lat = be.mla_decode(q_lat, q_rot[b], cache.c[b, : n + 1], cache.kr[b, : n + 1], self.scale, select)  # [H, R]

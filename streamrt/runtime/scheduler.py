@@ -58,6 +58,7 @@ from streamrt.store.host_tier import HostMapping, HostTier
 from streamrt.store.keys import ExpertKey
 from streamrt.store.policies import make_policy
 from streamrt.store.retire import RetireQueue
+from streamrt.trace import NullTracer
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -75,13 +76,15 @@ class StreamedExperts(Mapping):
     Taking an expert makes the compute stream wait for that expert's copy (a GPU-side wait);
     listing the ids waits for nothing."""
 
-    def __init__(self, device, views: dict[int, ExpertWeights], events: dict[int, object]) -> None:
+    def __init__(self, device, views: dict[int, ExpertWeights], events: dict[int, object], tracer=None, layer=-1):
         self._device, self._views, self._events = device, views, events
+        self._tracer, self._layer = tracer or NullTracer(), layer
 
     def __getitem__(self, e: int) -> ExpertWeights:
         ev = self._events.pop(e, None)
         if ev is not None:
-            self._device.compute_wait(ev)
+            with self._tracer.span("stall", "wait", stream=self._device.compute_stream, layer=self._layer, expert=e):
+                self._device.compute_wait(ev)
         return self._views[e]
 
     def __iter__(self):
@@ -103,6 +106,7 @@ class StreamingRuntime:
         predictor: Predictor | None = None,
         workers: int | None = None,
         record_trace: bool = False,
+        tracer=None,
     ) -> None:
         self.options = opts = options or RuntimeOptions()
         self.cfg = cfg = tree.config
@@ -111,6 +115,7 @@ class StreamingRuntime:
         sizes = opts.resolve(cfg, self.layout.file_bytes, self.device, batch=batch)
         self.window, self.gpu_experts = sizes.window, sizes.gpu_experts
         self.stats = RuntimeStats(trace=[] if record_trace else None)
+        self.tracer = tracer or NullTracer()  # streamrt.trace.Tracer for `--trace`
         self.retire = RetireQueue()
         self.host = HostTier(
             lambda key: tree.expert_path(key.layer, key.expert),
@@ -160,12 +165,15 @@ class StreamingRuntime:
         return self.loop.run_until_complete(self.serve(req))
 
     async def decode_step(self, gen, *, tokens: int = 0) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0, b0 = time.perf_counter(), self.stats.bytes_h2d
+        tracer = self.tracer
+        tracer.begin_step()
         try:
             req = next(gen)  # runs the model up to the first MoE router
             while True:
                 experts = await self.serve(req)
-                req = gen.send(experts)  # queues this layer's compute, runs to the next router
+                with tracer.span("compute", f"L{req.layer}", stream=self.device.compute_stream, layer=req.layer):
+                    req = gen.send(experts)  # queues this layer's compute, runs to the next router
         except StopIteration as stop:
             logits = stop.value
         finally:
@@ -176,6 +184,8 @@ class StreamingRuntime:
             await _event_done(self.device.record_compute_event())  # the step's GPU work is done
             self.stats.tokens += tokens
             self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_bytes_h2d += self.stats.bytes_h2d - b0
+        tracer.end_step()
         return logits
 
     # ---- one layer request: the I/O story ---------------------------------------------
@@ -224,6 +234,9 @@ class StreamingRuntime:
 
         # 5. retire: release evicted mappings whose copies have executed (front only).
         self.retire.release()
+        if self.tracer.enabled:
+            self.tracer.counter("retire_fifo_depth", self.retire.pending)
+            self.tracer.counter("device_slots_used", len(self.gpu))
 
         # 6. compute: lazy views; the compute stream waits per expert, on the GPU.
         views, events = {}, {}
@@ -235,7 +248,7 @@ class StreamingRuntime:
             views[key.expert] = self.gpu.views(slot, self._slot_views)
             if self.gpu.ready[slot] is not None:
                 events[key.expert] = self.gpu.ready[slot]
-        return StreamedExperts(self.device, views, events)
+        return StreamedExperts(self.device, views, events, self.tracer, layer)
 
     # ---- the steps' parts -----------------------------------------------------------
 
@@ -274,7 +287,9 @@ class StreamingRuntime:
                 buf, ev = self.gpu.fill_transient(m.data, pinned=m.registered)
                 self._transient[key] = (relocate_views(parse_expert(m.data, self.layout), m.data, buf), ev)
             return required
-        self.gpu.fill(slot, m.data, pinned=m.registered)
+        with self.tracer.span("copy", "expert", stream=self.device.copy_stream,
+                              layer=key.layer, expert=key.expert, bytes=m.nbytes):
+            self.gpu.fill(slot, m.data, pinned=m.registered)
         # The slot's views (built once, from the first mapping copied into it: same layout).
         self.gpu.views(slot, lambda t: relocate_views(parse_expert(m.data, self.layout), m.data, t))
         return True
@@ -305,7 +320,8 @@ class StreamingRuntime:
         if fut is None:
             fut = self._inflight[key] = self.loop.create_future()
             try:
-                m = await self.loop.run_in_executor(self.pool, self._open, key)
+                with self.tracer.span("host-io", "map", layer=key.layer, expert=key.expert, bytes=self.layout.file_bytes):
+                    m = await self.loop.run_in_executor(self.pool, self._open, key)
                 m = self.host.insert(m)
                 fut.set_result(m)
             except BaseException as e:
@@ -375,11 +391,33 @@ class StreamingRuntime:
 
         await asyncio.gather(*(read(k) for k in keys))
 
+    def preload(self, keys=None) -> int:
+        """Setup, not decode: copy `keys` (default every expert, in path order) into free device
+        slots until the slab is full, e.g. to measure all-resident compute. Returns how many."""
+        if keys is None:
+            keys = [ExpertKey(l, e) for l in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
+        n = 0
+        for key in keys:
+            if len(self.gpu) >= self.gpu.slots:
+                break
+            if key not in self.gpu:
+                m = self.loop.run_until_complete(self._mapping(key))
+                self._copy_in(key, m, required=False)
+                n += 1
+        self.retire.release()
+        return n
+
     # ---- results and shutdown ----------------------------------------------------------
 
     def payload(self) -> dict:
         """The `--stats-json` object."""
         return self.stats.payload(retire=self.retire, device=self.device)
+
+    def reset_stats(self) -> None:
+        """Zero every counter (e.g. after warm-up steps), retirement and synchronizes included."""
+        self.stats.reset()
+        self.retire.retired = self.retire.released = 0
+        self.device.full_synchronizes = 0
 
     def write_stats(self, path=None) -> dict:
         p = self.payload()

@@ -13,13 +13,14 @@ Every byte moved and every stall is accounted for:
                                for the current request (cold files)
   predicted_recall             |predicted ∩ routed| / |routed| over all layer requests with a
                                prediction (layer l+1's router on layer l's FFN input)
-  effective_gbps               bytes_h2d / decode wall time (1e9 bytes per second)
+  effective_gbps               bytes copied during decode steps / decode wall time (1e9 B/s);
+                               prefill copies are not counted
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
 PAYLOAD_KEYS = (
@@ -33,6 +34,7 @@ PAYLOAD_KEYS = (
 class RuntimeStats:
     tokens: int = 0
     decode_s: float = 0.0
+    decode_bytes_h2d: int = 0  # bytes_h2d moved during timed decode steps (prefill excluded)
     host_hits: int = 0
     host_misses: int = 0
     device_hits: int = 0
@@ -46,6 +48,13 @@ class RuntimeStats:
     routed: int = 0  # routed experts of requests that had a prediction
     staged: int = 0  # experts copied ahead on a prediction
     trace: list | None = field(default=None, repr=False)  # [[layer, [experts]], ...] when recording
+
+    def reset(self) -> None:
+        """Zero every counter in place (the tiers hold a reference to this object)."""
+        trace = [] if self.trace is not None else None
+        for f in self.__dataclass_fields__.values():
+            setattr(self, f.name, f.default if f.default is not MISSING else f.default_factory())
+        self.trace = trace
 
     def payload(self, *, retire=None, device=None) -> dict:
         """The `--stats-json` object: exactly PAYLOAD_KEYS."""
@@ -66,7 +75,7 @@ class RuntimeStats:
             "full_synchronizes": device.full_synchronizes if device is not None else 0,
             "stall_s": self.stall_s,
             "predicted_recall": self.predicted / self.routed if self.routed else 0.0,
-            "effective_gbps": self.bytes_h2d / self.decode_s / 1e9 if self.decode_s else 0.0,
+            "effective_gbps": self.decode_bytes_h2d / self.decode_s / 1e9 if self.decode_s else 0.0,
         }
         assert tuple(out) == PAYLOAD_KEYS
         return out

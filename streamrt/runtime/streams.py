@@ -43,6 +43,8 @@ DONE = DoneEvent()
 
 class CpuDevice:
     kind = "cpu"
+    copy_stream = None  # trace spans fall back to host time
+    compute_stream = None
 
     def __init__(self) -> None:
         self.torch_device = torch.device("cpu")

@@ -62,17 +62,17 @@ class HostMapping:
         return not self.retired and self.data is not None
 
     def release(self) -> None:
-        """Unregister and unmap. Only after every copy queued from it has executed."""
+        """Unregister and drop the mapping. Only after every copy queued from it has executed.
+        The mmap is not closed explicitly: torch.frombuffer holds a reference to it but no
+        buffer export, so close() would unmap under a CPU view still alive somewhere (a
+        segfault). Dropping our references unmaps it when the last view goes."""
         if self.data is None:
             return
         if self.registered:
             self._device.host_unregister(self.data)
             self.registered = False
         self.data = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a CPU view of it is still alive somewhere; the mapping goes when that view does
+        self._mm = None
 
 
 class HostTier:
