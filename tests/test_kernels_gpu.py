@@ -222,6 +222,28 @@ def test_short_conv_step(gen, T, P, W):
         assert torch.equal(st_nv, st_ref.float()), "conv state not rolled + written exactly"
 
 
+def test_inplace_ops_on_strided_state(gen):
+    """A strided cache tensor is still updated in place (through a contiguous copy)."""
+    T, P, W, H, K = 2, 96, 4, 3, 32
+    z, w = randn(gen, T, P), randn(gen, P, W, scale=0.5)
+    st0 = randn(gen, T, W, P).transpose(1, 2)  # [T, P, W], not contiguous
+    st_ref = torch.cat((st0[..., 1:], z[..., None]), dim=-1)
+    acc = (st_ref.double() * w.double()).sum(-1)
+    st_tb = st0.clone()
+    tb = TB.short_conv_step(z, st_tb, w)
+    st_nv = randn(gen, T, W, P).transpose(1, 2)
+    st_nv.copy_(st0)
+    check("short_conv_step strided state", gen, acc / (1 + torch.exp(-acc)), tb, lambda: NV.short_conv_step(z, st_nv, w))
+    if NV is not None:
+        assert not st_nv.is_contiguous() and torch.equal(st_nv, st_ref)
+    q, k, v, g, beta, S0 = kda_inputs(gen, T, H, K, K)
+    o_ref, S_ref = kda_ref(q, k, v, g, beta, S0)
+    S_nv = S0.transpose(2, 3).contiguous().transpose(2, 3)  # same values, strided
+    check("kda_step strided state", gen, o_ref, TB.kda_step(q, k, v, g, beta, S0.clone()), lambda: NV.kda_step(q, k, v, g, beta, S_nv))
+    if NV is not None:
+        assert not S_nv.is_contiguous() and rel(S_nv, S_ref) < TOL
+
+
 def kda_inputs(g, T, H, K, V):
     q = torch.nn.functional.normalize(randn(g, T, H, K), dim=-1) * K**-0.5
     k = torch.nn.functional.normalize(randn(g, T, H, K), dim=-1)

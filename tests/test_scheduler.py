@@ -156,3 +156,73 @@ def test_compute_waits_per_expert_only_when_taken():
     assert ex[7] == "w7" and dev.waits == ["ev7"]
     assert ex[7] == "w7" and dev.waits == ["ev7"]  # once per expert
     assert ex[3] == "w3" and dev.waits == ["ev7", "ev3"]
+
+
+class LaggyDevice:
+    """The CPU twin with a copy stream that lags: copies land at once (so answers stay exact)
+    but their events complete only when the test advances the stream. Logs the GPU-side
+    ordering calls so the test can check them."""
+
+    from streamrt.runtime.streams import CpuDevice as _Cpu
+
+    kind = "cpu"
+    copy_stream = compute_stream = None
+
+    class Ev:
+        def __init__(self, dev, seq):
+            self.dev, self.seq = dev, seq
+
+        def query(self):
+            return self.seq <= self.dev.done_upto
+
+        def synchronize(self):
+            self.dev.done_upto = max(self.dev.done_upto, self.seq)
+
+    def __init__(self):
+        self._cpu = self._Cpu()
+        self.torch_device = self._cpu.torch_device
+        self.full_synchronizes = 0
+        self.seq = self.done_upto = 0
+        self.compute_waits, self.copy_waits = [], []
+
+    def record_copy_event(self):
+        self.seq += 1
+        return self.Ev(self, self.seq)
+
+    def record_compute_event(self):
+        return self._cpu.record_compute_event()
+
+    def compute_wait(self, ev):
+        self.compute_waits.append(ev)
+
+    def copy_wait(self, ev):
+        self.copy_waits.append(ev)
+
+    def synchronize(self):
+        self.full_synchronizes += 1
+        self.done_upto = self.seq
+
+    def __getattr__(self, name):  # copies, slabs, registration: the CPU twin's
+        return getattr(self._cpu, name)
+
+
+def test_lagging_copy_events_hold_mappings_and_gate_compute(tree, model, reference):
+    dev = LaggyDevice()
+    rt = StreamingRuntime(tree, model, RuntimeOptions(window=2, gpu_experts=8), device=dev, workers=2)
+    out = decode(model, lambda g, n: rt.run(g, tokens=n))
+    assert same(out, reference)
+    p = rt.payload()
+    assert p["evictions"] > 0 and p["retired"] == p["evictions"]
+    assert p["released"] == 0 and rt.retire.pending == p["retired"]  # no event completed: nothing unmapped
+    assert p["full_synchronizes"] == 0
+    # the model waited (GPU-side) on a copy event for every expert it took that was copied
+    assert len(dev.compute_waits) >= p["device_misses"] > 0
+    # refilled slots were ordered behind the compute that last read them
+    assert len(dev.copy_waits) >= rt.gpu.evictions > 0
+    dev.done_upto = dev.seq // 2  # half the copies executed: release pops exactly those, in order
+    rt.retire.release()
+    assert 0 < rt.retire.released < p["retired"]
+    dev.done_upto = dev.seq
+    rt.retire.release()
+    assert rt.retire.released == p["retired"]
+    rt.close()

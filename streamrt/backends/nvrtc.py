@@ -7,8 +7,8 @@ launches them on torch's current stream with `t.data_ptr()` pointers, so they or
 torch's own work and the caching allocator.
 
 Each wrapper validates dtype / device / shape / alignment, allocates its output, launches and
-returns. Strided activations are made contiguous (a copy); tensors updated in place
-(`conv_state`, `state`) must already be contiguous. Signatures and math: `backends/base.py`
+returns. Strided activations are made contiguous (a copy); a strided tensor updated in place
+(`conv_state`, `state`) is updated through a contiguous copy that is written back. Signatures and math: `backends/base.py`
 (the torch backend is the reference the GPU tests hold these kernels to).
 
 Prefill: `linear` with more than `rowwise_max` rows runs one cuBLAS GEMM through torch (fp32
@@ -35,7 +35,7 @@ from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 MOE_MAXP = 64  # SRT_MOE_MAXP in nvfp4_moe.cu: (row, expert) pairs per launch
 KDA_MAXK = 128  # SRT_KDA_MAXK in kda.cu
 ATTNRES_MAXS = 64  # SRT_ATTNRES_MAXS in norms.cu
-MLA_CHUNK, MLA_HG = 64, 16
+MLA_CHUNK, MLA_HG = 64, 8
 GEMV_ROWS_PER_BLOCK = 8  # GEMV_WARPS * GEMV_RPW in gemv.cu
 MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 MMA_WARPS_GU, MMA_WARPS_DN = 4, 2  # tensor-core NVFP4 kernels: warps per block (gate+up, down)
@@ -203,12 +203,15 @@ def _wt(t: Tensor, name: str, device: torch.device) -> tuple[Tensor, int]:
     return t.contiguous(), int(t.dtype == torch.bfloat16)
 
 
-def _inplace(t: Tensor, name: str, device: torch.device, shape: tuple[int, ...]) -> None:
-    if t.device != device or t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+def _inplace(t: Tensor, name: str, device: torch.device, shape: tuple[int, ...]) -> Tensor:
+    """The buffer a kernel updates in place: `t` itself when contiguous, else a contiguous copy
+    the caller writes back with `t.copy_(buf)` after the launch."""
+    if t.device != device or t.dtype != torch.float32 or tuple(t.shape) != shape:
         raise ValueError(
-            f"{name}: updated in place, so it must be a contiguous float32 tensor of shape {shape} on {device}; "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+            f"{name}: updated in place, so it must be a float32 tensor of shape {shape} on {device}; "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
         )
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _aligned(t: Tensor, n: int) -> bool:
@@ -381,13 +384,15 @@ class NvrtcBackend:
         z = _act(z, "short_conv_step.z", self.device)
         T, P = z.shape
         W = conv_state.shape[-1]
-        _inplace(conv_state, "short_conv_step.conv_state", self.device, (T, P, W))
+        buf = _inplace(conv_state, "short_conv_step.conv_state", self.device, (T, P, W))
         w, wb = _wt(w.reshape(P, W), "short_conv_step.w", self.device)
         out = self._empty(*z.shape)
         if T * P:
             self._k("norms", "srt_short_conv_step")(
-                (math.ceil(T * P / 256),), (256,), [_p(z), _p(conv_state), _p(w), _i32(wb), _p(out), _i32(T), _i32(P), _i32(W)]
+                (math.ceil(T * P / 256),), (256,), [_p(z), _p(buf), _p(w), _i32(wb), _p(out), _i32(T), _i32(P), _i32(W)]
             )
+            if buf is not conv_state:
+                conv_state.copy_(buf)
         return out
 
     def kda_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
@@ -404,13 +409,15 @@ class NvrtcBackend:
             )
         if K > KDA_MAXK:
             raise ValueError(f"kda_step: head dim K={K} > {KDA_MAXK} (the kernel keeps a state column in registers)")
-        _inplace(state, "kda_step.state", dev, (T, H, K, V))
+        buf = _inplace(state, "kda_step.state", dev, (T, H, K, V))
         out = self._empty(T, H, V, dtype=torch.float32)
         if T * H * V:
             self._k("kda", "srt_kda_step")(
                 (math.ceil(V / 32), H, T), (32,),
-                [_p(q), _p(k), _p(v), _p(g), _p(beta), _p(state), _p(out), _i32(H), _i32(K), _i32(V)],
+                [_p(q), _p(k), _p(v), _p(g), _p(beta), _p(buf), _p(out), _i32(H), _i32(K), _i32(V)],
             )
+            if buf is not state:
+                state.copy_(buf)
         return out
 
     # ---- MLA + indexer -------------------------------------------------------------------------

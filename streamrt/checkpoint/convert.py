@@ -48,6 +48,16 @@ MANIFEST = "manifest.json"
 STATE_DIR = ".convert"
 KILL_ENV = "STREAMRT_TEST_KILL_AFTER_BYTES"  # test hook: SIGKILL self once this many bytes are written
 COPY_CHUNK = 64 << 20
+_scratch = threading.local()  # per-thread read buffers, reused across files
+
+
+def _buffer(key: str, nbytes: int) -> memoryview:
+    """A per-thread buffer of at least nbytes; reused, so its pages fault in only once."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    b = bufs.get(key)
+    if b is None or len(b) < nbytes:
+        b = bufs[key] = bytearray(nbytes)
+    return memoryview(b)[:nbytes]
 
 
 # ---- layout of the converted tree ---------------------------------------------------
@@ -172,11 +182,10 @@ def _copy_task(src: Path, out: Path):
 
 
 def _dense_task(rt: ReleaseTree, out: Path, specs: list[TensorSpec], renamed: list[TensorSpec]):
-    def chunks():
+    def chunks():  # pread into one reused buffer; each chunk is consumed before the next read
         for s in specs:
-            mv = rt.raw(s.name)
-            for i in range(0, len(mv), COPY_CHUNK):
-                yield mv[i : i + COPY_CHUNK]
+            for off in range(0, s.nbytes, COPY_CHUNK):
+                yield rt.read_into(s.name, _buffer("copy", min(COPY_CHUNK, s.nbytes - off)), off)
 
     def run(on_bytes):
         size, digest = write_stream(out, renamed, chunks(), on_bytes=on_bytes)
@@ -187,7 +196,7 @@ def _dense_task(rt: ReleaseTree, out: Path, specs: list[TensorSpec], renamed: li
 
 def _expert_task(rt: ReleaseTree, out: Path, layer: int, e: int, layout: ExpertLayout, allow_per_row: bool):
     def run(on_bytes):
-        mx = rt.expert_mxfp4(layer, e)  # NaN scales -> CheckpointError naming shard and tensor
+        mx = rt.expert_mxfp4(layer, e, _buffer)  # NaN scales -> CheckpointError naming shard and tensor
         mats, per_row = {}, False
         for m, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
             packed, scales = mx[w]

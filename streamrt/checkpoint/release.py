@@ -46,6 +46,7 @@ class ReleaseTree:
     headers: dict[str, STHeader]  # shard file name -> parsed header
     specs: list[TensorSpec]
     _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
+    _fds: dict[str, int] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -65,6 +66,31 @@ class ReleaseTree:
                 self._maps[shard] = m
             return m
 
+    def _fd(self, shard: str) -> int:
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
+            return fd
+
+    def read_into(self, name: str, buf, start: int = 0) -> memoryview:
+        """Copy the tensor's bytes [start, start + len) into `buf` with pread (all of them
+        when `buf` is at least that large): no page faults on a shared mapping, which is
+        what lets many converter threads scale."""
+        shard, e = self.entry(name)
+        n = min(len(memoryview(buf).cast("B")), e.end - e.begin - start)
+        mv = memoryview(buf).cast("B")[:n]
+        fd, done = self._fd(shard), 0
+        while done < n:
+            try:
+                k = os.preadv(fd, [mv[done:]], e.begin + start + done)
+            except OSError as err:
+                raise CheckpointError(f"{self.root / shard}: tensor {name}: read failed: {err.strerror}") from None
+            if k == 0:
+                raise CheckpointError(f"{self.root / shard}: tensor {name}: file ended early (truncated while open?)")
+            done += k
+        return mv
+
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, zero-copy from the shard mapping."""
         shard, e = self.entry(name)
@@ -76,26 +102,40 @@ class ReleaseTree:
         a = np.frombuffer(self._map(shard), dtype=np.uint8, count=e.end - e.begin, offset=e.begin)
         return a.reshape(e.shape) if e.dtype == "U8" else a
 
-    def expert_mxfp4(self, layer: int, expert: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """{'w1'|'w3'|'w2': (packed [out, in/2], E8M0 scales [out, in/32])}; NaN scales rejected."""
+    def expert_mxfp4(self, layer: int, expert: int, buffers=None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """{'w1'|'w3'|'w2': (packed [out, in/2], E8M0 scales [out, in/32])}; NaN scales rejected.
+
+        Views of the shard mapping, or, with `buffers(key, nbytes) -> writable buffer`,
+        of those buffers filled by pread (the converter's per-thread scratch)."""
         p = expert_prefix(layer, expert)
         out = {}
+
+        def get(name: str, key: str) -> np.ndarray:
+            if buffers is None:
+                return self.array(name)
+            shape = self.entry(name)[1].shape
+            mv = self.read_into(name, buffers(key, int(np.prod(shape))))
+            return np.frombuffer(mv, dtype=np.uint8).reshape(shape)
+
         for w in EXPERT_WEIGHTS:
             sname = f"{p}{w}.weight_scale"
-            scales = self.array(sname)
+            scales = get(sname, f"{w}.scales")
             if (scales == E8M0_NAN).any():
                 r, j = (int(i) for i in np.argwhere(scales == E8M0_NAN)[0])
                 raise CheckpointError(
                     f"{self.root / self.weight_map[sname]}: tensor {sname}: E8M0 scale byte 0xFF (NaN) at row {r}, "
                     f"block {j}; the expert cannot be repacked"
                 )
-            out[w] = (self.array(f"{p}{w}.weight_packed"), scales)
+            out[w] = (get(f"{p}{w}.weight_packed", f"{w}.packed"), scales)
         return out
 
     def tokenizer_files(self) -> list[Path]:
         return [self.root / f for f in TOKENIZER_FILES if (self.root / f).is_file()]
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         for m in self._maps.values():
             try:
                 m.close()

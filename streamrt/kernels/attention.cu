@@ -3,7 +3,7 @@
 #include "common.cuh"
 
 #define MLA_CHUNK 64   // positions per split
-#define MLA_HG 16      // heads per block
+#define MLA_HG 8       // heads per block
 #define MLA_THREADS 256
 
 SRT_DEV float ldc(const void* p, long long i, int bf16) { return ldw(p, i, bf16); }

@@ -228,9 +228,10 @@ class StreamingRuntime:
             await asyncio.gather(*(self._fetch(k) for k in cold))
             self.stats.stall_s += time.perf_counter() - t
 
-        # 4. stage: the next layer's predicted experts copy while this layer computes.
+        # 4. stage: the next layer's predicted experts copy while this layer computes, within
+        #    the slots left after this request's pins and room for the next request's misses.
         if guess is not None:
-            self._stage(*guess)
+            self._stage(*guess, budget=self.gpu.slots - self.gpu.pinned - len(keys))
 
         # 5. retire: release evicted mappings whose copies have executed (front only).
         self.retire.release()
@@ -267,7 +268,7 @@ class StreamingRuntime:
         self._held = []
 
     def _route(self, req) -> tuple[list[int], tuple[int, list[int]] | None]:
-        """Unique routed ids, and (next layer, unique predicted ids) when staging."""
+        """Unique routed ids, and (next layer, unique predicted ids, most confident first)."""
         ids = req.ids.reshape(-1)
         target = self.predictor.target(req.layer) if self.predictor is not None else None
         if target is None:
@@ -275,7 +276,7 @@ class StreamingRuntime:
         guess = self.predictor.predict(req.layer, req.hidden).reshape(-1)
         both = torch.cat((ids.to(guess.dtype), guess)).tolist()  # one device-to-host transfer
         n = ids.numel()
-        return sorted(set(both[:n])), (target, sorted(set(both[n:])))
+        return sorted(set(both[:n])), (target, list(dict.fromkeys(both[n:])))  # guesses by rank
 
     def _copy_in(self, key: ExpertKey, m: HostMapping, *, required: bool = True) -> bool:
         """Give `key` a slot and queue its copy from mapping `m` (one ready event)."""
@@ -343,12 +344,12 @@ class StreamingRuntime:
             raise
         return m
 
-    def _stage(self, layer: int, ids: list[int]) -> None:
-        """Start copying `layer`'s predicted experts: open ones now, cold ones when mapped.
-        Staged keys are pinned until `layer` has been served; with no free victim, skip."""
-        self._predicted[layer] = set(ids)
+    def _stage(self, layer: int, ids: list[int], *, budget: int) -> None:
+        """Start copying up to `budget` of `layer`'s predicted experts: open ones now, cold ones
+        when mapped. Staged keys are pinned until `layer` has been served; no victim, skip."""
+        self._predicted[layer] = set(ids)  # recall is the predictor's, whatever gets staged
         pinned = self._staged.setdefault(layer, [])
-        for e in ids:
+        for e in ids[: max(0, budget)]:
             key = ExpertKey(layer, e)
             if key in self.gpu:
                 continue

@@ -69,6 +69,11 @@ class DeviceTier:
     def pin(self, keys) -> None:
         self._pins.update(keys)
 
+    @property
+    def pinned(self) -> int:
+        """Distinct keys pinned now."""
+        return len(self._pins)
+
     def unpin(self, keys) -> None:
         pins = self._pins
         for k in keys:

@@ -1,0 +1,11 @@
+"""The streaming runtime: asyncio scheduler, copy/compute streams and events, staging predictor,
+runtime flags and counters.
+
+    opts = RuntimeOptions.from_args(args)            # flags from add_runtime_flags(parser)
+    rt = StreamingRuntime(tree, model, opts, device=make_device(opts.device), batch=B)
+    logits = rt.run(model.forward_steps(ids, cache), tokens=n)   # one coroutine per step
+    rt.payload() / rt.write_stats(path); rt.close()
+
+Submodules are imported lazily by callers (`streamrt.runtime.scheduler` pulls in the model's
+checkpoint parser), so `import streamrt.runtime.options` stays light.
+"""
