@@ -9,6 +9,7 @@ checking, chat framing and printing. Flag values are parsed here rather than by 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -170,6 +171,7 @@ class GenStats:
     decode_s: float = 0.0
     stop: str = "length"  # "stop" (a stop token) or "length" (--max-new-tokens)
     hits: dict = field(default_factory=dict)  # e.g. {"device": 0.41, "host": 0.98}
+    logits_hash: str = ""  # over the prefill's and every decode step's logits: any divergence shows
 
     @property
     def decode_rate(self) -> float:
@@ -264,6 +266,7 @@ class _ModelSession(Session):
             seed=sampling.seed,
             stop_ids=sorted(self.tokenizer.stop_ids),
             on_token=on_token,
+            hash_steps=True,
         )
         st = self.runtime.stats
         hits = {}
@@ -271,7 +274,8 @@ class _ModelSession(Session):
             h, m = getattr(st, f"{tier}_hits"), getattr(st, f"{tier}_misses")
             if h + m:
                 hits[tier] = h / (h + m)
-        return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits)
+        digest = hashlib.sha256(" ".join(r.prefill_hashes + [h for row in r.step_hashes for h in row]).encode())
+        return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits, digest.hexdigest()[:16])
 
     def close(self) -> None:
         if self.options.stats_json:
