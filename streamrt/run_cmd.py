@@ -230,9 +230,12 @@ class _ModelSession(Session):
             self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
             bar.step("dense weights")
             device = make_device(self.options.device)
-            self.model = load_model(tree, device.torch_device)
+            self.model = load_model(tree, device.torch_device, backend=self.options.make_backend(device))
             bar.step("expert store")
-            self.runtime = StreamingRuntime(tree, self.model, self.options, device=device)
+            from streamrt.trace import make_tracer
+
+            self.tracer = make_tracer(bool(self.options.trace))
+            self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer)
             bar.step("ready")
 
     def _runner(self):
@@ -280,6 +283,8 @@ class _ModelSession(Session):
     def close(self) -> None:
         if self.options.stats_json:
             self.runtime.write_stats()
+        if self.options.trace:
+            self.tracer.write(self.options.trace)
         self.runtime.close()
 
 

@@ -85,9 +85,12 @@ def plan_points(working_set: int, expert_files: int, points: list[str], cache_fr
     small = min(windows)
     out: list[Point] = []
     if "window" in groups:
+        # A small device tier (a quarter of the working set) so every token reaches the host tier:
+        # with all experts resident on the device the window would only matter for the first touch.
+        m = max(1, working_set // 4)
         for w, frac in windows:
             out.append(Point("window", f"window {w}" + (f" ({frac:g} ws)" if frac is not None else " (large)"),
-                             w, frac))
+                             w, frac, gpu_experts=m))
     if "device" in groups:
         for policy in _policies():
             for f in cache_fracs:

@@ -58,7 +58,12 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="event: retire evicted mappings behind a copy-stream event (FIFO); "
                         "sync: synchronize the device per eviction (failure mode)")
     g.add_argument("--stats-json", default=None, metavar="FILE", help="write runtime counters as JSON")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a Chrome-trace JSON of every step (open in Perfetto; `streamrt trace summarize FILE`)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--backend", default="torch", choices=("torch", "nvrtc"),
+                   help="ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
+                        "time; decode path; prefill GEMMs stay on cuBLAS)")
     return parser
 
 
@@ -80,7 +85,9 @@ class RuntimeOptions:
     prefetch: str = "none"
     evict: str = "event"
     stats_json: str | None = None
+    trace: str | None = None
     device: str = "auto"
+    backend: str = "torch"
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -91,6 +98,8 @@ class RuntimeOptions:
             raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of {', '.join(POLICIES)}")
         if self.prefetch not in ("none", "discard"):
             raise StreamrtError(f"--prefetch: expected none or discard, got {self.prefetch!r}")
+        if self.backend not in ("torch", "nvrtc"):
+            raise StreamrtError(f"--backend: expected torch or nvrtc, got {self.backend!r}")
         if self.evict not in ("event", "sync"):
             raise StreamrtError(f"--evict: expected event or sync, got {self.evict!r}")
 
@@ -112,8 +121,20 @@ class RuntimeOptions:
             prefetch=getattr(args, "prefetch", "none"),
             evict=getattr(args, "evict", "event"),
             stats_json=getattr(args, "stats_json", None),
+            trace=getattr(args, "trace", None),
             device=getattr(args, "device", "auto"),
+            backend=getattr(args, "backend", "torch"),
         )
+
+    def make_backend(self, device):
+        """The ops backend for `device` (a streams.Device); None means the model's default (torch)."""
+        if self.backend == "torch":
+            return None
+        if device.kind != "cuda":
+            raise StreamrtError("--backend nvrtc needs a CUDA device (this machine has none, or --device cpu)")
+        from streamrt.backends.nvrtc import NvrtcBackend
+
+        return NvrtcBackend(device.torch_device)
 
     def resolve(self, cfg, file_bytes: int, device, *, batch: int = 1) -> ResolvedSizes:
         """Concrete window and slot count for a model config and device."""

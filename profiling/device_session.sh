@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call on the device machine (H200, no network, repo not
+# installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
+#   bash profiling/device_session.sh [stages...]   stages: tests kernels decode trace sweep convert
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/streamrt-out}; mkdir -p "$OUT"
+W=${STREAMRT_BENCH_DIR:-/tmp/streamrt-bench}; TREE=$W/slice-k3.1-pro
+STAGES=${*:-tests kernels decode trace sweep}
+stage() { echo; echo "=== $1 $(date -u +%T)"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+stage env
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+git rev-parse --short HEAD 2>/dev/null || true
+
+if has tests; then
+  stage "gpu tests"
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+fi
+if has kernels; then
+  stage "bench kernels"
+  python3 profiling/bench_kernels.py --torch --markdown "$OUT/bench_kernels.md" 2>&1 | tee "$OUT/bench_kernels.log" | tail -25
+fi
+if has decode; then
+  stage "bench decode (slice)"
+  python3 profiling/bench_decode.py --workdir "$W" --nvrtc 2>&1 | tee "$OUT/bench_decode.log" | tail -45
+fi
+if has trace; then
+  stage "trace (slice, small device tier)"
+  python3 -m streamrt run --model "$TREE" --prompt "What's the weather in Paris?" --greedy --max-new-tokens 6 \
+    --gpu-experts 16 --trace "$OUT/trace_slice.json" --stats-json "$OUT/trace_stats.json" > "$OUT/trace_run.log" 2>&1
+  tail -2 "$OUT/trace_run.log"
+  python3 -m streamrt trace summarize "$OUT/trace_slice.json" 2>&1 | tee "$OUT/trace_summary.txt" | head -14
+  python3 profiling/trace_overlap.py "$OUT/trace_slice.json" 2>&1 | tee "$OUT/trace_overlap.txt" | tail -8
+fi
+if has sweep; then
+  stage "sweep (slice)"
+  python3 -m streamrt sweep --model "$TREE" --groups window,staging,failure --tokens 4 --out "$OUT/sweep" 2>&1 \
+    | tee "$OUT/sweep.log" | tail -22
+  cp "$OUT/sweep/sweep.csv" "$OUT/sweep/sweep.png" "$OUT/" 2>/dev/null
+fi
+if has convert; then
+  stage "bench convert (slice)"
+  rm -rf "$TREE"  # disk: the release tree and its conversion need the room
+  python3 profiling/bench_convert.py --workdir "$W/convert" 2>&1 | tee "$OUT/bench_convert.log" | tail -20
+fi
+stage done

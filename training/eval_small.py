@@ -1,0 +1,193 @@
+"""Evaluate the small default model through the real inference path (issue 9).
+
+    python training/eval_small.py [--model DIR]     (default: streamrt/assets/default_model)
+
+Converted tree -> `streamrt.model.loader.load_model` (BF16 dense weights) + the tree's
+NVFP4 experts (`DirectExpertProvider`) -> `streamrt.generate.generate` greedy with caches:
+prefill per prompt, then recurrent KDA and absorbed MLA decode (indexer top-k on).
+
+An answer counts when the generated ids equal the trained assistant message exactly (the
+stop token included). Held-out: see training/corpus.py (new phrasing, same entities;
+"unseen_city" cities never occur in training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+
+import corpus as C  # noqa: E402
+
+from streamrt.chat import ChatParser, Reply, encode_chat  # noqa: E402
+from streamrt.checkpoint.reader import open_tree  # noqa: E402
+from streamrt.generate import generate  # noqa: E402
+from streamrt.model import DirectExpertProvider, load_model  # noqa: E402
+from streamrt.model.mla import KimiMLAAttention  # noqa: E402
+from streamrt.tokenizer import load_tokenizer  # noqa: E402
+
+DEFAULT_DIR = ROOT / "streamrt" / "assets" / "default_model"
+
+
+@dataclass
+class Case:
+    """One assistant turn: the prompt ids and the trained answer ids (stop token last)."""
+
+    name: str
+    prompt: list[int]
+    target: list[int]
+
+
+class Runner:
+    def __init__(self, model_dir: Path = DEFAULT_DIR):
+        self.tree = open_tree(model_dir)
+        self.cfg = self.tree.config
+        self.tok = load_tokenizer(self.tree.root, self.cfg.vocab_size, self.cfg.eos_token_id)
+        self.model = load_model(self.tree, "cpu")
+        self.provider = DirectExpertProvider(self.tree)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int):
+        return generate(self.model, prompts, provider=self.provider, max_new_tokens=max_new_tokens,
+                        stop_ids=sorted(self.tok.stop_ids))
+
+    def reply(self, tokens: list[int]) -> Reply:
+        parser = ChatParser.for_generation(self.tok)
+        r = Reply()
+        for e in parser.feed_many(tokens) + parser.finish():
+            r.add(e)
+        return r
+
+    def prefill_logits(self, ids: list[int]) -> torch.Tensor:
+        cache = self.model.new_cache()
+        with torch.no_grad():
+            out = self.model.forward_steps(torch.tensor(ids), cache, last_only=True)
+            from streamrt.model import run_sync
+
+            return run_sync(out, self.provider).reshape(-1)
+
+    def set_sparse(self, sparse: bool) -> None:
+        for m in self.model.modules():
+            if isinstance(m, KimiMLAAttention) and m.indexer is not None:
+                m.sparse = sparse
+
+
+def turn_cases(tok, conv, name: str) -> list[Case]:
+    """Every assistant turn of a conversation as (prompt, trained answer ids)."""
+    out = []
+    for i, m in enumerate(conv.messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = encode_chat(tok, conv.messages[:i], conv.tools, add_generation_prompt=True)
+        upto = encode_chat(tok, conv.messages[: i + 1], conv.tools, add_generation_prompt=False)
+        out.append(Case(f"{name}#{i}", prompt, upto[len(prompt):]))
+    return out
+
+
+def pick(convs, kinds: dict[str, int]) -> list:
+    """A deterministic selection: the first n conversations of each kind (corpus order is seeded)."""
+    out = []
+    for kind, n in kinds.items():
+        out += [c for c in convs if c.kind == kind][:n]
+    return out
+
+
+def train_cases(tok) -> list[Case]:
+    corpus = C.build_corpus(0)
+    convs = pick(C.split(corpus, "train"), {"fact": 10, "plain": 3, "weather": 7})
+    cases = []
+    for k, c in enumerate(convs):
+        cases += turn_cases(tok, c, f"train{k}:{c.kind}:{c.messages[0]['content']}")
+    return cases
+
+
+def heldout_cases(tok) -> list[Case]:
+    corpus = C.build_corpus(0)
+    convs = pick(C.split(corpus, "heldout"), {"fact": 8, "weather": 4})
+    cases = []
+    for k, c in enumerate(convs):
+        cases += turn_cases(tok, c, f"heldout{k}:{c.kind}:{c.messages[0]['content']}")
+    return cases
+
+
+def unseen_city_cases(tok) -> list[Case]:
+    cases = []
+    for k, c in enumerate(C.split(C.build_corpus(0), "unseen_city")):
+        cases += turn_cases(tok, c, f"unseen{k}:{c.meta['city']}")
+    return cases
+
+
+def run_cases(r: Runner, cases: list[Case], batch: int = 16) -> list[tuple[Case, list[int]]]:
+    out = []
+    for i in range(0, len(cases), batch):
+        chunk = cases[i : i + batch]
+        res = r.generate([c.prompt for c in chunk], max(len(c.target) for c in chunk) + 1)
+        out += list(zip(chunk, res.tokens))
+    return out
+
+
+def exact(results) -> float:
+    return sum(got == c.target for c, got in results) / max(1, len(results))
+
+
+WEATHER_CITIES = ["Paris", "London", "Tokyo", "Cairo", "Sydney", "Toronto"]
+
+
+def weather_roundtrip(r: Runner, cities: list[str], template: str = C.WEATHER_TRAIN[0], variant: int = 50):
+    """Ask for the weather, parse the call, answer with a tool result, check the final answer.
+
+    Returns [(city, call (name, args) or None, final content, expected final content)].
+    variant 50: a tool result that never occurs in training."""
+    tools = [C.WEATHER_TOOL]
+    user = [[{"role": "user", "content": template.format(city=city)}] for city in cities]
+    first = r.generate([encode_chat(r.tok, m, tools) for m in user], 120)
+    rows, seconds = [], []
+    for city, msgs, toks in zip(cities, user, first.tokens):
+        rep = r.reply(toks)
+        call = (rep.tool_calls[0].name, rep.tool_calls[0].arguments) if rep.tool_calls else None
+        res = C.weather_result(city, variant)
+        hist = msgs + [rep.to_message(), {"role": "tool", "name": "get_weather", "tool_call_id": "call_1",
+                                          "content": C.tool_content(res)}]
+        rows.append([city, call, None, C.final_answer(res)])
+        seconds.append(encode_chat(r.tok, hist, tools))
+    final = r.generate(seconds, 48)
+    for row, toks in zip(rows, final.tokens):
+        row[2] = r.reply(toks).content
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="evaluate the small default model")
+    ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    r = Runner(args.model)
+    for label, cases in (("train", train_cases(r.tok)), ("heldout", heldout_cases(r.tok)), ("unseen_city", unseen_city_cases(r.tok))):
+        res = run_cases(r, cases)
+        print(f"{label}: {exact(res):.0%} exact ({sum(g == c.target for c, g in res)}/{len(res)})")
+        for c, got in res:
+            if got != c.target:
+                print(f"   MISS {c.name}: got {r.tok.decode(got)!r}\n        want {r.tok.decode(c.target)!r}")
+    rows = weather_roundtrip(r, WEATHER_CITIES)
+    ok = 0
+    for city, call, final, want in rows:
+        good = call == ("get_weather", {"city": city}) and final == want
+        ok += good
+        print(f"weather {city}: call {call} final {final!r} {'OK' if good else 'WANT ' + repr(want)}")
+    print(f"weather round trips: {ok}/{len(rows)}")
+    rows = weather_roundtrip(r, C.UNSEEN_CITIES)
+    ok = sum(call == ("get_weather", {"city": city}) and final == want for city, call, final, want in rows)
+    print(f"unseen-city round trips: {ok}/{len(rows)}")
+    print(f"eval wall time {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
