@@ -5,7 +5,9 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/streamrt-out}; mkdir -p "$OUT"
-W=${STREAMRT_BENCH_DIR:-/tmp/streamrt-bench}; TREE=$W/slice-k3.1-pro
+L=/tmp/streamrt-logs; mkdir -p "$L"   # full logs stay on the machine; the device returns only a few files
+exec > >(tee -a "$OUT/session.log") 2>&1
+W=${STREAMRT_BENCH_DIR:-/tmp/streamrt-bench}; TREE=${STREAMRT_TREE:-$W/slice-k3.1-pro}
 STAGES=${*:-tests kernels decode trace sweep}
 stage() { echo; echo "=== $1 $(date -u +%T)"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -17,33 +19,33 @@ git rev-parse --short HEAD 2>/dev/null || true
 
 if has tests; then
   stage "gpu tests"
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$L/gpu_tests.log" | tail -15
 fi
 if has kernels; then
   stage "bench kernels"
-  python3 profiling/bench_kernels.py --torch --markdown "$OUT/bench_kernels.md" 2>&1 | tee "$OUT/bench_kernels.log" | tail -25
+  python3 profiling/bench_kernels.py --torch --markdown "$L/bench_kernels.md" 2>&1 | tee "$L/bench_kernels.log" | tail -40
 fi
 if has decode; then
   stage "bench decode (slice)"
-  python3 profiling/bench_decode.py --workdir "$W" --nvrtc 2>&1 | tee "$OUT/bench_decode.log" | tail -45
+  python3 profiling/bench_decode.py --workdir "$W" --nvrtc 2>&1 | tee "$L/bench_decode.log" | tail -45
 fi
 if has trace; then
   stage "trace (slice, small device tier)"
   python3 -m streamrt run --model "$TREE" --prompt "What's the weather in Paris?" --greedy --max-new-tokens 6 \
-    --gpu-experts 16 --trace "$OUT/trace_slice.json" --stats-json "$OUT/trace_stats.json" > "$OUT/trace_run.log" 2>&1
-  tail -2 "$OUT/trace_run.log"
-  python3 -m streamrt trace summarize "$OUT/trace_slice.json" 2>&1 | tee "$OUT/trace_summary.txt" | head -14
-  python3 profiling/trace_overlap.py "$OUT/trace_slice.json" 2>&1 | tee "$OUT/trace_overlap.txt" | tail -8
+    --gpu-experts 16 --trace "$OUT/trace_slice.json" --stats-json "$L/trace_stats.json" > "$L/trace_run.log" 2>&1
+  tail -2 "$L/trace_run.log"; cat "$L/trace_stats.json"; echo
+  python3 -m streamrt trace summarize "$OUT/trace_slice.json" 2>&1 | tee "$L/trace_summary.txt" | head -16
+  python3 profiling/trace_overlap.py "$OUT/trace_slice.json" 2>&1 | tee "$L/trace_overlap.txt" | tail -10
 fi
 if has sweep; then
   stage "sweep (slice)"
-  python3 -m streamrt sweep --model "$TREE" --groups window,staging,failure --tokens 4 --out "$OUT/sweep" 2>&1 \
-    | tee "$OUT/sweep.log" | tail -22
-  cp "$OUT/sweep/sweep.csv" "$OUT/sweep/sweep.png" "$OUT/" 2>/dev/null
+  python3 -m streamrt sweep --model "$TREE" --groups window,staging,failure --tokens 4 --out "$L/sweep" 2>&1 \
+    | tee "$L/sweep.log" | tail -24
+  cp "$L/sweep/sweep.csv" "$L/sweep/sweep.png" "$OUT/" 2>/dev/null
 fi
 if has convert; then
   stage "bench convert (slice)"
   rm -rf "$TREE"  # disk: the release tree and its conversion need the room
-  python3 profiling/bench_convert.py --workdir "$W/convert" 2>&1 | tee "$OUT/bench_convert.log" | tail -20
+  python3 profiling/bench_convert.py --workdir "$W/convert" 2>&1 | tee "$L/bench_convert.log" | tail -20
 fi
 stage done

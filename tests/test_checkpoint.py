@@ -201,6 +201,21 @@ def test_expert_file_roundtrip_header_and_zero_copy(tmp_path):
         parse_expert(raw[:-4096], lay, name="E.nvfp4")
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_atomic_writer_hash_modes_and_abort(tmp_path, background):
+    data = os.urandom(3 << 20)
+    path = tmp_path / "f.bin"
+    with fileio.AtomicWriter(path, background_hash=background) as w:
+        for i in range(0, len(data), 1 << 20):
+            w.write(data[i : i + (1 << 20)])
+    assert path.read_bytes() == data and w.digest == hashlib.blake2b(data, digest_size=8).hexdigest()
+    with pytest.raises(RuntimeError):
+        with fileio.AtomicWriter(tmp_path / "g.bin", background_hash=background) as w:
+            w.write(data[:1000])
+            raise RuntimeError("killed mid-file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]  # no partial final file, no temp
+
+
 def test_quantize_mxfp4_torch_matches_numpy():
     x = torch.randn(64, 256) * 0.02 * torch.exp2(torch.randn(64, 1))
     x[0, :32] = 0

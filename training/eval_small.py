@@ -52,6 +52,17 @@ class Runner:
         self.tok = load_tokenizer(self.tree.root, self.cfg.vocab_size, self.cfg.eos_token_id)
         self.model = load_model(self.tree, "cpu")
         self.provider = DirectExpertProvider(self.tree)
+        # Fixed MLA cache capacity for every sequence: ModelCache.stack over caches of
+        # different capacities can over-grow one of them (reserve doubles) and then fails.
+        self.model.new_cache = self._new_cache
+
+    def _new_cache(self, batch: int = 1, device=None, cap: int = 1024):
+        from streamrt.model.cache import KDACache, MLACache, ModelCache
+
+        cfg, dev = self.cfg, device or "cpu"
+        layers = [MLACache.empty(cfg, batch, dev, cfg.has_indexer(i), cap=cap) if cfg.layer_kind(i) == "mla"
+                  else KDACache.empty(cfg, batch, dev) for i in range(cfg.num_layers)]
+        return ModelCache(layers, [0] * batch)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int):
         return generate(self.model, prompts, provider=self.provider, max_new_tokens=max_new_tokens,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import queue
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -49,22 +51,65 @@ def disk_full_error(path: Path, e: OSError) -> CheckpointError:
     )
 
 
-class AtomicWriter:
-    """`with AtomicWriter(path) as w: w.write(...)`; commits (fsync + rename) on clean exit."""
+class _BackgroundHasher:
+    """Hashes what a writer has already written by reading it back from the page cache on
+    its own thread: one big file then costs max(hash, write), not their sum."""
 
-    def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None):
+    CHUNK = 16 << 20
+
+    def __init__(self, fd: int):
+        self.fd, self.hash, self.error = fd, new_hash(), None
+        self.q: queue.Queue = queue.Queue()
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        buf = bytearray(self.CHUNK)
+        while (item := self.q.get()) is not None:
+            off, n = item
+            try:
+                while n and self.error is None:
+                    k = os.preadv(self.fd, [memoryview(buf)[: min(n, self.CHUNK)]], off)
+                    if k <= 0:
+                        raise OSError(errno.EIO, "short read of the file being written")
+                    self.hash.update(memoryview(buf)[:k])
+                    off, n = off + k, n - k
+            except OSError as e:
+                self.error = e
+
+    def add(self, offset: int, n: int) -> None:
+        self.q.put((offset, n))
+
+    def finish(self) -> str:
+        self.q.put(None)
+        self.t.join()
+        if self.error:
+            raise self.error
+        return self.hash.hexdigest()
+
+
+class AtomicWriter:
+    """`with AtomicWriter(path) as w: w.write(...)`; commits (fsync + rename) on clean exit.
+
+    `background_hash=True` (for multi-GB files) hashes on a helper thread that reads the
+    written bytes back, so hashing overlaps writing."""
+
+    def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None, *, background_hash: bool = False):
         self.path = Path(path)
         self.tmp = tmp_path(self.path)
-        self.hash = new_hash()
         self.size = 0
         self.on_bytes = on_bytes
         self.digest: str | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_RDWR if background_hash else os.O_WRONLY
+        self.fd = os.open(self.tmp, flags | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.hash = None if background_hash else new_hash()
+        self.hasher = _BackgroundHasher(self.fd) if background_hash else None
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
-        self.hash.update(mv)
+        if self.hash is not None:
+            self.hash.update(mv)
         total = len(mv)
         while mv:
             try:
@@ -72,6 +117,8 @@ class AtomicWriter:
             except OSError as e:
                 self._fail(e)
             mv = mv[n:]
+        if self.hasher is not None:
+            self.hasher.add(self.size, total)
         self.size += total
         if self.on_bytes:
             self.on_bytes(total)
@@ -82,16 +129,25 @@ class AtomicWriter:
 
     def commit(self) -> tuple[int, str]:
         try:
+            digest = self.hasher.finish() if self.hasher is not None else self.hash.hexdigest()
+            self.hasher = None
             os.fsync(self.fd)
         except OSError as e:
             self._fail(e)
         os.close(self.fd)
         self.fd = -1
         os.replace(self.tmp, self.path)
-        self.digest = self.hash.hexdigest()
-        return self.size, self.digest
+        self.digest = digest
+        return self.size, digest
 
     def abort(self) -> None:
+        if self.hasher is not None:
+            self.hasher.error = self.hasher.error or OSError(errno.ECANCELED, "aborted")
+            try:
+                self.hasher.finish()
+            except OSError:
+                pass
+            self.hasher = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -21,6 +21,7 @@ from streamrt.checkpoint.names import DTYPE_BYTES
 from streamrt.errors import CheckpointError
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+BACKGROUND_HASH_BYTES = 256 << 20  # above this, hash on a helper thread (overlaps the write)
 ALIGN = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
 
 
@@ -137,12 +138,15 @@ def write_stream(
     *,
     metadata: dict | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    background_hash: bool | None = None,
 ) -> tuple[int, str]:
     """Write a safetensors file atomically from `specs` (in file order) and the concatenated
     tensor bytes `chunks` (any buffers). Returns (size, blake2b hex)."""
     header, offs = build_header(specs, metadata)
     total = offs[-1][1] if offs else 0
-    with AtomicWriter(path, on_bytes) as w:
+    if background_hash is None:
+        background_hash = total >= BACKGROUND_HASH_BYTES
+    with AtomicWriter(path, on_bytes, background_hash=background_hash) as w:
         w.write(header)
         for c in chunks:
             w.write(c)
