@@ -19,19 +19,19 @@ git rev-parse --short HEAD 2>/dev/null || true
 
 if has tests; then
   stage "gpu tests"
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$L/gpu_tests.log" | tail -15
+  timeout ${T_TESTS:-120} python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$L/gpu_tests.log" | tail -15
 fi
 if has kernels; then
   stage "bench kernels"
-  python3 profiling/bench_kernels.py --torch --markdown "$L/bench_kernels.md" 2>&1 | tee "$L/bench_kernels.log" | tail -40
+  timeout ${T_KERNELS:-60} python3 profiling/bench_kernels.py --torch --markdown "$L/bench_kernels.md" 2>&1 | tee "$L/bench_kernels.log" | tail -40
 fi
 if has decode; then
   stage "bench decode (slice)"
-  python3 profiling/bench_decode.py --workdir "$W" --nvrtc 2>&1 | tee "$L/bench_decode.log" | tail -45
+  timeout ${T_DECODE:-180} python3 profiling/bench_decode.py --workdir "$W" --nvrtc 2>&1 | tee "$L/bench_decode.log" | tail -45
 fi
 if has trace; then
   stage "trace (slice, small device tier)"
-  python3 -m streamrt run --model "$TREE" --prompt "What's the weather in Paris?" --greedy --max-new-tokens 6 \
+  timeout ${T_TRACE:-50} python3 -m streamrt run --model "$TREE" --prompt "What's the weather in Paris?" --greedy --max-new-tokens 6 \
     --gpu-experts 16 --trace "$OUT/trace_slice.json" --stats-json "$L/trace_stats.json" > "$L/trace_run.log" 2>&1
   tail -2 "$L/trace_run.log"; cat "$L/trace_stats.json"; echo
   python3 -m streamrt trace summarize "$OUT/trace_slice.json" 2>&1 | tee "$L/trace_summary.txt" | head -16
@@ -39,7 +39,7 @@ if has trace; then
 fi
 if has sweep; then
   stage "sweep (slice)"
-  python3 -m streamrt sweep --model "$TREE" --groups window,staging,failure --tokens 4 --out "$L/sweep" 2>&1 \
+  timeout ${T_SWEEP:-140} python3 -m streamrt sweep --model "$TREE" --groups ${SWEEP_GROUPS:-window,staging} --tokens 4 --out "$L/sweep" 2>&1 \
     | tee "$L/sweep.log" | tail -24
   cp "$L/sweep/sweep.csv" "$L/sweep/sweep.png" "$OUT/" 2>/dev/null
 fi
