@@ -84,25 +84,28 @@ def plan_points(working_set: int, expert_files: int, points: list[str], cache_fr
     windows = [window_of(p) for p in points]
     small = min(windows)
     out: list[Point] = []
+    # A device tier of half the working set (as bench_decode) for every point but the device
+    # group's own: with every expert resident on the device, the window, staging and failure
+    # switches would only matter for the first touch.
+    m = max(1, working_set // 2)
     if "window" in groups:
-        # A small device tier (a quarter of the working set) so every token reaches the host tier:
-        # with all experts resident on the device the window would only matter for the first touch.
-        m = max(1, working_set // 4)
         for w, frac in windows:
             out.append(Point("window", f"window {w}" + (f" ({frac:g} ws)" if frac is not None else " (large)"),
                              w, frac, gpu_experts=m))
     if "device" in groups:
         for policy in _policies():
             for f in cache_fracs:
-                m = max(1, round(f * working_set))
-                out.append(Point("device", f"gpu {m} ({f:g} ws) {policy}", large, None,
-                                 gpu_experts=m, gpu_policy=policy))
+                slots = max(1, round(f * working_set))
+                out.append(Point("device", f"gpu {slots} ({f:g} ws) {policy}", large, None,
+                                 gpu_experts=slots, gpu_policy=policy))
     if "staging" in groups:
-        out.append(Point("staging", "staging off", large, None, ["--staging", "off"]))
+        out.append(Point("staging", "staging on", large, None, gpu_experts=m))
+        out.append(Point("staging", "staging off", large, None, ["--staging", "off"], gpu_experts=m))
     if "failure" in groups:
-        out.append(Point("failure", "preparse", large, None, ["--preparse"]))
-        out.append(Point("failure", "prefetch discard", large, None, ["--prefetch", "discard"]))
-        out.append(Point("failure", f"evict sync, window {small[0]}", small[0], small[1], ["--evict", "sync"]))
+        out.append(Point("failure", "preparse", large, None, ["--preparse"], gpu_experts=m))
+        out.append(Point("failure", "prefetch discard", large, None, ["--prefetch", "discard"], gpu_experts=m))
+        out.append(Point("failure", f"evict sync, window {small[0]}", small[0], small[1], ["--evict", "sync"],
+                         gpu_experts=m))
     return out
 
 

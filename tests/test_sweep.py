@@ -74,7 +74,9 @@ def test_plan_points_tiny():
     dev = [(p.gpu_experts, p.gpu_policy) for p in pts if p.group == "device"]
     assert {m for m, _ in dev} == {8, 32} and {"lru", "lfu"} <= {pol for _, pol in dev}
     flags = {" ".join(p.flags): p for p in pts if p.group in ("staging", "failure")}
-    assert set(flags) == {"--staging off", "--preparse", "--prefetch discard", "--evict sync"}
+    assert set(flags) == {"", "--staging off", "--preparse", "--prefetch discard", "--evict sync"}
+    # staging on/off and the failure modes run with the same small device tier (half the working set)
+    assert {p.gpu_experts for p in pts if p.group in ("window", "staging", "failure")} == {16}
     assert flags["--evict sync"].window == 11  # evictions need a window below the working set
     assert flags["--evict sync"].argv()[:2] == ["--window", "11"]
     assert pts[4].argv()[:6] == ["--window", "65536", "--gpu-experts", "8", "--gpu-policy", pts[4].gpu_policy]
@@ -99,14 +101,14 @@ def test_sweep_with_stand_in_run(tmp_path, tiny_model, fake_streamrt, capsys, mo
     assert tuple(reader.fieldnames) == sweep.COLUMNS
     for key in ("s_per_token", "host_hits", "effective_gbps", "full_synchronizes", "logits_hash"):
         assert key in reader.fieldnames
-    assert len(rows) == 4 + 2 + 1 + 3  # windows, device (1 frac x 2 policies), staging, failure
+    assert len(rows) == 4 + 2 + 2 + 3  # windows, device (1 frac x 2 policies), staging on/off, failure
     by_window = {int(r["window"]): r for r in rows if r["group"] == "window"}
     assert float(by_window[11]["host_hit_rate"]) == 0.0  # the cliff, read back from the CSV
     assert float(by_window[45]["host_hit_rate"]) == pytest.approx(2 / 3)
     assert all(r["rc"] == "0" and r["logits_hash"] == "98ec1bbb372c9181" for r in rows)
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "bit-identical across all 10 points" in text and "[10/10]" in text
-    assert len(list((out / "points").glob("*.stats.json"))) == 10
+    assert "bit-identical across all 11 points" in text and "[11/11]" in text
+    assert len(list((out / "points").glob("*.stats.json"))) == 11
 
     monkeypatch.setenv("FAKE_HASH_AT", "32")
     monkeypatch.setenv("FAKE_FAIL", "--preparse")
@@ -172,9 +174,9 @@ def test_real_sweep_at_tiny(tmp_path):
                        capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "bit-identical across all 3 points" in r.stdout
+    assert "bit-identical across all 4 points" in r.stdout
     rows = list(csv.DictReader((out / "sweep.csv").open()))
-    assert tuple(rows[0].keys()) == sweep.COLUMNS and len(rows) == 3
+    assert tuple(rows[0].keys()) == sweep.COLUMNS and len(rows) == 4
     small = [row for row in rows if row["window_frac"] == "0.35"][0]
     assert int(small["host_hits"]) == 0  # below the working set: the cyclic scan, no host hits
     assert json.loads((out / "points" / "00-window.stats.json").read_text())["tokens"] >= 1

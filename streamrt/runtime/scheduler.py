@@ -228,10 +228,11 @@ class StreamingRuntime:
             await asyncio.gather(*(self._fetch(k) for k in cold))
             self.stats.stall_s += time.perf_counter() - t
 
-        # 4. stage: the next layer's predicted experts copy while this layer computes, within
-        #    the slots left after this request's pins and room for the next request's misses.
+        # 4. stage: the next layer's predicted experts copy while this layer computes, into
+        #    unpinned slots, leaving room for the next request's misses (this layer's pins are
+        #    released before it arrives, so they are not counted twice).
         if guess is not None:
-            self._stage(*guess, budget=self.gpu.slots - self.gpu.pinned - len(keys))
+            self._stage(*guess, budget=min(self.gpu.slots - self.gpu.pinned, self.gpu.slots - len(keys)))
 
         # 5. retire: release evicted mappings whose copies have executed (front only).
         self.retire.release()
