@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         from streamrt.backends.nvrtc import NvrtcBackend
 
         models["nvrtc"] = load_model(tree, device.torch_device, dtype=dtype, backend=NvrtcBackend(device.torch_device))
-        plan += [("resident-nvrtc", plan[0][1]), ("runtime-nvrtc", plan[-1][1])]
+        plan += [("resident-nvrtc", plan[0][1])]
+        if not args.skip_baseline:
+            plan.append(("baseline-nvrtc", plan[1][1]))
+        plan.append(("runtime-nvrtc", plan[-1 if args.skip_baseline else 2][1]))
     for name, opts in plan:
         t = time.perf_counter()
         m = models["nvrtc" if name.endswith("-nvrtc") else "torch"]
@@ -254,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "resident-nvrtc" in runs:
         checks["nvrtc resident speed-up over torch >= 3x"] = (speed, 3.0)
+        rn = runs["runtime-nvrtc"]["payload"]
+        bound_n = max(floor, runs["resident-nvrtc"]["payload"]["s_per_token"])
+        checks["nvrtc: effective bandwidth >= 0.8 x link"] = (rn["effective_gbps"] / link["pinned"] if link["pinned"] else 0.0, 0.8)
+        checks["nvrtc: s/token <= 1.15 x max(floor, resident)"] = (rn["s_per_token"] / bound_n if bound_n else 0.0, 1.15)
+        if "baseline-nvrtc" in runs:
+            checks["nvrtc: speed-up over baseline >= 6x"] = (runs["baseline-nvrtc"]["payload"]["s_per_token"] / rn["s_per_token"], 6.0)
     if "baseline" in runs:
         checks["speed-up over baseline >= 6x"] = (runs["baseline"]["payload"]["s_per_token"] / rt["s_per_token"], 6.0)
 

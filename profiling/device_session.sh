@@ -32,7 +32,7 @@ fi
 if has trace; then
   stage "trace (slice, small device tier)"
   timeout ${T_TRACE:-50} python3 -m streamrt run --model "$TREE" --prompt "What's the weather in Paris?" --greedy --max-new-tokens 6 \
-    --gpu-experts 16 --trace "$OUT/trace_slice.json" --stats-json "$L/trace_stats.json" > "$L/trace_run.log" 2>&1
+    --gpu-experts ${TRACE_SLOTS:-32} --backend ${TRACE_BACKEND:-nvrtc} --trace "$OUT/trace_slice.json" --stats-json "$L/trace_stats.json" > "$L/trace_run.log" 2>&1
   tail -2 "$L/trace_run.log"; cat "$L/trace_stats.json"; echo
   python3 -m streamrt trace summarize "$OUT/trace_slice.json" 2>&1 | tee "$L/trace_summary.txt" | head -16
   python3 profiling/trace_overlap.py "$OUT/trace_slice.json" 2>&1 | tee "$L/trace_overlap.txt" | tail -10
