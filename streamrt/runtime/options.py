@@ -60,6 +60,10 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--stats-json", default=None, metavar="FILE", help="write runtime counters as JSON")
     g.add_argument("--trace", default=None, metavar="FILE",
                    help="write a Chrome-trace JSON of every step (open in Perfetto; `streamrt trace summarize FILE`)")
+    g.add_argument("--verify-experts", default="first", choices=("first", "off"),
+                   help="first (default): check each expert file's checksum against the manifest the first "
+                        "time this process maps it, on the I/O pool, so a corrupt file is an error, never "
+                        "wrong numbers; off: header checks only")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--backend", default="torch", choices=("torch", "nvrtc"),
                    help="ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
@@ -86,6 +90,7 @@ class RuntimeOptions:
     evict: str = "event"
     stats_json: str | None = None
     trace: str | None = None
+    verify_experts: str = "first"
     device: str = "auto"
     backend: str = "torch"
 
@@ -122,6 +127,7 @@ class RuntimeOptions:
             evict=getattr(args, "evict", "event"),
             stats_json=getattr(args, "stats_json", None),
             trace=getattr(args, "trace", None),
+            verify_experts=getattr(args, "verify_experts", "first"),
             device=getattr(args, "device", "auto"),
             backend=getattr(args, "backend", "torch"),
         )

@@ -48,6 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
+from streamrt.checkpoint.fileio import new_hash
+from streamrt.errors import CheckpointError
 from streamrt.expert_weights import ExpertWeights
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.predictor import Predictor
@@ -109,8 +111,8 @@ class StreamingRuntime:
         tracer=None,
     ) -> None:
         self.options = opts = options or RuntimeOptions()
-        self.cfg = cfg = tree.config
-        self.layout = tree.layout
+        self.tree, self.cfg, self.layout = tree, tree.config, tree.layout
+        cfg = tree.config
         self.device = device or make_device(opts.device)
         sizes = opts.resolve(cfg, self.layout.file_bytes, self.device, batch=batch)
         self.window, self.gpu_experts = sizes.window, sizes.gpu_experts
@@ -149,6 +151,7 @@ class StreamingRuntime:
         self._transient: dict[ExpertKey, tuple] = {}  # overflow of a request wider than the slab
         self._predicted: dict[int, set[int]] = {}  # layer -> ids predicted for it
         self._staged: dict[int, list[ExpertKey]] = {}  # layer -> keys pinned for it by staging
+        self._verified: set[ExpertKey] = set()  # checksummed once in this process (--verify-experts)
         if opts.preparse:
             keys = [ExpertKey(l, e) for l in cfg.moe_layers for e in range(cfg.num_experts)]
             self.host.preparse(keys, lambda buf: parse_expert(buf, self.layout))
@@ -340,10 +343,25 @@ class StreamingRuntime:
         m = self.host.open_mapping(key)
         try:
             parse_expert(m.data, self.layout, name=str(m.path), expect=(key.layer, key.expert))
+            if self.options.verify_experts == "first" and key not in self._verified:
+                self._check_checksum(key, m)
+                self._verified.add(key)
         except BaseException:
             m.release()
             raise
         return m
+
+    def _check_checksum(self, key: ExpertKey, m: HostMapping) -> None:
+        """Hash the mapped bytes (no second read) against the manifest's checksum."""
+        want = self.tree.expert_checksum(key.layer, key.expert)
+        if want is None:
+            raise CheckpointError(f"{m.path}: not listed in {self.tree.root / 'manifest.json'}; "
+                                  "re-run `streamrt convert`")
+        h = new_hash()
+        h.update(memoryview(m.data.numpy()))
+        if h.hexdigest() != want:
+            raise CheckpointError(f"{m.path}: checksum mismatch (manifest {want}, file {h.hexdigest()}); "
+                                  "run `streamrt verify --full` or re-run `streamrt convert`")
 
     def _stage(self, layer: int, ids: list[int], *, budget: int) -> None:
         """Start copying up to `budget` of `layer`'s predicted experts: open ones now, cold ones
