@@ -33,14 +33,6 @@ VARIANTS = ["tiny-k3", "tiny-k3.1-pro"]
 T_LONG = 40  # well above tiny's index_topk (16): the selection is active
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 _BUILT: dict = {}
 
 

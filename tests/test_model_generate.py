@@ -13,14 +13,6 @@ from streamrt.model import DictExpertProvider, KimiLinearForCausalLM, logits_has
 from streamrt.model.synthetic import init_random_, random_experts
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def k31():
     cfg = load_config("tiny-k3.1-pro")

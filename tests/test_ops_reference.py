@@ -21,14 +21,6 @@ VARIANTS = ["tiny-k3", "tiny-k3.1-pro"]
 BE = TorchBackend()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(params=VARIANTS)
 def cfg(request):
     return load_config(request.param)
