@@ -68,7 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--show-thinking", action="store_true", help="print the think channel too")
     p.add_argument("--json", action="store_true", help="machine-readable output (one JSON object per reply)")
     p.add_argument("--max-new-tokens", default="256", metavar="N", help="at most N generated tokens (default 256)")
-    p.add_argument("--temperature", default="1.0", metavar="T", help="sampling temperature >= 0 (default 1.0)")
+    p.add_argument("--temperature", default="0", metavar="T",
+                   help="sampling temperature >= 0 (default 0: greedy, the same answer every time; "
+                        "> 0 samples with --top-p and --seed)")
     p.add_argument("--top-p", default="0.95", metavar="P", help="nucleus mass in (0, 1] (default 0.95)")
     p.add_argument("--seed", default="0", metavar="S", help="sampling seed (default 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
