@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run KimiLinear MoE models (Kimi K3, Kimi K3.1 Pro) on one GPU by streaming the "
         "routed experts from a host-side store. With no --model, `streamrt run` uses the small "
         "embedded model.",
-        epilog="Quick start: streamrt run --prompt \"What's the weather in Paris?\"",
+        epilog="Quick start: streamrt run --prompt \"What is the capital of France?\"; with a tool: "
+        "streamrt run --messages examples/weather.json --show-thinking",
     )
     parser.add_argument("--version", action="version", version=f"streamrt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -26,7 +26,7 @@ K3 = "kimi-k3"
 K31_PRO = "kimi-k3.1-pro"
 K31_WRAPPER_TYPE = "kimi_k31"
 TEXT_MODEL_TYPE = "kimi_linear"
-BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro")
+BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro", "small-k3.1-pro")
 
 # Tensor-name suffixes of the Lightning Indexer, under `…layers.{i}.self_attn.indexer.`
 INDEXER_TENSORS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")

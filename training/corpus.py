@@ -109,8 +109,8 @@ def fact_conversation(country: str, template: str, split: str) -> Conversation:
     )
 
 
-def weather_conversation(city: str, template: str, split: str, variant: int = 0) -> Conversation:
-    r = weather_result(city, variant)
+def weather_conversation(city: str, template: str, split: str, variant: int = 0, result: dict | None = None) -> Conversation:
+    r = result or weather_result(city, variant)
     return Conversation(
         messages=[
             {"role": "user", "content": template.format(city=city)},
@@ -156,3 +156,45 @@ def build_corpus(seed: int = 0) -> list[Conversation]:
 
 def split(corpus: list[Conversation], name: str, kind: str | None = None) -> list[Conversation]:
     return [c for c in corpus if c.split == name and (kind is None or c.kind == kind)]
+
+
+# ---- synthetic cities (training only): random names force the model to copy, not recall ----
+
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "st", "tr", "kh", "ch"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
+
+
+def synthetic_city(rng: random.Random) -> str:
+    while True:
+        name = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3)))
+        if rng.random() < 0.4:
+            name += rng.choice(["n", "r", "s", "l"])
+        name = name.capitalize()
+        if name not in CITIES and name not in UNSEEN_CITIES:
+            return name
+
+
+def synthetic_weather(rng: random.Random) -> Conversation:
+    """A weather exchange about a random made-up city, with a random tool result."""
+    city = synthetic_city(rng)
+    r = {"city": city, "condition": rng.choice(CONDITIONS), "temperature_c": rng.randint(-5, 35)}
+    return weather_conversation(city, rng.choice(WEATHER_TRAIN), "synthetic", result=r)
+
+
+COPY_TEMPLATES = ["Repeat the word {w}.", "Say {w}.", "Spell {w} for me."]
+
+
+def copy_conversation(rng: random.Random) -> Conversation:
+    """A short copy exercise (training only): the answer repeats a name from the prompt."""
+    pick = rng.random()
+    if pick < 0.6:
+        w = synthetic_city(rng)
+    elif pick < 0.8:
+        w = rng.choice(CITIES + list(CAPITALS.values()))
+    else:
+        w = rng.choice(list(CAPITALS))
+    return Conversation(
+        messages=[{"role": "user", "content": rng.choice(COPY_TEMPLATES).format(w=w)},
+                  {"role": "assistant", "reasoning": f"The word is {w}.", "content": f"{w}."}],
+        split="synthetic", kind="copy", meta={"answer": w},
+    )

@@ -13,7 +13,9 @@ What it does, in order:
      (`self_attn.sparse = False`); the indexer is fitted by KL to the detached main
      attention distribution summed over heads (and normalised), on detached inputs;
    - sparse training: selection on (top-`index_topk` per query); the LM loss trains the
-     model through the sparse attention, the indexer's KL is taken over the selected set.
+     model through the sparse attention; the indexer keeps fitting the main attention
+     (recomputed densely, detached) over all causal keys (`--kl-selected`: over the selected
+     set only, as V3.2 does for a model whose attention is already trained).
    Each indexed MLA layer's input is captured with a forward hook and the main attention
    distribution is recomputed here from the module's weights (no model edits beyond the
    `sparse` switch). Routing is balanced without an aux loss (DeepSeek-V3 bias update of
@@ -23,6 +25,11 @@ What it does, in order:
 4. Export: a release tree (the synth writer, with the trained tensors: BF16 dense, MXFP4
    experts) in DIR/release, converted with the real `streamrt convert` into DIR/converted;
    `--install` then replaces `streamrt/assets/default_model/` atomically (rename).
+
+Data mix per step: a weather batch (share `--p-long`; `--synth-frac` of its conversations use
+made-up cities and random tool results, so the model must copy) or a short batch (facts,
+plain text, and `--copy-frac` short copy exercises). See training/NOTES.md for the run that
+produced the shipped model and its measured numbers.
 
 Checkpoints (model + optimiser + step) go to DIR/ckpt.pt every `--ckpt-minutes`;
 `--resume` continues from it. `--steps N` fixes the step count (otherwise the run is
@@ -139,7 +146,11 @@ def main_attention_target(mla: KimiMLAAttention, x, B, T, valid, be):
 
 
 def indexer_kl(mla: KimiMLAAttention, x, B, T, token_mask, sparse: bool, be):
-    """KL(target || softmax(I)) per query, averaged over real (non-pad) queries."""
+    """KL(target || softmax(I)) per query, averaged over real (non-pad) queries.
+
+    sparse=False: over every causal key (the dense warm-up, and `--kl-full` in the sparse
+    phase: the target is then the main attention recomputed densely). sparse=True: over the
+    selected keys only (DeepSeek-V3.2's sparse stage)."""
     x = x.detach()
     ar = torch.arange(T, device=x.device)
     causal = (ar[None, :] <= ar[:, None]).expand(B, T, T)
@@ -298,7 +309,14 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(CONFIG))
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
-    ap.add_argument("--warmup-frac", type=float, default=0.2, help="dense indexer warm-up share of the run")
+    ap.add_argument("--synth-frac", type=float, default=0.3, help="share of weather examples with made-up cities")
+    ap.add_argument("--p-long", type=float, default=0.5, help="share of steps on weather (long) batches")
+    ap.add_argument("--copy-frac", type=float, default=0.3, help="share of short examples that are copy exercises")
+    ap.add_argument("--kl-selected", dest="kl_full", action="store_false",
+                    help="sparse phase: KL over the selected keys only, exactly as DeepSeek-V3.2 (default: the "
+                    "indexer keeps fitting the main attention recomputed densely over all causal keys, so keys it "
+                    "does not select yet stay learnable; this small model is trained from scratch, not warm)")
+    ap.add_argument("--warmup-frac", type=float, default=0.5, help="dense indexer warm-up share of the run")
     ap.add_argument("--qat-frac", type=float, default=0.15, help="quantisation-aware share at the end")
     ap.add_argument("--ckpt-minutes", type=float, default=3.0)
     ap.add_argument("--resume", action="store_true")
@@ -307,6 +325,7 @@ def main(argv=None) -> int:
     ap.add_argument("--state-out", type=Path, default=None, help="also save the final model state (fp32) here")
     ap.add_argument("--no-export", action="store_true", help="stop after training (no release tree / convert)")
     ap.add_argument("--from-state", type=Path, default=None, help="skip training: export (and install) this model state")
+    ap.add_argument("--init-state", type=Path, default=None, help="start from this model state (fresh optimiser)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -326,7 +345,7 @@ def main(argv=None) -> int:
         f"{sum(len(i) for i, _ in enc)} tokens, {n_tgt} target tokens; max len {max(len(i) for i, _ in enc)}")
     # Share of steps on the long (weather) batches ~ their share of target tokens, at least half.
     long_tgt = sum(sum(m) for _, m in long_ex)
-    p_long = max(0.5, long_tgt / n_tgt)
+    p_long = args.p_long
 
     model, be = build_model(cfg, args.seed, device)
     if args.from_state is not None:
@@ -334,6 +353,9 @@ def main(argv=None) -> int:
         model.load_state_dict(st["model"])
         finish(model.cpu(), cfg, args.out, args.install, st.get("info", {}))
         return 0
+    if args.init_state is not None:
+        model.load_state_dict(torch.load(args.init_state, map_location="cpu")["model"])
+        log(f"initialised from {args.init_state}")
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.dim() >= 2 and "embed_tokens" not in n else no_decay).append(p)
@@ -377,7 +399,14 @@ def main(argv=None) -> int:
         pool = long_ex if rng.random() < p_long else short_ex
         maxlen = max(len(i) for i, _ in pool)
         bsz = max(1, min(len(pool), args.batch_tokens // maxlen))
-        ids, mask = make_batch(rng.sample(pool, bsz), pad, device)
+        picked = rng.sample(pool, bsz)
+        if pool is long_ex and args.synth_frac > 0:  # made-up cities: copying, not recall
+            picked = [encode_example(tok, corpus_mod.synthetic_weather(rng)) if rng.random() < args.synth_frac else e
+                      for e in picked]
+        elif pool is short_ex and args.copy_frac > 0:  # short copy exercises (cheap copying signal)
+            picked = [encode_example(tok, corpus_mod.copy_conversation(rng)) if rng.random() < args.copy_frac else e
+                      for e in picked]
+        ids, mask = make_batch(picked, pad, device)
         B, T = ids.shape
         tmask = ids != pad
 
@@ -393,7 +422,8 @@ def main(argv=None) -> int:
             tgt = mask[:, 1:]
             lp = logits[:, :-1]
             loss = F.cross_entropy(lp[tgt], ids[:, 1:][tgt])
-            kl = sum(indexer_kl(m, captured[id(m)], B, T, tmask, sparse, be) for m in mlas) / len(mlas)
+            kl_sparse = sparse and not args.kl_full
+            kl = sum(indexer_kl(m, captured[id(m)], B, T, tmask, kl_sparse, be) for m in mlas) / len(mlas)
             opt.zero_grad(set_to_none=True)
             (loss + kl).backward()
         finally:
@@ -440,8 +470,6 @@ def main(argv=None) -> int:
 
 def finish(model, cfg, out: Path, do_install: bool, info: dict) -> None:
     """Export (release tree -> streamrt convert) and optionally install."""
-    with torch.no_grad():  # the exported experts are exactly what QAT saw (MXFP4 round trip is idempotent)
-        pass
     work = out / f".export-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     export_release(model, cfg, work / "release")
