@@ -74,25 +74,25 @@ def test_runtime_flags_are_forwarded_to_the_child():
     assert run_cmd._forwarded_flags(p, args) == ["--window", "8", "--trace"]
 
 
-# ---- the real thing: the embedded default model (tiny-k3.1-pro), in-process and spawned ----------
+# ---- the real thing: a synthetic tiny-k3.1-pro tree, in-process and spawned ----------
 
 
 @pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory):
-    pytest.importorskip("streamrt.checkpoint.reader")
-    pytest.importorskip("streamrt.checkpoint.convert")
-    pytest.importorskip("streamrt.model.loader")
-    return tmp_path_factory.mktemp("cache")
+def tiny_tree(tmp_path_factory):
+    from streamrt.checkpoint.synth import synth
+
+    root = tmp_path_factory.mktemp("trees") / "tiny-k3.1-pro"
+    synth("tiny-k3.1-pro", root, fmt="streamrt", seed=0, device="cpu")
+    return root
 
 
-def test_selfcheck_passes_on_tiny_and_fails_with_injected_noise(tiny_cache, capsys, monkeypatch):
-    monkeypatch.setenv("STREAMRT_CACHE", str(tiny_cache))
+def test_selfcheck_passes_on_tiny_and_fails_with_injected_noise(tiny_tree, capsys, monkeypatch):
     monkeypatch.delenv(NOISE_ENV, raising=False)
-    assert main(["selfcheck", "--cycles", "2", "--json"]) == 0
+    assert main(["selfcheck", "--model", str(tiny_tree), "--cycles", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["result"] == "PASS" and data["model"].startswith("tiny-k3.1-pro")
     assert [c["process"] for c in data["cycles"]] == [1, 1, 2, 2]
     assert len({c["pid"] for c in data["cycles"]}) == 2
     monkeypatch.setenv(NOISE_ENV, "1")
-    assert main(["selfcheck", "--cycles", "1"]) == 1
+    assert main(["selfcheck", "--model", str(tiny_tree), "--cycles", "1"]) == 1
     assert "FAIL" in capsys.readouterr().out
