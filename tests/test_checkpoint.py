@@ -94,6 +94,13 @@ def rel_copy(releases, tmp_path):
     return dst
 
 
+def tree_digest(data: bytes, chunk: int = 64 << 20) -> str:
+    """The manifest checksum rule, written from its definition (docs/CONTRACTS.md)."""
+    parts = [data[i : i + chunk] for i in range(0, len(data), chunk)] or [b""]
+    inner = b"".join(hashlib.blake2b(c, digest_size=8).digest() for c in parts)
+    return hashlib.blake2b(inner, digest_size=8).hexdigest()
+
+
 def one_line_error(excinfo, *needles):
     msg = str(excinfo.value)
     assert "\n" not in msg, msg
@@ -163,7 +170,7 @@ def test_expert_file_roundtrip_header_and_zero_copy(tmp_path):
     size, digest = write_expert_file(path, mats, layer=5, expert=17, global_mode=1, layout=lay)
     raw = path.read_bytes()
     assert size == len(raw) == lay.file_bytes
-    assert digest == hashlib.blake2b(raw, digest_size=8).hexdigest()
+    assert digest == tree_digest(raw)  # one chunk: blake2b-64 of the chunk's blake2b-64
     # header fields exactly as docs/CONTRACTS.md, decoded here independently
     magic, ver, layer, expert, hidden, inter, mode = struct.unpack_from("<8s6I", raw, 0)
     assert (magic, ver, layer, expert, hidden, inter, mode) == (b"SRTNVFP4", 1, 5, 17, 64, 96, 1)
@@ -208,7 +215,7 @@ def test_atomic_writer_hash_modes_and_abort(tmp_path, background):
     with fileio.AtomicWriter(path, background_hash=background) as w:
         for i in range(0, len(data), 1 << 20):
             w.write(data[i : i + (1 << 20)])
-    assert path.read_bytes() == data and w.digest == hashlib.blake2b(data, digest_size=8).hexdigest()
+    assert path.read_bytes() == data and w.digest == tree_digest(data)
     with pytest.raises(RuntimeError):
         with fileio.AtomicWriter(tmp_path / "g.bin", background_hash=background) as w:
             w.write(data[:1000])
@@ -303,7 +310,7 @@ def test_round_trip(name, releases, converted):
     idx = [k for k in sd if ".indexer." in k]
     assert len(idx) == (5 * len(cfg.indexer_layers)) and all(sd[k].dtype == torch.bfloat16 for k in idx)
     m = tree.manifest
-    assert m["format_version"] == 1 and m["geometry"]["expert_file_bytes"] == tree.layout.file_bytes
+    assert m["format_version"] == 2 and m["checksum"] == "blake2b64-tree-64MiB" and m["geometry"]["expert_file_bytes"] == tree.layout.file_bytes
     assert set(m["tensor_names"]) == {s.name for s in tensor_specs(cfg)}
     assert m["expert_global_modes"] == {"per_matrix": cfg.expert_files, "per_row": 0}
     rng = np.random.default_rng()

@@ -11,8 +11,10 @@ Crash safety: every file is written under a temp name, fsynced and renamed, then
 to `DST/.convert/journal.jsonl` (path, size, blake2b). A re-run removes stale temp files and
 skips every journaled file whose size and checksum still match, so kill -9 at any moment
 costs at most the files in flight. `.convert/state.json` names the source (fingerprint of
-its config, index and shard sizes), which is how a non-empty DST is recognised as a previous
-partial conversion of the same source; after success the manifest carries it instead.
+its config, index and shard sizes) and the checksum rule, which is how a non-empty DST is
+recognised as a previous partial conversion of the same source; after success the manifest
+carries both instead. Checksums follow `fileio`'s chunked tree rule (a multi-GB dense file
+hashes on every core); files recorded under another rule are redone, never mixed in.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from typing import Callable
 from streamrt import fp4
 from streamrt.checkpoint.expert_file import HEADER_BYTES, ExpertLayout, parse_header, write_expert_file
 from streamrt.checkpoint.fileio import (
+    LEGACY_RULE,
     AtomicWriter,
     file_digest,
     fsync_dir,
     remove_stale_tmp,
+    rule_name,
     write_bytes_atomic,
 )
 from streamrt.checkpoint.names import TensorSpec, dense_group, dense_specs, expert_prefix, expert_relpath, strip_prefix
@@ -43,7 +47,8 @@ from streamrt.checkpoint.safetensors_io import build_header, order_for_alignment
 from streamrt.config import ModelConfig
 from streamrt.errors import CheckpointError
 
-FORMAT, FORMAT_VERSION = "streamrt", 1
+FORMAT, FORMAT_VERSION = "streamrt", 2
+READ_VERSIONS = (1, 2)  # 1: whole-file blake2b (fileio.LEGACY_RULE); 2: top-level "checksum" names the rule
 MANIFEST = "manifest.json"
 STATE_DIR = ".convert"
 KILL_ENV = "STREAMRT_TEST_KILL_AFTER_BYTES"  # test hook: SIGKILL self once this many bytes are written
@@ -86,10 +91,17 @@ def geometry(cfg: ModelConfig) -> dict:
     }
 
 
+def manifest_rule(m: dict) -> str | None:
+    """The checksum rule a manifest's "blake2b" values follow (None if it names none)."""
+    return LEGACY_RULE if m.get("format_version") == 1 else m.get("checksum")
+
+
 def write_manifest(root: Path, cfg: ModelConfig, files: dict, tensor_names: list[str], *, source: dict, modes: dict) -> None:
+    """`files` values: {"size", "blake2b"} computed under the current rule (fileio.rule_name())."""
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "checksum": rule_name(),
         "variant": cfg.variant,
         "geometry": geometry(cfg),
         "expert_global_modes": {"per_matrix": modes.get(0, 0), "per_row": modes.get(1, 0)},
@@ -124,15 +136,17 @@ def _prepare_dst(src: Path, dst: Path, fingerprint: str) -> dict[str, dict]:
     if dst.exists() and not dst.is_dir():
         raise CheckpointError(f"{dst}: exists and is not a directory")
     prior: dict[str, dict] = {}
+    rule = rule_name()
     if dst.is_dir() and any(dst.iterdir()):
         state, manifest = state_dir / "state.json", dst / MANIFEST
-        theirs = None
+        theirs, their_rule = None, None
         try:
             if state.is_file():
-                theirs = json.loads(state.read_text()).get("fingerprint")
+                st = json.loads(state.read_text())
+                theirs, their_rule = st.get("fingerprint"), st.get("checksum", LEGACY_RULE)  # older runs: no key
             elif manifest.is_file():
                 m = json.loads(manifest.read_text())
-                theirs = (m.get("source") or {}).get("fingerprint")
+                theirs, their_rule = (m.get("source") or {}).get("fingerprint"), manifest_rule(m)
                 prior = m.get("files") or {}
         except (OSError, ValueError, AttributeError):
             theirs = None
@@ -142,6 +156,9 @@ def _prepare_dst(src: Path, dst: Path, fingerprint: str) -> dict[str, dict]:
                 "choose an empty directory (or remove it)"
             )
         journal = state_dir / "journal.jsonl"
+        if their_rule != rule:  # digests under another rule: redo those files rather than mix rules
+            prior = {}
+            journal.unlink(missing_ok=True)
         if journal.is_file():
             for line in journal.read_text(errors="replace").splitlines():
                 try:  # a kill -9 can leave the last line torn: skip it, that file is redone
@@ -151,7 +168,7 @@ def _prepare_dst(src: Path, dst: Path, fingerprint: str) -> dict[str, dict]:
                     continue
         remove_stale_tmp(dst)
     state_dir.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(state_dir / "state.json", json.dumps({"source": str(src.resolve()), "fingerprint": fingerprint}).encode())
+    write_bytes_atomic(state_dir / "state.json", json.dumps({"source": str(src.resolve()), "fingerprint": fingerprint, "checksum": rule}).encode())
     return prior
 
 
@@ -338,4 +355,5 @@ def _summary_line(s: dict) -> str:
     )
 
 
-__all__ = ["convert", "dense_files", "expert_relpath", "write_manifest", "geometry", "MANIFEST", "FORMAT_VERSION"]
+__all__ = ["convert", "dense_files", "expert_relpath", "write_manifest", "manifest_rule", "geometry", "MANIFEST",
+           "FORMAT_VERSION", "READ_VERSIONS"]

@@ -200,7 +200,7 @@ def write_expert_file(
 ) -> tuple[int, str]:
     """Write one expert atomically. `weights` is an ExpertWeights or a mapping
     {'gate'|'up'|'down': (packed uint8 [out, in/2], scales uint8 [out, in/16], global float32 [out] or scalar)}.
-    Returns (size, blake2b hex)."""
+    Returns (size, checksum hex under fileio's rule)."""
     get = (lambda m: weights[m]) if isinstance(weights, Mapping) else (lambda m: getattr(weights, m))
     trip = {m: _numpy_triple(get(m)) for m in MATRICES}
     if layout is None:

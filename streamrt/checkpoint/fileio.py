@@ -1,8 +1,16 @@
-"""Crash-safe file output: write a temp name, hash as we go, fsync, rename.
+"""Crash-safe file output: write a temp name, hash as we go, fsync, rename; and the checksum rule.
 
 A final path therefore only ever holds a complete, fsynced file; a kill -9 leaves at most
 a `.srt-*.tmp` file next to it, which the next run removes. A full disk (ENOSPC / EDQUOT)
 becomes one `CheckpointError` after the temp file is deleted: nothing half written.
+
+Checksum (the one definition; manifest `"checksum": "blake2b64-tree-64MiB"`, format_version 2):
+split the file into consecutive 64 MiB chunks (the last may be shorter; an empty file is one
+empty chunk), take blake2b with an 8-byte digest of each chunk, and the file's checksum is
+blake2b (8-byte digest) of the concatenated chunk digests, as 16 hex digits. Chunks hash
+independently, so a multi-GB file hashes on every core (hashlib releases the GIL on large
+buffers) and the result does not depend on the thread count. format_version 1 trees (the
+shipped default model among them) use `LEGACY_RULE`: blake2b-64 of the whole file.
 """
 
 from __future__ import annotations
@@ -10,8 +18,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import queue
+import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
@@ -19,21 +28,139 @@ from streamrt.errors import CheckpointError
 
 TMP_PREFIX, TMP_SUFFIX = ".srt-", ".tmp"
 DIGEST_BYTES = 8  # blake2b-64: 16 hex chars in the manifest
+CHUNK_BYTES = 64 << 20  # tree-hash chunk; tests shrink it (read at call time, not import time)
+LEGACY_RULE = "blake2b64"  # format_version 1: whole-file blake2b-64, one thread
+READ_BYTES = 8 << 20  # pread buffer per hashing thread
 _ZEROS = bytes(1 << 16)
+_RULE_RE = re.compile(r"blake2b64-tree-(\d+)(MiB|KiB|B)")
+_UNITS = {"MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
 
 
 def new_hash():
+    """Plain blake2b-64 (fingerprints, chunk digests, the legacy rule)."""
     return hashlib.blake2b(digest_size=DIGEST_BYTES)
 
 
-def file_digest(path: Path, chunk: int = 8 << 20) -> str:
-    h = new_hash()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        mv = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(mv[:n])
-    return h.hexdigest()
+# ---- the checksum rule ---------------------------------------------------------------
+
+
+def rule_name(chunk_bytes: int | None = None) -> str:
+    """The manifest's "checksum" value for the tree rule with this chunk size."""
+    c = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    for unit in ("MiB", "KiB"):
+        if c % _UNITS[unit] == 0:
+            return f"blake2b64-tree-{c // _UNITS[unit]}{unit}"
+    return f"blake2b64-tree-{c}B"
+
+
+def rule_chunk(rule: str) -> int | None:
+    """Chunk size of a rule name; None for the legacy whole-file rule; ValueError if unknown."""
+    if rule == LEGACY_RULE:
+        return None
+    m = _RULE_RE.fullmatch(rule or "")
+    c = int(m.group(1)) * _UNITS[m.group(2)] if m else 0
+    if not 4096 <= c <= 1 << 30:  # a sane range: guards against a typo'd manifest
+        raise ValueError(f"unknown checksum rule {rule!r}")
+    return c
+
+
+def combine(chunk_digests: list[bytes]) -> str:
+    """The tree rule's top level: blake2b-64 over the chunk digests in file order."""
+    return hashlib.blake2b(b"".join(chunk_digests), digest_size=DIGEST_BYTES).hexdigest()
+
+
+def _chunk_of(rule: str | None, chunk_bytes: int | None) -> int | None:
+    """No rule: the current tree rule (or its `chunk_bytes` variant); else the rule's chunk."""
+    if rule is None:
+        return CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    return rule_chunk(rule)
+
+
+def _ranges(size: int, chunk: int) -> list[tuple[int, int]]:
+    return [(off, min(chunk, size - off)) for off in range(0, size, chunk)] or [(0, 0)]
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_local = threading.local()
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """One process-wide pool for chunk hashing, one thread per core: nested callers (verify's
+    per-file workers, convert's writers) share it, so memory stays cores x READ_BYTES.
+    Its jobs never wait on the pool, so callers blocking on it cannot deadlock."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(2, os.cpu_count() or 1), thread_name_prefix="srt-hash")
+        return _pool
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of the parent's threads: start afresh
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _hash_into(h, fd: int, off: int, n: int):
+    """Feed bytes [off, off+n) of fd to h, read with pread (page cache when hot)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = bytearray(READ_BYTES)
+    while n:
+        k = os.preadv(fd, [memoryview(buf)[: min(n, READ_BYTES)]], off)
+        if k <= 0:
+            raise OSError(errno.EIO, "file shorter than expected while hashing")
+        h.update(memoryview(buf)[:k])
+        off, n = off + k, n - k
+    return h
+
+
+def _hash_range(fd: int, off: int, n: int) -> bytes:
+    return _hash_into(new_hash(), fd, off, n).digest()
+
+
+def _gather(futs: list[Future]) -> list[bytes]:
+    wait(futs)  # every job done before the caller may close the fd, even on an error
+    return [f.result() for f in futs]
+
+
+def fd_digest(fd: int, size: int, rule: str | None = None, chunk_bytes: int | None = None) -> str:
+    """Checksum of the first `size` bytes of fd under `rule` (default: the current tree rule,
+    or the tree rule with `chunk_bytes`). Multi-chunk files hash in the shared pool."""
+    chunk = _chunk_of(rule, chunk_bytes)
+    if chunk is None:  # legacy: one sequential pass
+        return _hash_into(new_hash(), fd, 0, size).hexdigest()
+    ranges = _ranges(size, chunk)
+    if len(ranges) == 1:  # small file: no pool hop
+        return combine([_hash_range(fd, 0, size)])
+    pool = hash_pool()
+    return combine(_gather([pool.submit(_hash_range, fd, off, n) for off, n in ranges]))
+
+
+def file_digest(path: Path, rule: str | None = None, *, chunk_bytes: int | None = None) -> str:
+    """Checksum of a file under `rule` (a manifest "checksum" value; default the current rule)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fd_digest(fd, os.fstat(fd).st_size, rule, chunk_bytes)
+    finally:
+        os.close(fd)
+
+
+def buffer_digest(data, rule: str | None = None, *, chunk_bytes: int | None = None) -> str:
+    """Checksum of an in-memory buffer (e.g. a file's mapping) under `rule`; no second read."""
+    mv = memoryview(data).cast("B")
+    chunk = _chunk_of(rule, chunk_bytes)
+    if chunk is None:
+        return hashlib.blake2b(mv, digest_size=DIGEST_BYTES).hexdigest()
+    one = lambda off, n: hashlib.blake2b(mv[off : off + n], digest_size=DIGEST_BYTES).digest()  # noqa: E731
+    ranges = _ranges(len(mv), chunk)
+    if len(ranges) == 1:
+        return combine([one(0, len(mv))])
+    pool = hash_pool()
+    return combine(_gather([pool.submit(one, off, n) for off, n in ranges]))
 
 
 def tmp_path(path: Path) -> Path:
@@ -51,48 +178,14 @@ def disk_full_error(path: Path, e: OSError) -> CheckpointError:
     )
 
 
-class _BackgroundHasher:
-    """Hashes what a writer has already written by reading it back from the page cache on
-    its own thread: one big file then costs max(hash, write), not their sum."""
-
-    CHUNK = 16 << 20
-
-    def __init__(self, fd: int):
-        self.fd, self.hash, self.error = fd, new_hash(), None
-        self.q: queue.Queue = queue.Queue()
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
-
-    def _run(self) -> None:
-        buf = bytearray(self.CHUNK)
-        while (item := self.q.get()) is not None:
-            off, n = item
-            try:
-                while n and self.error is None:
-                    k = os.preadv(self.fd, [memoryview(buf)[: min(n, self.CHUNK)]], off)
-                    if k <= 0:
-                        raise OSError(errno.EIO, "short read of the file being written")
-                    self.hash.update(memoryview(buf)[:k])
-                    off, n = off + k, n - k
-            except OSError as e:
-                self.error = e
-
-    def add(self, offset: int, n: int) -> None:
-        self.q.put((offset, n))
-
-    def finish(self) -> str:
-        self.q.put(None)
-        self.t.join()
-        if self.error:
-            raise self.error
-        return self.hash.hexdigest()
-
-
 class AtomicWriter:
-    """`with AtomicWriter(path) as w: w.write(...)`; commits (fsync + rename) on clean exit.
+    """`with AtomicWriter(path) as w: w.write(...)`; commits (fsync + rename) on clean exit,
+    `w.digest` is then the file's checksum under the current tree rule.
 
-    `background_hash=True` (for multi-GB files) hashes on a helper thread that reads the
-    written bytes back, so hashing overlaps writing."""
+    Small files hash inline as they are written. `background_hash=True` (multi-chunk files)
+    hands each completed chunk to the shared hash pool, which reads it back from the page
+    cache: the caller may reuse its buffer at once, chunks hash on all cores while writing
+    continues, and the last chunk hashes while fsync runs."""
 
     def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None, *, background_hash: bool = False):
         self.path = Path(path)
@@ -100,40 +193,60 @@ class AtomicWriter:
         self.size = 0
         self.on_bytes = on_bytes
         self.digest: str | None = None
+        self.chunk = CHUNK_BYTES
+        self.background = background_hash
         self.path.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_RDWR if background_hash else os.O_WRONLY
         self.fd = os.open(self.tmp, flags | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.hash = None if background_hash else new_hash()
-        self.hasher = _BackgroundHasher(self.fd) if background_hash else None
+        self.parts: list = []  # chunk digests (inline) or futures of them (background), in order
+        self.cur = new_hash()  # inline mode: the chunk being written
+        self.cur_n = 0
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
-        if self.hash is not None:
-            self.hash.update(mv)
         total = len(mv)
+        if not self.background:
+            self._hash_inline(mv)
         while mv:
             try:
                 n = os.write(self.fd, mv)
             except OSError as e:
                 self._fail(e)
             mv = mv[n:]
-        if self.hasher is not None:
-            self.hasher.add(self.size, total)
         self.size += total
+        if self.background:  # every chunk now complete on disk (page cache) goes to the pool
+            while (len(self.parts) + 1) * self.chunk <= self.size:
+                self.parts.append(hash_pool().submit(_hash_range, self.fd, len(self.parts) * self.chunk, self.chunk))
         if self.on_bytes:
             self.on_bytes(total)
+
+    def _hash_inline(self, mv: memoryview) -> None:
+        while mv:
+            k = min(len(mv), self.chunk - self.cur_n)
+            self.cur.update(mv[:k])
+            self.cur_n += k
+            mv = mv[k:]
+            if self.cur_n == self.chunk:
+                self.parts.append(self.cur.digest())
+                self.cur, self.cur_n = new_hash(), 0
 
     def pad_to(self, offset: int) -> None:
         while self.size < offset:
             self.write(_ZEROS[: min(len(_ZEROS), offset - self.size)])
 
     def commit(self) -> tuple[int, str]:
+        done = len(self.parts) * self.chunk
+        if self.background:
+            if done < self.size or self.size == 0:  # the short last chunk (an empty file is one chunk)
+                self.parts.append(hash_pool().submit(_hash_range, self.fd, done, self.size - done))
+        elif self.cur_n or self.size == 0:
+            self.parts.append(self.cur.digest())
         try:
-            digest = self.hasher.finish() if self.hasher is not None else self.hash.hexdigest()
-            self.hasher = None
-            os.fsync(self.fd)
+            os.fsync(self.fd)  # overlaps the pool still hashing
+            digest = combine(_gather(self.parts) if self.background else self.parts)
         except OSError as e:
             self._fail(e)
+        self.parts = []
         os.close(self.fd)
         self.fd = -1
         os.replace(self.tmp, self.path)
@@ -141,13 +254,11 @@ class AtomicWriter:
         return self.size, digest
 
     def abort(self) -> None:
-        if self.hasher is not None:
-            self.hasher.error = self.hasher.error or OSError(errno.ECANCELED, "aborted")
-            try:
-                self.hasher.finish()
-            except OSError:
-                pass
-            self.hasher = None
+        if self.background:  # no job may read the fd after it is closed (the number gets reused)
+            for f in self.parts:
+                f.cancel()
+            wait(self.parts)
+        self.parts = []
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -4,6 +4,9 @@ The model loader takes `dense_state_dict()` (zero-copy views of private mappings
 without `language_model.`); the expert store takes `expert_path`, `layout` and
 `expert_file.parse_expert` over its own mappings. Opening validates the manifest and the
 config gating (the manifest's tensor names must agree with the variant markers).
+Checksums are checked under the rule the manifest names (`tree.checksum_rule`): format_version
+2 trees use fileio's chunked tree rule, format_version 1 trees (the shipped default model) the
+whole-file blake2b they were written with.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from streamrt.checkpoint.convert import FORMAT, FORMAT_VERSION, MANIFEST, geometry
+from streamrt.checkpoint.convert import FORMAT, MANIFEST, READ_VERSIONS, geometry, manifest_rule
 from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert
-from streamrt.checkpoint.fileio import file_digest
+from streamrt.checkpoint.fileio import buffer_digest, file_digest, rule_chunk
 from streamrt.checkpoint.names import expert_relpath
 from streamrt.checkpoint.safetensors_io import read_header
 from streamrt.config import ModelConfig, load_config
@@ -47,6 +50,18 @@ class StreamrtTree:
     config: ModelConfig
     layout: ExpertLayout
     manifest: dict
+
+    @property
+    def checksum_rule(self) -> str:
+        """The rule the manifest's "blake2b" values follow (validated by open_tree)."""
+        return manifest_rule(self.manifest)
+
+    def digest(self, path: Path | None = None, *, data=None) -> str:
+        """Checksum of a file (read) or of its bytes already in memory (`data`, e.g. the mapping
+        the runtime just made: no second read), under this tree's rule."""
+        if data is not None:
+            return buffer_digest(data.numpy() if hasattr(data, "numpy") else data, self.checksum_rule)
+        return file_digest(path, self.checksum_rule)
 
     def dense_files(self) -> list[Path]:
         return sorted(self.root / rel for rel in self.manifest["files"] if rel.startswith("dense/"))
@@ -83,12 +98,16 @@ class StreamrtTree:
         entry = self.manifest["files"].get(expert_relpath(layer, expert))
         return entry.get("blake2b") if entry else None
 
-    def check_expert(self, layer: int, expert: int) -> None:
-        """Re-hash one expert file against the manifest; CheckpointError on a mismatch."""
+    def check_expert(self, layer: int, expert: int, data=None) -> None:
+        """Re-hash one expert file (or its mapped bytes `data`: bytes-like or uint8 tensor)
+        against the manifest; CheckpointError on a mismatch or when the file is not listed."""
         path, want = self.expert_path(layer, expert), self.expert_checksum(layer, expert)
-        got = file_digest(path)
+        if want is None:
+            raise CheckpointError(f"{path}: not listed in {self.root / MANIFEST}; re-run `streamrt convert`")
+        got = self.digest(path, data=data)
         if got != want:
-            raise CheckpointError(f"{path}: checksum mismatch (manifest {want}, file {got}); run `streamrt verify --full`")
+            raise CheckpointError(f"{path}: checksum mismatch (manifest {want}, file {got}); "
+                                  "run `streamrt verify --full` or re-run `streamrt convert`")
 
 
 def read_manifest(root: Path) -> dict:
@@ -101,8 +120,13 @@ def read_manifest(root: Path) -> dict:
         raise CheckpointError(f"{f}: cannot read manifest: {e}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{f}: not a streamrt manifest (format {m.get('format') if isinstance(m, dict) else None!r})")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{f}: format_version {m.get('format_version')!r}, this streamrt reads {FORMAT_VERSION}")
+    if m.get("format_version") not in READ_VERSIONS:
+        raise CheckpointError(f"{f}: format_version {m.get('format_version')!r}, this streamrt reads "
+                              f"{' and '.join(map(str, READ_VERSIONS))} (a newer streamrt wrote it?)")
+    try:
+        rule_chunk(manifest_rule(m))
+    except ValueError:
+        raise CheckpointError(f"{f}: unknown checksum rule {m.get('checksum')!r}") from None
     for key, typ in (("files", dict), ("tensor_names", list), ("geometry", dict)):
         if not isinstance(m.get(key), typ):
             raise CheckpointError(f"{f}: field {key!r} missing or not a {typ.__name__}")

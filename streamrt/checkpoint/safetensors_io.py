@@ -16,12 +16,12 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
+from streamrt.checkpoint import fileio
 from streamrt.checkpoint.fileio import AtomicWriter
 from streamrt.checkpoint.names import DTYPE_BYTES
 from streamrt.errors import CheckpointError
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
-BACKGROUND_HASH_BYTES = 256 << 20  # above this, hash on a helper thread (overlaps the write)
 ALIGN = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
 
 
@@ -141,11 +141,11 @@ def write_stream(
     background_hash: bool | None = None,
 ) -> tuple[int, str]:
     """Write a safetensors file atomically from `specs` (in file order) and the concatenated
-    tensor bytes `chunks` (any buffers). Returns (size, blake2b hex)."""
+    tensor bytes `chunks` (any buffers). Returns (size, checksum hex under fileio's rule)."""
     header, offs = build_header(specs, metadata)
     total = offs[-1][1] if offs else 0
-    if background_hash is None:
-        background_hash = total >= BACKGROUND_HASH_BYTES
+    if background_hash is None:  # more than one checksum chunk: hash chunks on all cores while writing
+        background_hash = len(header) + total > fileio.CHUNK_BYTES
     with AtomicWriter(path, on_bytes, background_hash=background_hash) as w:
         w.write(header)
         for c in chunks:
