@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from streamrt.backends.nvrtc import NvrtcBackend  # noqa: E402
+from streamrt.backends.nvrtc import GEMV_VARIANTS, NvrtcBackend, gemv_plan  # noqa: E402
 from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix  # noqa: E402
 
@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
     ap.add_argument("--torch", action="store_true", help="also time the torch backend for each op")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time every GEMV variant (rows per warp, L1 or shared x) to check the plan")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -138,9 +140,20 @@ def main(argv=None) -> int:
         W = torch.randn(N, K, device=dev).to(torch.bfloat16)
         x = torch.randn(1, K, device=dev)
         bench(f"bf16 GEMV {N}x{K}, T=1", N * K * 2, lambda W=W, x=x: nv.linear(x, W), lambda W=W, x=x: tb.linear(x, W))
+        if args.variants:
+            for v in GEMV_VARIANTS[("bf16", 1)]:
+                nvv = NvrtcBackend()
+                nvv.gemv_plan = gemv_plan(f"bf16:1={v}")
+                bench(f"  variant: bf16 GEMV {N}x{K}, T=1, {v}", N * K * 2, lambda W=W, x=x, nvv=nvv: nvv.linear(x, W))
     W = torch.randn(7168, 12288, device=dev).to(torch.bfloat16)
-    x8 = torch.randn(8, 12288, device=dev)
-    bench("bf16 GEMV 7168x12288, T=8", W.numel() * 2, lambda: nv.linear(x8, W), lambda: tb.linear(x8, W))
+    for T in (4, 8):
+        xt = torch.randn(T, 12288, device=dev)
+        bench(f"bf16 GEMV 7168x12288, T={T}", W.numel() * 2, lambda xt=xt: nv.linear(xt, W), lambda xt=xt: tb.linear(xt, W))
+        if args.variants:
+            for v in GEMV_VARIANTS[("bf16", T)]:
+                nvv = NvrtcBackend()
+                nvv.gemv_plan = gemv_plan(f"bf16:{T}={v}")
+                bench(f"  variant: bf16 GEMV 7168x12288, T={T}, {v}", W.numel() * 2, lambda xt=xt, nvv=nvv: nvv.linear(xt, W))
 
     # other decode ops (bytes = main tensors read + written)
     H, K_, n = 96, 128, 8192

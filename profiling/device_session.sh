@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine (H200, no network, repo not
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
-#   bash profiling/device_session.sh [stages...]   stages: tests kernels decode trace sweep convert
+#   bash profiling/device_session.sh [stages...]
+#   stages: tests kernels variants profile decode trace sweep convert
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/streamrt-out}; mkdir -p "$OUT"
@@ -24,6 +25,16 @@ fi
 if has kernels; then
   stage "bench kernels"
   timeout ${T_KERNELS:-60} python3 profiling/bench_kernels.py --torch --markdown "$L/bench_kernels.md" 2>&1 | tee "$L/bench_kernels.log" | tail -40
+fi
+if has variants; then
+  stage "bench kernels: every NVFP4 split-K size and GEMV variant"
+  timeout ${T_VARIANTS:-150} python3 profiling/bench_kernels.py --variants --markdown "$L/bench_variants.md" 2>&1 | tee "$L/bench_variants.log" | tail -45
+fi
+if has profile; then
+  stage "profile one decode step (slice, all experts resident)"
+  for b in ${PROFILE_BACKENDS:-nvrtc torch}; do
+    timeout ${T_PROFILE:-120} python3 profiling/profile_step.py --workdir "$W" --backend $b --steps 4 2>&1 | grep -v USDT | tee "$L/profile_$b.log" | head -70
+  done
 fi
 if has decode; then
   stage "bench decode (slice)"

@@ -151,6 +151,31 @@ def test_linear_batch_invariant(gen, wdt):
     assert torch.equal(NV.linear(x, w), full), "not deterministic run to run"
 
 
+@pytest.mark.skipif(NV is None, reason="kernel property")
+def test_linear_every_gemv_variant_same_bits(gen):
+    """Every GEMV variant (rows per warp, L1 or shared-memory x) agrees with the float64
+    reference and gives the same bits for a row as the default plan: batch invariance holds
+    whichever variant a T bucket uses."""
+    from streamrt.backends.nvrtc import GEMV_VARIANTS, gemv_plan
+
+    x = randn(gen, 8, 1536)
+    for wdt, dname in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        w = randn(gen, 203, 1536, scale=0.03, dtype=wdt)
+        ref = x.double() @ w.double().T
+        base = NV.linear(x[:1], w)[0]
+        for (dt, nt), variants in GEMV_VARIANTS.items():
+            if dt != dname:
+                continue
+            for v in variants:
+                NV.gemv_plan = gemv_plan(f"{dt}:{nt}={v}")
+                try:
+                    out = NV.linear(x[:nt], w)
+                finally:
+                    NV.gemv_plan = gemv_plan("")
+                assert rel(out, ref[:nt]) < TOL, f"GEMV {dt} T={nt} {v}: rel err {rel(out, ref[:nt]):.3g}"
+                assert torch.equal(out[0], base), f"GEMV {dt} T={nt} {v}: row 0 bits differ from T=1 default"
+
+
 # ---- norms / activations ------------------------------------------------------------------------
 
 
@@ -415,6 +440,34 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
         for t in range(T):
             alone = nv.expert_ffn(z[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts, 4.0, 25.0)
             assert torch.equal(alone[0], out[t]), f"expert_ffn row {t} differs alone vs in the batch"
+
+
+class _LateExperts(dict):
+    """A Mapping like the runtime's StreamedExperts: some experts report a pending copy."""
+
+    def __init__(self, experts, late):
+        super().__init__(experts)
+        self.late = set(late)
+
+    def pending(self, e):
+        return e in self.late
+
+
+@pytest.mark.skipif(NV is None, reason="kernel property")
+@pytest.mark.parametrize("impl", ["mma", "cuda_core"])
+def test_expert_ffn_late_experts_same_bits(gen, impl):
+    """Experts still in flight are launched after the resident ones (a second launch group);
+    the result bits do not depend on that split."""
+    nv = NV_IMPLS[impl]
+    E, T, k, Dl, I = 12, 3, 4, 256, 384
+    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
+    weights = rand(gen, T, k, lo=0.01, hi=1.0)
+    z = randn(gen, T, Dl)
+    base = nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    for late in ([int(ids[0, 0])], ids[:, 1].tolist(), list(range(E))):
+        got = nv.expert_ffn(z, ids, weights, _LateExperts(experts, late), 4.0, 25.0)
+        assert torch.equal(got, base), f"late experts {late}: bits differ"
 
 
 # ---- AttnRes ------------------------------------------------------------------------------------

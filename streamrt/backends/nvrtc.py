@@ -36,7 +36,15 @@ MOE_MAXP = 64  # SRT_MOE_MAXP in nvfp4_moe.cu: (row, expert) pairs per launch
 KDA_MAXK = 128  # SRT_KDA_MAXK in kda.cu
 ATTNRES_MAXS = 64  # SRT_ATTNRES_MAXS in norms.cu
 MLA_CHUNK, MLA_HG = 64, 8
-GEMV_ROWS_PER_BLOCK = 8  # GEMV_WARPS * GEMV_RPW in gemv.cu
+GEMV_WARPS = 4  # gemv.cu: warps per block
+# GEMV rows per warp per (weight dtype, T bucket): the candidates, best first where the wave
+# shape does not decide (bench_kernels.py --variants, H200: T=4 r2 0.55 vs r4 0.49 of the copy
+# rate, T=8 r4 0.44 vs r2 0.31). At T=1 the variant whose grid wastes least of its last wave on
+# this GPU wins (12288x7168: r1 0.88 vs r2 0.78; 7168x12288: r2 0.86 vs r1 0.79). Every variant
+# gives the same bits for a row. Override for benchmarks: STREAMRT_GEMV="bf16:1=r4,bf16:8=r2".
+GEMV_VARIANTS = {("bf16", 1): ("r2", "r1", "r4"), ("bf16", 2): ("r2", "r4"), ("bf16", 4): ("r2", "r4"),
+                 ("bf16", 8): ("r4", "r2"), ("f32", 1): ("r2",), ("f32", 2): ("r2",), ("f32", 4): ("r2",),
+                 ("f32", 8): ("r2",)}
 MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 MMA_WARPS_GU, MMA_WARPS_DN = 4, 2  # tensor-core NVFP4 kernels: warps per block (gate+up, down)
 NVFP4_IMPLS = ("mma", "cuda_core")
@@ -50,7 +58,9 @@ class CudaError(RuntimeError):
 # ---- driver plumbing ---------------------------------------------------------------------------
 
 
+@functools.cache
 def _cu():
+    """cuda.bindings.driver, imported once (an import statement per launch shows in profiles)."""
     from cuda.bindings import driver
 
     return driver
@@ -88,12 +98,26 @@ def _primary_context(device_index: int):
     return _ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
 
 
+_CURRENT = threading.local()  # the device whose primary context this thread made current
+
+
 def _make_current(device_index: int) -> None:
+    """Make torch's primary context current on this thread (checked once per thread: torch and
+    we both use the primary context, so nothing switches it behind our back)."""
+    if getattr(_CURRENT, "device", None) == device_index:
+        return
     cu = _cu()
     ctx = _primary_context(device_index)
     cur = _ck(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if cur is None or _handle(cur) != _handle(ctx):
         _ck(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    _CURRENT.device = device_index
+
+
+def _current_stream(device_index: int) -> int:
+    """torch's current stream handle without building a torch.cuda.Stream object per launch."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return int(raw(device_index)) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
 def device_arch(device_index: int) -> str:
@@ -133,6 +157,11 @@ class _Kernel:
             sizes.append(int(res[2]))
         return sizes or None
 
+    def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
+        """Resident blocks per SM at this block size (the driver's occupancy calculator)."""
+        n = _ck(_cu().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, smem), f"occupancy({self.name})")
+        return max(1, int(n))
+
     def __call__(self, grid, block, args: list[np.ndarray], smem: int = 0, stream=None) -> None:
         cu = _cu()
         if self.param_sizes is not None and [a.nbytes for a in args] != self.param_sizes:
@@ -143,7 +172,7 @@ class _Kernel:
             _ck(cu.cuFuncSetAttribute(self.fn, attr, smem), f"cuFuncSetAttribute({self.name}, smem={smem})")
             self.smem_limit = smem
         if stream is None:
-            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+            stream = _current_stream(self.device_index)
         params = np.array([a.ctypes.data for a in args], dtype=np.uint64)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
@@ -242,6 +271,9 @@ class NvrtcBackend:
         self.nvfp4_impl = nvfp4_impl or os.environ.get("STREAMRT_NVFP4", "mma")
         if self.nvfp4_impl not in NVFP4_IMPLS:
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
+        self.gemv_plan = gemv_plan(os.environ.get("STREAMRT_GEMV", ""))
+        self._gemv_choice: dict[tuple, tuple[str, int]] = {}
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def _k(self, program: str, name: str) -> _Kernel:
         return kernel(program, name, self._dev)
@@ -285,13 +317,32 @@ class NvrtcBackend:
             tn = xt.shape[0]
             if vec:
                 nt = 1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8
-                k = self._k("gemv", f"srt_gemv_{'bf16' if w_bf16 else 'f32'}_t{nt}")
-                k((math.ceil(N / GEMV_ROWS_PER_BLOCK),), (128,),
+                name, rows = self._gemv_variant("bf16" if w_bf16 else "f32", nt, N)
+                k = self._k("gemv", name)
+                k((math.ceil(N / rows),), (GEMV_WARPS * 32,),
                   [_p(xt), _i32(x_bf16), _i32(tn), _p(w), _p(ot), _i32(N), _i32(K)])
             else:
                 k = self._k("gemv", "srt_gemv_scalar")
                 k((math.ceil(N / 8),), (256,), [_p(xt), _i32(x_bf16), _i32(tn), _p(w), _i32(w_bf16), _p(ot), _i32(N), _i32(K)])
         return out.view(*lead, N)
+
+    def _gemv_variant(self, dt: str, nt: int, N: int) -> tuple[str, int]:
+        """(kernel name, rows per block) for N rows: the override if any, else at T=1 the
+        candidate with the fullest last wave (blocks / (waves * resident slots)), else the first."""
+        key = (dt, nt, N, self.gemv_plan.get((dt, nt)))
+        if key not in self._gemv_choice:
+            cands = self.gemv_plan.get((dt, nt)) or GEMV_VARIANTS[(dt, nt)]
+            if isinstance(cands, str):
+                cands = (cands,)
+
+            def fill(v: str) -> float:
+                blocks = math.ceil(N / (GEMV_WARPS * int(v[1:])))
+                slots = self._sms * self._k("gemv", f"srt_gemv_{dt}_t{nt}_{v}").blocks_per_sm(GEMV_WARPS * 32)
+                return blocks / (math.ceil(blocks / slots) * slots)
+
+            best = max(cands, key=fill) if nt == 1 and len(cands) > 1 else cands[0]
+            self._gemv_choice[key] = (f"srt_gemv_{dt}_t{nt}_{best}", GEMV_WARPS * int(best[1:]))
+        return self._gemv_choice[key]
 
     @staticmethod
     def _linear_gemm(x: Tensor, w: Tensor, block_elems: int = 1 << 24) -> Tensor:
@@ -570,36 +621,55 @@ class NvrtcBackend:
         missing = [e for e in uniq if e not in experts]
         if missing:
             raise KeyError(f"expert_ffn: experts {missing} were routed to but not provided")
-        ptrs = {e: _expert_ptrs(experts[e], e, Dl, dev) for e in uniq}
-        I = experts[uniq[0]].gate.packed.shape[0] if uniq else 0
-        for e in uniq:
-            if ptrs[e][9] != I:
-                raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e][9]}, expert {uniq[0]} has {I}")
+        # Experts whose copy is still in flight (a streamed layer) go last: the compute stream
+        # waits for their events only after the resident ones are queued (overlap within the layer).
+        pending = getattr(experts, "pending", None)
+        late = {e for e in uniq if pending is not None and pending(e)}
         P = T * k
         out = self._empty(T, Dl, dtype=torch.float32)
         if P == 0:
             return out.zero_()
-        h = self._empty(P, I, dtype=torch.float32)
-        y = self._empty(P, Dl, dtype=torch.float32)
+        pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
+        groups = [[q for q in pairs if q[2] not in late], [q for q in pairs if q[2] in late]]
+        ptrs, I = {}, None
         binf = int(math.isinf(beta))
         act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
         mma = self.nvfp4_impl == "mma"
-        sfx = "_mma" if mma else ""
-        gu, dn = self._k("nvfp4_moe", f"srt_nvfp4_gateup{sfx}"), self._k("nvfp4_moe", f"srt_nvfp4_down{sfx}")
-        pairs = [(t, e) for t, row in enumerate(id_rows) for e in row]
-        for p0 in range(0, P, MOE_MAXP):
-            chunk = pairs[p0 : p0 + MOE_MAXP]
-            gtab, dtab = _tables(chunk, ptrs)
-            np_ = len(chunk)
-            hp, yp = np.array([h[p0].data_ptr()], np.uint64), np.array([y[p0].data_ptr()], np.uint64)
-            if mma:  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-                gu((math.ceil(I / (16 * MMA_WARPS_GU)), np_), (MMA_WARPS_GU * 32,), [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5)
-                dn((math.ceil(Dl / (32 * MMA_WARPS_DN)), np_), (MMA_WARPS_DN * 32,), [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5)
-            else:
-                gu((math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,), [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 4)
-                dn((math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 4)
+        h = y = None
+        for group in groups:
+            if not group:
+                continue
+            for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
+                ptrs[e] = _expert_ptrs(experts[e], e, Dl, dev)
+                if I is None:
+                    I = ptrs[e][9]
+                elif ptrs[e][9] != I:
+                    raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e][9]}, another has {I}")
+            if h is None:
+                h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
+                hp, yp = np.array([h.data_ptr()], np.uint64), np.array([y.data_ptr()], np.uint64)
+            for c0 in range(0, len(group), MOE_MAXP):
+                chunk = group[c0 : c0 + MOE_MAXP]
+                gtab, dtab = _tables(chunk, ptrs)
+                np_ = len(chunk)
+                if mma:  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+                    self._k("nvfp4_moe", "srt_nvfp4_gateup_mma")(
+                        (math.ceil(I / (16 * MMA_WARPS_GU)), np_), (MMA_WARPS_GU * 32,),
+                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5)
+                    self._k("nvfp4_moe", "srt_nvfp4_down_mma")(
+                        (math.ceil(Dl / (32 * MMA_WARPS_DN)), np_), (MMA_WARPS_DN * 32,),
+                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5)
+                else:
+                    self._k("nvfp4_moe", "srt_nvfp4_gateup")(
+                        (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
+                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 4)
+                    self._k("nvfp4_moe", "srt_nvfp4_down")(
+                        (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,),
+                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 4)
         n = T * Dl
-        self._k("nvfp4_moe", "srt_moe_combine")((min(math.ceil(n / 256), 4096),), (256,), [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl)])
+        self._k("nvfp4_moe", "srt_moe_combine")(
+            (min(math.ceil(n / 256), 4096),), (256,), [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl)]
+        )
         return out
 
     # ---- AttnRes -------------------------------------------------------------------------------
@@ -653,15 +723,35 @@ def _expert_ptrs(ew: ExpertWeights, e: int, Dl: int, dev: torch.device) -> tuple
     return (*g, *u, *d, I)
 
 
-def _tables(chunk: list[tuple[int, int]], ptrs: dict[int, tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
-    """The by-value GateUpTable (6 x 64 u64 + 64 int32 = 3328 bytes) and DownTable (3 x 64 u64)."""
-    g = np.zeros(6 * MOE_MAXP * 8 + MOE_MAXP * 4, dtype=np.uint8)
+def gemv_plan(spec: str) -> dict[tuple[str, int], str]:
+    """Forced GEMV variants from "bf16:8=r4,f32:1=r2" (benchmarks, tests); empty = automatic."""
+    plan = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            key, variant = item.split("=")
+            dt, nt = key.split(":")
+            k = (dt, int(nt))
+        except ValueError:
+            raise ValueError(f"STREAMRT_GEMV: cannot parse {item!r} (want e.g. bf16:8=r4)") from None
+        if variant not in GEMV_VARIANTS.get(k, ()):
+            raise ValueError(f"STREAMRT_GEMV: {item!r}: variants for {k} are {GEMV_VARIANTS.get(k, ())}")
+        plan[k] = variant
+    return plan
+
+
+def _tables(chunk: list[tuple[int, int, int]], ptrs: dict[int, tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """The by-value GateUpTable (6 x 64 u64 + 2 x 64 int32) and DownTable (3 x 64 u64 + 64
+    int32) for pairs (pair index = h / y row, token row, expert)."""
+    g = np.zeros(6 * MOE_MAXP * 8 + 2 * MOE_MAXP * 4, dtype=np.uint8)
     gp = g[: 6 * MOE_MAXP * 8].view(np.uint64).reshape(6, MOE_MAXP)
-    grow = g[6 * MOE_MAXP * 8 :].view(np.int32)
-    d = np.zeros(3 * MOE_MAXP, dtype=np.uint64).reshape(3, MOE_MAXP)
-    for i, (t, e) in enumerate(chunk):
+    gi = g[6 * MOE_MAXP * 8 :].view(np.int32).reshape(2, MOE_MAXP)
+    d = np.zeros(3 * MOE_MAXP * 8 + MOE_MAXP * 4, dtype=np.uint8)
+    dp = d[: 3 * MOE_MAXP * 8].view(np.uint64).reshape(3, MOE_MAXP)
+    di = d[3 * MOE_MAXP * 8 :].view(np.int32)
+    for i, (p, t, e) in enumerate(chunk):
         pe = ptrs[e]
         gp[:, i] = pe[0:6]
-        grow[i] = t
-        d[:, i] = pe[6:9]
-    return g, d.reshape(-1)
+        gi[0, i], gi[1, i] = t, p
+        dp[:, i] = pe[6:9]
+        di[i] = p
+    return g, d

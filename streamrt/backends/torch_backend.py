@@ -186,6 +186,7 @@ class TorchBackend:
 
         Each expert used is dequantised once (one at a time: the bank never is).
         """
+        ids = ids.to(z.device)  # ids may arrive on the host (the model passes the provider's copy)
         T, k = ids.shape
         outs = z.new_zeros(T, k, z.shape[-1], dtype=torch.float32)  # [T, k, Dl]
         for e in torch.unique(ids).tolist():

@@ -1,7 +1,9 @@
 // NVFP4 routed-expert FFN for decode, reading experts straight from their device slots.
 //
 // One launch covers up to SRT_MOE_MAXP (row t, expert) pairs of one layer; the slot pointers
-// travel by value in a __grid_constant__ table (no host->device copy per step).
+// travel by value in a __grid_constant__ table (no host->device copy per step). A pair's rows
+// of h and y are named in the table (dst), so the host may launch resident experts first and
+// experts still in flight after their copy events, with the same result bits.
 //   1. srt_nvfp4_gateup: h[p, i] = situ_glu(gate_e[i, :] . z[t], up_e[i, :] . z[t])      [P, I]
 //   2. srt_nvfp4_down:   y[p, d] = down_e[d, :] . h[p]                                      [P, Dl]
 //   3. srt_moe_combine:  out[t, d] = sum_j (j ascending) w[t, j] * y[t*k + j, d]           [T, Dl]
@@ -21,10 +23,12 @@ struct GateUpTable {
   u64 gate_packed[SRT_MOE_MAXP], gate_scales[SRT_MOE_MAXP], gate_global[SRT_MOE_MAXP];
   u64 up_packed[SRT_MOE_MAXP], up_scales[SRT_MOE_MAXP], up_global[SRT_MOE_MAXP];
   int row[SRT_MOE_MAXP];  // which row of z each pair reads
+  int dst[SRT_MOE_MAXP];  // which row of h (and later y) each pair writes
 };
 
 struct DownTable {
   u64 packed[SRT_MOE_MAXP], scales[SRT_MOE_MAXP], global[SRT_MOE_MAXP];
+  int dst[SRT_MOE_MAXP];  // which row of h each pair reads and of y it writes
 };
 
 // Dot products of 4 NVFP4 row streams with x (shared memory, `in` floats) for this lane's
@@ -87,7 +91,7 @@ SRT_DEV void stage_row(float* xs, const float* __restrict__ x, int n) {
 }
 
 // grid (ceil(I / (MOE_WARPS*2)), P), block MOE_WARPS*32, dynamic smem Dl*4 bytes.
-// z [*, Dl] fp32; h [P, I] fp32 (this launch's pairs).
+// z [*, Dl] fp32; h [*, I] fp32: pair p writes row dst[p].
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     srt_nvfp4_gateup(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
                      int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
@@ -112,20 +116,20 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
   for (int s = 0; s < 4; ++s) acc[s] = warp_sum(acc[s]);
   const float* gg = (const float*)tab.gate_global[p];
   const float* ug = (const float*)tab.up_global[p];
-  if (lane == 0) h[(long long)p * I + r0] = situ(acc[0] * gg[r0], acc[2] * ug[r0], beta, beta_inf, lbeta, has_lin);
-  if (lane == 1 && r0 + 1 < I)
-    h[(long long)p * I + r0 + 1] = situ(acc[1] * gg[r1], acc[3] * ug[r1], beta, beta_inf, lbeta, has_lin);
+  float* hp = h + (long long)tab.dst[p] * I;
+  if (lane == 0) hp[r0] = situ(acc[0] * gg[r0], acc[2] * ug[r0], beta, beta_inf, lbeta, has_lin);
+  if (lane == 1 && r0 + 1 < I) hp[r0 + 1] = situ(acc[1] * gg[r1], acc[3] * ug[r1], beta, beta_inf, lbeta, has_lin);
 }
 
 // grid (ceil(Dl / (MOE_WARPS*4)), P), block MOE_WARPS*32, dynamic smem I*4 bytes.
-// h [P, I] fp32; y [P, Dl] fp32.
+// h [*, I] fp32; y [*, Dl] fp32: pair p reads h row dst[p] and writes y row dst[p].
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     srt_nvfp4_down(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,
                    int I) {
   extern __shared__ f32x4 smem_dn[];
   float* xs = (float*)smem_dn;
   const int p = blockIdx.y;
-  stage_row(xs, h + (long long)p * I, I);
+  stage_row(xs, h + (long long)tab.dst[p] * I, I);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r0 = (blockIdx.x * MOE_WARPS + warp) * 4;
   if (r0 >= Dl) return;
@@ -143,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const float v = warp_sum(acc[s]);
-    if (lane == s && r0 + s < Dl) y[(long long)p * Dl + r0 + s] = v * dg[rr[s]];
+    if (lane == s && r0 + s < Dl) y[(long long)tab.dst[p] * Dl + r0 + s] = v * dg[rr[s]];
   }
 }
 
@@ -298,11 +302,12 @@ extern "C" __global__ void __launch_bounds__(256)
   if ((lane & 3) == 0) {
     const float* gg = (const float*)tab.gate_global[p];
     const float* ug = (const float*)tab.up_global[p];
+    float* hp = h + (long long)tab.dst[p] * I;
     if (r0 + g < I)
-      h[(long long)p * I + r0 + g] = situ((acc[0][0] + acc[0][1]) * unscale * gg[ra],
+      hp[r0 + g] = situ((acc[0][0] + acc[0][1]) * unscale * gg[ra],
                                           (acc[1][0] + acc[1][1]) * unscale * ug[ra], beta, beta_inf, lbeta, has_lin);
     if (r0 + g + 8 < I)
-      h[(long long)p * I + r0 + g + 8] = situ((acc[0][2] + acc[0][3]) * unscale * gg[rc],
+      hp[r0 + g + 8] = situ((acc[0][2] + acc[0][3]) * unscale * gg[rc],
                                               (acc[1][2] + acc[1][3]) * unscale * ug[rc], beta, beta_inf, lbeta, has_lin);
   }
 }
@@ -316,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(256)
   u32* xh = (u32*)smem_dm;
   u32* xl = xh + (I >> 5) * MMA_XSTRIDE;
   const int p = blockIdx.y;
-  const float unscale = stage_x_f16(xh, xl, h + (long long)p * I, I, red);
+  const float unscale = stage_x_f16(xh, xl, h + (long long)tab.dst[p] * I, I, red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
   if (r0 >= Dl) return;
@@ -336,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int q = 0; q < 4; ++q) {
       const int row = r0 + g + 8 * q;
       const float v = (acc[q >> 1][(q & 1) * 2] + acc[q >> 1][(q & 1) * 2 + 1]) * unscale * dg[rr[q]];
-      if (row < Dl) y[(long long)p * Dl + row] = v;
+      if (row < Dl) y[(long long)tab.dst[p] * Dl + row] = v;
     }
   }
 }

@@ -87,7 +87,11 @@ class LatentMoE(nn.Module):
             u = self._float_expert_ffn(z, ids, w, be)
         else:
             experts = yield ExpertRequest(self.layer_idx, ids, w, x)
-            missing = sorted(set(torch.unique(ids).tolist()) - set(experts))
+            # The provider usually brought the ids to the host already (the streaming runtime
+            # does); using its copy keeps this layer free of another device synchronize.
+            host = getattr(experts, "host_ids", None)
+            ids = host if host is not None else ids.cpu()
+            missing = sorted(set(ids.reshape(-1).tolist()) - set(experts))
             if missing:
                 raise StreamrtError(f"expert provider returned no weights for layer {self.layer_idx} experts {missing[:8]}")
             u = be.expert_ffn(z, ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32

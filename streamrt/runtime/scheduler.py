@@ -48,8 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
-from streamrt.checkpoint.fileio import new_hash
-from streamrt.errors import CheckpointError
 from streamrt.expert_weights import ExpertWeights
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.predictor import Predictor
@@ -78,9 +76,11 @@ class StreamedExperts(Mapping):
     Taking an expert makes the compute stream wait for that expert's copy (a GPU-side wait);
     listing the ids waits for nothing."""
 
-    def __init__(self, device, views: dict[int, ExpertWeights], events: dict[int, object], tracer=None, layer=-1):
+    def __init__(self, device, views: dict[int, ExpertWeights], events: dict[int, object], tracer=None, layer=-1,
+                 host_ids: torch.Tensor | None = None):
         self._device, self._views, self._events = device, views, events
         self._tracer, self._layer = tracer or NullTracer(), layer
+        self.host_ids = host_ids  # the request's ids, already on the host: the model needs no second sync
 
     def __getitem__(self, e: int) -> ExpertWeights:
         ev = self._events.pop(e, None)
@@ -88,6 +88,11 @@ class StreamedExperts(Mapping):
             with self._tracer.span("stall", "wait", stream=self._device.compute_stream, layer=self._layer, expert=e):
                 self._device.compute_wait(ev)
         return self._views[e]
+
+    def pending(self, e: int) -> bool:
+        """Whether taking `e` would make the compute stream wait (its copy is still queued), so a
+        backend can queue the resident experts' work first."""
+        return e in self._events
 
     def __iter__(self):
         return iter(self._views)
@@ -200,7 +205,8 @@ class StreamingRuntime:
         self._finish_previous()
 
         # 2. route: routed ids (and the guess for the next layer) reach the host together.
-        ids, guess = self._route(req)
+        host_ids, guess = self._route(req)
+        ids = sorted(set(host_ids.reshape(-1).tolist()))
         keys = [ExpertKey(layer, e) for e in ids]
         if layer in self._predicted:
             hit = self._predicted.pop(layer)
@@ -253,7 +259,7 @@ class StreamingRuntime:
             views[key.expert] = self.gpu.views(slot, self._slot_views)
             if self.gpu.ready[slot] is not None:
                 events[key.expert] = self.gpu.ready[slot]
-        return StreamedExperts(self.device, views, events, self.tracer, layer)
+        return StreamedExperts(self.device, views, events, self.tracer, layer, host_ids)
 
     # ---- the steps' parts -----------------------------------------------------------
 
@@ -271,16 +277,18 @@ class StreamingRuntime:
         self.gpu.unpin(self._staged.pop(layer, ()))
         self._held = []
 
-    def _route(self, req) -> tuple[list[int], tuple[int, list[int]] | None]:
-        """Unique routed ids, and (next layer, unique predicted ids, most confident first)."""
+    def _route(self, req) -> tuple[torch.Tensor, tuple[int, list[int]] | None]:
+        """The routed ids on the host (req.ids' shape), and (next layer, unique predicted ids,
+        most confident first)."""
         ids = req.ids.reshape(-1)
         target = self.predictor.target(req.layer) if self.predictor is not None else None
         if target is None:
-            return sorted(set(ids.tolist())), None
+            return req.ids.cpu(), None
         guess = self.predictor.predict(req.layer, req.hidden).reshape(-1)
-        both = torch.cat((ids.to(guess.dtype), guess)).tolist()  # one device-to-host transfer
+        both = torch.cat((ids.to(guess.dtype), guess)).cpu()  # one device-to-host transfer
         n = ids.numel()
-        return sorted(set(both[:n])), (target, list(dict.fromkeys(both[n:])))  # guesses by rank
+        host = both[:n].to(req.ids.dtype).view(req.ids.shape)
+        return host, (target, list(dict.fromkeys(both[n:].tolist())))  # guesses by rank
 
     def _copy_in(self, key: ExpertKey, m: HostMapping, *, required: bool = True) -> bool:
         """Give `key` a slot and queue its copy from mapping `m` (one ready event)."""
@@ -352,16 +360,8 @@ class StreamingRuntime:
         return m
 
     def _check_checksum(self, key: ExpertKey, m: HostMapping) -> None:
-        """Hash the mapped bytes (no second read) against the manifest's checksum."""
-        want = self.tree.expert_checksum(key.layer, key.expert)
-        if want is None:
-            raise CheckpointError(f"{m.path}: not listed in {self.tree.root / 'manifest.json'}; "
-                                  "re-run `streamrt convert`")
-        h = new_hash()
-        h.update(memoryview(m.data.numpy()))
-        if h.hexdigest() != want:
-            raise CheckpointError(f"{m.path}: checksum mismatch (manifest {want}, file {h.hexdigest()}); "
-                                  "run `streamrt verify --full` or re-run `streamrt convert`")
+        """Hash the mapped bytes (no second read) against the manifest, under the manifest's rule."""
+        self.tree.check_expert(key.layer, key.expert, data=m.data)
 
     def _stage(self, layer: int, ids: list[int], *, budget: int) -> None:
         """Start copying up to `budget` of `layer`'s predicted experts: open ones now, cold ones
