@@ -198,3 +198,14 @@ def copy_conversation(rng: random.Random) -> Conversation:
                   {"role": "assistant", "reasoning": f"The word is {w}.", "content": f"{w}."}],
         split="synthetic", kind="copy", meta={"answer": w},
     )
+
+
+def number_copy_conversation(rng: random.Random) -> Conversation:
+    """A short number copy exercise (training only): the answer repeats a number from the prompt,
+    drawn like the tool results' temperatures (-5..35) or wider (0..99), so digits are copied."""
+    n = rng.randint(-5, 35) if rng.random() < 0.7 else rng.randint(0, 99)
+    return Conversation(
+        messages=[{"role": "user", "content": rng.choice(COPY_TEMPLATES).format(w=n)},
+                  {"role": "assistant", "reasoning": f"The number is {n}.", "content": f"{n}."}],
+        split="synthetic", kind="copy", meta={"answer": str(n)},
+    )

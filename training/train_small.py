@@ -27,9 +27,14 @@ What it does, in order:
    `--install` then replaces `streamrt/assets/default_model/` atomically (rename).
 
 Data mix per step: a weather batch (share `--p-long`; `--synth-frac` of its conversations use
-made-up cities and random tool results, so the model must copy) or a short batch (facts,
-plain text, and `--copy-frac` short copy exercises). See training/NOTES.md for the run that
-produced the shipped model and its measured numbers.
+made-up cities and random tool results, `--tool-random-frac` real cities with random tool
+results, so the model must copy) or a short batch (facts, plain text, and `--copy-frac` short
+copy exercises, `--copy-numbers` of them repeating a number). `--answer-weight W` multiplies the
+loss on the answer tokens after a tool result that quote its values (`--answer-scope values`:
+temperature digits, condition, city; `message`: the whole answer message); `--show-mask` prints
+that mask for one example (`check_answer_mask`). `--probe N` logs a teacher-forced copy check
+(sparse, fake-quantised) before and after training. See training/NOTES.md for the runs that
+produced the shipped model and their measured numbers.
 
 Checkpoints (model + optimiser + step) go to DIR/ckpt.pt every `--ckpt-minutes`;
 `--resume` continues from it. `--steps N` fixes the step count (otherwise the run is
@@ -79,13 +84,15 @@ def log(msg: str) -> None:
 # ---- data ------------------------------------------------------------------------------
 
 
-def encode_example(tok, conv) -> tuple[list[int], list[int]]:
-    """(ids, mask): mask[i] = 1 where ids[i] is an assistant token the model must produce.
+def encode_example(tok, conv, scope: str = "values") -> tuple[list[int], list[int], list[int]]:
+    """(ids, mask, answer): mask[i] = 1 where ids[i] is an assistant token the model must produce;
+    answer[i] = 1 on the subset `--answer-weight` boosts (see `answer_positions`).
 
     For each assistant message the prompt is exactly what the runtime renders before it
     (history + generation prompt); the target is the rest of that message."""
     full = encode_chat(tok, conv.messages, conv.tools, add_generation_prompt=False)
     mask = [0] * len(full)
+    answer = [0] * len(full)
     for i, m in enumerate(conv.messages):
         if m["role"] != "assistant":
             continue
@@ -94,17 +101,85 @@ def encode_example(tok, conv) -> tuple[list[int], list[int]]:
         assert upto[: len(prompt)] == prompt and full[: len(upto)] == upto, "render is not prefix-stable"
         for j in range(len(prompt), len(upto)):
             mask[j] = 1
-    return full, mask
+        if i > 0 and conv.messages[i - 1]["role"] == "tool":
+            for j in answer_positions(tok, conv.messages[i - 1], full, len(prompt), len(upto), scope):
+                answer[j] = 1
+    return full, mask, answer
+
+
+def answer_positions(tok, tool_msg: dict, full: list[int], lo: int, hi: int, scope: str) -> list[int]:
+    """Positions in full[lo:hi] (an assistant message right after a tool result) to boost.
+
+    scope "message": the whole message (think + response + closing specials).
+    scope "values": only the tokens that quote a value of the tool result, i.e. every
+    occurrence inside the message's response text of str(v) for each value v of the tool's
+    JSON object (weather: the temperature digits with any minus sign, the condition, the city)."""
+    if scope == "message":
+        return list(range(lo, hi))
+    try:
+        result = json.loads(tool_msg["content"])
+    except (ValueError, TypeError):
+        return []
+    vals = result.values() if isinstance(result, dict) else []
+    out: set[int] = set()
+    seg = full[lo:hi]
+    for v in vals:
+        pat = tok.encode(str(v))
+        n = len(pat)
+        for s in range(len(seg) - n + 1):
+            if n and seg[s : s + n] == pat:
+                out.update(range(lo + s, lo + s + n))
+    return sorted(out)
+
+
+def check_answer_mask(tok, conv, scope: str = "values", show: bool = True) -> list[str]:
+    """The boosted spans of one conversation, decoded (and printed with the loss mask).
+
+    Asserts that boosted tokens are loss targets and (scope "values", weather) spell exactly the
+    tool result's values as the final answer quotes them: [temperature, condition, city].
+    Returns the decoded spans in order. CLI: `train_small.py --out X --show-mask`."""
+    ids, mask, answer = encode_example(tok, conv, scope)
+    assert all(m for m, a in zip(mask, answer) if a), "boosted token outside the loss mask"
+    spans, cur = [], []
+    for j, a in enumerate(answer):
+        if a:
+            cur.append(ids[j])
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    if cur:
+        spans.append(tok.decode(cur))
+    if scope == "values" and conv.kind == "weather":
+        r = conv.meta["result"]
+        assert spans == [str(r["temperature_c"]), r["condition"], r["city"]], spans
+    if show:
+        first = next((j for j, m in enumerate(mask) if m), 0)
+        out, state = [], None  # state: the marker of the open group ("{": not a target, "[": boosted)
+        for j in range(first, len(ids)):
+            t = tok.special_name(ids[j]) if tok.is_special(ids[j]) else tok.decode([ids[j]])
+            want = "[" if answer[j] else ("" if mask[j] else "{")
+            if want != state:
+                out.append({"[": "]", "{": "}", None: "", "": ""}[state] + want)
+                state = want
+            out.append(t)
+        out.append({"[": "]", "{": "}", None: "", "": ""}[state])
+        print(f"targets {sum(mask)} tokens, boosted {sum(answer)} tokens (scope {scope}): {spans}")
+        print("from the first target on; {..} = not a target (prompt / tool text), [..] = boosted target:")
+        print("".join(out))
+    return spans
 
 
 def make_batch(examples, pad_id: int, device):
-    T = max(len(ids) for ids, _ in examples)
+    """examples [(ids, mask, answer)] -> (ids [B, T] long, mask [B, T] bool, answer [B, T] bool), padded."""
+    T = max(len(ex[0]) for ex in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), T), dtype=torch.bool)
-    for b, (x, m) in enumerate(examples):
+    ans = torch.zeros((len(examples), T), dtype=torch.bool)
+    for b, (x, m, a) in enumerate(examples):
         ids[b, : len(x)] = torch.tensor(x)
         mask[b, : len(m)] = torch.tensor(m, dtype=torch.bool)
-    return ids.to(device), mask.to(device)
+        ans[b, : len(a)] = torch.tensor(a, dtype=torch.bool)
+    return ids.to(device), mask.to(device), ans.to(device)
 
 
 # ---- backend that records routing (for the aux-loss-free balance) ------------------------
@@ -312,6 +387,24 @@ def main(argv=None) -> int:
     ap.add_argument("--synth-frac", type=float, default=0.3, help="share of weather examples with made-up cities")
     ap.add_argument("--p-long", type=float, default=0.5, help="share of steps on weather (long) batches")
     ap.add_argument("--copy-frac", type=float, default=0.3, help="share of short examples that are copy exercises")
+    ap.add_argument("--copy-numbers", type=float, default=0.0,
+                    help="share of the copy exercises that repeat a number instead of a word (digit copying)")
+    ap.add_argument("--tool-random-frac", type=float, default=0.0,
+                    help="share of weather examples about a real city (training cities and the capitals) whose tool "
+                    "result is drawn at random (condition, temperature -5..35), so the final answer can only be "
+                    "copied; drawn after --synth-frac (their sum must be <= 1)")
+    ap.add_argument("--answer-weight", type=float, default=1.0,
+                    help="loss weight of the boosted tokens of an assistant answer that follows a tool result "
+                    "(see --answer-scope); the loss stays normalised by the number of target tokens, so 1.0 is the "
+                    "plain mean cross-entropy")
+    ap.add_argument("--answer-scope", choices=("values", "message"), default="values",
+                    help="values: only the answer tokens quoting a tool-result value (temperature digits, condition, "
+                    "city); message: the whole assistant message after the tool result")
+    ap.add_argument("--probe", type=int, default=24,
+                    help="teacher-forced copy probe before and after training: the 6 test cities with the test's "
+                    "unseen tool result (variant 50) plus N random results (0: off)")
+    ap.add_argument("--show-mask", action="store_true",
+                    help="print the loss mask / boosted tokens of one random-result weather example and exit")
     ap.add_argument("--kl-selected", dest="kl_full", action="store_false",
                     help="sparse phase: KL over the selected keys only, exactly as DeepSeek-V3.2 (default: the "
                     "indexer keeps fitting the main attention recomputed densely over all causal keys, so keys it "
@@ -327,6 +420,7 @@ def main(argv=None) -> int:
     ap.add_argument("--from-state", type=Path, default=None, help="skip training: export (and install) this model state")
     ap.add_argument("--init-state", type=Path, default=None, help="start from this model state (fresh optimiser)")
     args = ap.parse_args(argv)
+    assert args.synth_frac + args.tool_random_frac <= 1.0 + 1e-9, "--synth-frac + --tool-random-frac must be <= 1"
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -334,17 +428,21 @@ def main(argv=None) -> int:
     cfg = load_config(args.config)
     tok = ByteTokenizer(cfg.vocab_size)
     pad = cfg.pad_token_id
+    if args.show_mask:
+        conv = random_tool_weather(random.Random(args.seed))
+        check_answer_mask(tok, conv, args.answer_scope)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
 
     data = corpus_mod.split(corpus_mod.build_corpus(args.seed), "train")
-    enc = [encode_example(tok, c) for c in data]
+    scope = args.answer_scope
+    enc = [encode_example(tok, c, scope) for c in data]
     long_ex = [e for e, c in zip(enc, data) if c.kind == "weather"]
     short_ex = [e for e, c in zip(enc, data) if c.kind != "weather"]
-    n_tgt = sum(sum(m) for _, m in enc)
+    n_tgt = sum(sum(e[1]) for e in enc)
     log(f"corpus: {len(enc)} train conversations ({len(long_ex)} weather, {len(short_ex)} short), "
-        f"{sum(len(i) for i, _ in enc)} tokens, {n_tgt} target tokens; max len {max(len(i) for i, _ in enc)}")
-    # Share of steps on the long (weather) batches ~ their share of target tokens, at least half.
-    long_tgt = sum(sum(m) for _, m in long_ex)
+        f"{sum(len(e[0]) for e in enc)} tokens, {n_tgt} target tokens ({sum(sum(e[2]) for e in enc)} boosted, "
+        f"scope {scope}, weight {args.answer_weight:g}); max len {max(len(e[0]) for e in enc)}")
     p_long = args.p_long
 
     model, be = build_model(cfg, args.seed, device)
@@ -356,6 +454,10 @@ def main(argv=None) -> int:
     if args.init_state is not None:
         model.load_state_dict(torch.load(args.init_state, map_location="cpu")["model"])
         log(f"initialised from {args.init_state}")
+    probes = {}
+    if args.probe > 0:
+        probes["before"] = copy_probe(model, tok, pad, device, args.probe, args.seed)
+        log(f"copy probe before: {fmt_probe(probes['before'])}")
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.dim() >= 2 and "embed_tokens" not in n else no_decay).append(p)
@@ -380,7 +482,7 @@ def main(argv=None) -> int:
     budget = args.minutes * 60
     t_start = time.perf_counter() - elapsed0
     last_ckpt = time.perf_counter()
-    stats = {"loss": 0.0, "kl": 0.0, "acc": 0.0, "seq": 0.0, "n": 0, "tok": 0}
+    stats = new_stats()
     phase = None
     while True:
         elapsed = time.perf_counter() - t_start
@@ -397,16 +499,26 @@ def main(argv=None) -> int:
         for g in opt.param_groups:
             g["lr"] = lr
         pool = long_ex if rng.random() < p_long else short_ex
-        maxlen = max(len(i) for i, _ in pool)
+        maxlen = max(len(e[0]) for e in pool)
         bsz = max(1, min(len(pool), args.batch_tokens // maxlen))
         picked = rng.sample(pool, bsz)
-        if pool is long_ex and args.synth_frac > 0:  # made-up cities: copying, not recall
-            picked = [encode_example(tok, corpus_mod.synthetic_weather(rng)) if rng.random() < args.synth_frac else e
-                      for e in picked]
+        if pool is long_ex and args.synth_frac + args.tool_random_frac > 0:
+            # made-up cities (synth) or real cities with a random tool result: copying, not recall
+            out = []
+            for e in picked:
+                u = rng.random()
+                if u < args.synth_frac:
+                    e = encode_example(tok, corpus_mod.synthetic_weather(rng), scope)
+                elif u < args.synth_frac + args.tool_random_frac:
+                    e = encode_example(tok, random_tool_weather(rng), scope)
+                out.append(e)
+            picked = out
         elif pool is short_ex and args.copy_frac > 0:  # short copy exercises (cheap copying signal)
-            picked = [encode_example(tok, corpus_mod.copy_conversation(rng)) if rng.random() < args.copy_frac else e
-                      for e in picked]
-        ids, mask = make_batch(picked, pad, device)
+            picked = [encode_example(tok, (corpus_mod.number_copy_conversation(rng)
+                                           if args.copy_numbers > 0 and rng.random() < args.copy_numbers
+                                           else corpus_mod.copy_conversation(rng)), scope)
+                      if rng.random() < args.copy_frac else e for e in picked]
+        ids, mask, ans = make_batch(picked, pad, device)
         B, T = ids.shape
         tmask = ids != pad
 
@@ -421,11 +533,14 @@ def main(argv=None) -> int:
             be.record = False
             tgt = mask[:, 1:]
             lp = logits[:, :-1]
-            loss = F.cross_entropy(lp[tgt], ids[:, 1:][tgt])
+            ce = F.cross_entropy(lp[tgt], ids[:, 1:][tgt], reduction="none")
+            boost = ans[:, 1:][tgt]
+            loss = ce.mean()  # logged: the plain mean cross-entropy
+            wloss = loss if args.answer_weight == 1.0 else (ce * (1.0 + (args.answer_weight - 1.0) * boost.float())).mean()
             kl_sparse = sparse and not args.kl_full
             kl = sum(indexer_kl(m, captured[id(m)], B, T, tmask, kl_sparse, be) for m in mlas) / len(mlas)
             opt.zero_grad(set_to_none=True)
-            (loss + kl).backward()
+            (wloss + kl).backward()
         finally:
             if ctx:
                 ctx.__exit__(None, None, None)
@@ -438,6 +553,13 @@ def main(argv=None) -> int:
             pred = lp.argmax(-1) == ids[:, 1:]
             stats["acc"] += float(pred[tgt].float().mean())
             stats["seq"] += float(((pred | ~tgt).all(-1)).float().mean())
+            a = ans[:, 1:]
+            has = a.any(-1)
+            if bool(has.any()):  # answers quoting the tool result, teacher-forced: token acc / all right
+                stats["ans_tok"] += float(pred[a].float().sum())
+                stats["ans_n"] += int(a.sum())
+                stats["ans_ok"] += int(((pred | ~a).all(-1) & has).sum())
+                stats["ans_ex"] += int(has.sum())
         stats["loss"] += float(loss.detach())
         stats["kl"] += float(kl.detach())
         stats["n"] += 1
@@ -446,10 +568,12 @@ def main(argv=None) -> int:
         if step % args.log_every == 0:
             n = stats["n"]
             el = time.perf_counter() - t_start
+            ans_txt = (f"ans_tok {stats['ans_tok'] / stats['ans_n']:.3f} ans_exact {stats['ans_ok']}/{stats['ans_ex']} "
+                       if stats["ans_n"] else "")
             log(f"step {step} {phase} lr {lr:.2e} loss {stats['loss'] / n:.4f} kl {stats['kl'] / n:.4f} "
-                f"tok_acc {stats['acc'] / n:.4f} seq_exact {stats['seq'] / n:.3f} "
+                f"tok_acc {stats['acc'] / n:.4f} seq_exact {stats['seq'] / n:.3f} {ans_txt}"
                 f"{stats['tok'] / max(1e-9, el - stats.get('t0', 0)):.0f} tok/s elapsed {el / 60:.1f} min")
-            stats = {"loss": 0.0, "kl": 0.0, "acc": 0.0, "seq": 0.0, "n": 0, "tok": 0, "t0": el}
+            stats = new_stats(el)
         if time.perf_counter() - last_ckpt > args.ckpt_minutes * 60:
             save_ckpt(ckpt, model, opt, step, time.perf_counter() - t_start, be)
             last_ckpt = time.perf_counter()
@@ -458,14 +582,81 @@ def main(argv=None) -> int:
     save_ckpt(ckpt, model, opt, step, train_s, be)
     log(f"training done: {step} steps, {train_s / 60:.1f} min")
     set_sparse(model, True)
+    if args.probe > 0:
+        probes["after"] = copy_probe(model, tok, pad, device, args.probe, args.seed)
+        log(f"copy probe after: {fmt_probe(probes['after'])}")
     model = model.cpu()
     info = {"steps": step, "train_minutes": round(train_s / 60, 2), "seed": args.seed, "device": str(device),
-            "threads": args.threads, "argv": sys.argv[1:]}
+            "threads": args.threads, "argv": sys.argv[1:], "copy_probe": probes}
     if args.state_out is not None:
         torch.save({"model": model.state_dict(), "info": info}, args.state_out)
+        log(f"saved model state: {args.state_out}")
     if not args.no_export:
         finish(model, cfg, args.out, args.install, info)
+    else:
+        (args.out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     return 0
+
+
+def new_stats(t0: float = 0.0) -> dict:
+    return {"loss": 0.0, "kl": 0.0, "acc": 0.0, "seq": 0.0, "n": 0, "tok": 0, "t0": t0,
+            "ans_tok": 0.0, "ans_n": 0, "ans_ok": 0, "ans_ex": 0}
+
+
+REAL_WEATHER_CITIES = sorted(set(corpus_mod.CITIES) | set(corpus_mod.CAPITALS.values()))
+assert not set(REAL_WEATHER_CITIES) & set(corpus_mod.UNSEEN_CITIES)
+
+
+def random_tool_weather(rng: random.Random, city: str | None = None):
+    """A weather exchange about a real city (training city or capital; never an unseen_city one),
+    trained phrasing, with a tool result drawn at random: the answer must be copied."""
+    city = city or rng.choice(REAL_WEATHER_CITIES)
+    r = {"city": city, "condition": rng.choice(corpus_mod.CONDITIONS), "temperature_c": rng.randint(-5, 35)}
+    return corpus_mod.weather_conversation(city, rng.choice(corpus_mod.WEATHER_TRAIN), "synthetic", result=r)
+
+
+PROBE_CITIES = ["Paris", "London", "Tokyo", "Cairo", "Sydney", "Toronto"]  # tests/test_default_model.py
+
+
+def copy_probe(model, tok, pad: int, device, n_random: int, seed: int) -> dict:
+    """Teacher-forced check of the final answer after the tool result, sparse selection on and the
+    weights as the release stores them (MXFP4 experts, BF16 dense: FakeQuant), no update.
+
+    Sets: "test": the six test cities, first trained phrasing, tool result `weather_result(city, 50)`
+    (the result the default-model tests use, never in training); "random": n random results about
+    real and made-up cities. Per set: exact = answers whose every boosted (values) token is the
+    argmax, digits = share of temperature-digit tokens right."""
+    rng = random.Random(10_000 + seed)
+    sets = {
+        "test": [corpus_mod.weather_conversation(c, corpus_mod.WEATHER_TRAIN[0], "probe",
+                                                 result=corpus_mod.weather_result(c, 50)) for c in PROBE_CITIES],
+        "random": [random_tool_weather(rng) if k % 2 == 0 else corpus_mod.synthetic_weather(rng) for k in range(n_random)],
+    }
+    was_training = model.training
+    model.eval()
+    set_sparse(model, True)
+    out = {}
+    with torch.no_grad(), FakeQuant(quant_targets(model)):
+        for name, convs in sets.items():
+            if not convs:
+                continue
+            exs = [encode_example(tok, c, "values") for c in convs]
+            ok = dig_ok = dig_n = 0
+            for i in range(0, len(exs), 8):
+                ids, _mask, ans = make_batch(exs[i : i + 8], pad, device)
+                pred = model(ids)[:, :-1].argmax(-1) == ids[:, 1:]
+                a = ans[:, 1:]
+                ok += int(((pred | ~a).all(-1)).sum())
+                digit = a & (ids[:, 1:] >= 48) & (ids[:, 1:] <= 57)
+                dig_ok += int(pred[digit].sum())
+                dig_n += int(digit.sum())
+            out[name] = {"exact": ok, "n": len(exs), "digits": round(dig_ok / max(1, dig_n), 3)}
+    model.train(was_training)
+    return out
+
+
+def fmt_probe(p: dict) -> str:
+    return ", ".join(f"{k} {v['exact']}/{v['n']} answers exact (digits {v['digits']:.0%})" for k, v in p.items())
 
 
 def finish(model, cfg, out: Path, do_install: bool, info: dict) -> None:
