@@ -133,6 +133,16 @@ def main(argv=None) -> int:
           lambda: nv.expert_ffn(z, ids, w, experts, 4.0, 25.0),
           lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
 
+    nv_pf = NvrtcBackend(nvfp4_impl="mma_l2pf")
+    bench("nvfp4 expert FFN slice, tensor-core kernels + 256 B L2 fetch hints", ex_bytes,
+          lambda: nv_pf.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+    if args.variants:
+        for impl in ("mma", "mma_l2pf"):
+            for warps in ((8, 4), (2, 1), (8, 8)):
+                nvw = NvrtcBackend(nvfp4_impl=impl)
+                nvw.mma_warps = warps
+                bench(f"  variant: nvfp4 FFN {impl}, warps/block gate-up {warps[0]}, down {warps[1]}", ex_bytes,
+                      lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
 

@@ -4,7 +4,8 @@ Every output and scratch buffer of the nvrtc backend is poisoned (NaN / -7) befo
 so a kernel that leaves any element unwritten fails. Inputs are fresh random draws each run
 (seed printed in failures; set STREAMRT_TEST_SEED to replay), never zeros. Tolerances:
 max|out - ref| / max|ref| < 1e-5 against the float64 reference of the same inputs, and
-against the torch backend; index outputs (top-k, router ids) must be identical.
+< 2e-5 against the torch backend (both fp32, each within 1e-5 of the reference); index outputs
+(top-k, router ids) must be identical.
 
 `STREAMRT_KERNEL_TEST_CPU=1` runs the references against the torch backend on the CPU (no
 kernels): a dry run that checks this file's own references and shapes.
@@ -59,7 +60,7 @@ def _make_backend(**kw):
 
 
 NV = _make_backend()
-NV_IMPLS = {"mma": _make_backend(nvfp4_impl="mma"), "cuda_core": _make_backend(nvfp4_impl="cuda_core")}
+NV_IMPLS = {i: _make_backend(nvfp4_impl=i) for i in ("mma", "mma_l2pf", "cuda_core")}
 TB = TorchBackend()
 
 
@@ -99,7 +100,9 @@ def check(what: str, g, ref64: torch.Tensor, tb_out: torch.Tensor, nv_fn, tol: f
     assert torch.isfinite(out).all(), f"{info}: nvrtc left {int((~torch.isfinite(out)).sum())} elements unwritten/NaN"
     e_ref, e_t = rel(out, ref64), rel(out, tb_out)
     assert e_ref < tol, f"{info}: nvrtc vs float64 reference rel err {e_ref:.3g}"
-    assert e_t < tol, f"{info}: nvrtc vs torch backend rel err {e_t:.3g}"
+    # Two fp32 results each within tol of the reference can be 2 tol apart (seen: indexer
+    # scores with n = 1, each 0.5e-5 off in opposite directions, 1.03e-5 apart).
+    assert e_t < 2 * tol, f"{info}: nvrtc vs torch backend rel err {e_t:.3g}"
     return out
 
 
@@ -421,7 +424,7 @@ def ffn_ref(z, ids, weights, experts, beta, lbeta):
     "T,k,E,Dl,I",
     [(1, 16, 16, 3584, 3072), (1, 4, 32, 32, 64), (3, 4, 6, 64, 96), (5, 16, 20, 64, 96), (2, 8, 8, 256, 512)],
 )
-@pytest.mark.parametrize("impl", ["mma", "cuda_core"])
+@pytest.mark.parametrize("impl", ["mma", "mma_l2pf", "cuda_core"])
 def test_expert_ffn(gen, T, k, E, Dl, I, impl):
     nv = NV_IMPLS[impl]
     if CPU_DRY and Dl > 1000:
@@ -442,6 +445,26 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
             assert torch.equal(alone[0], out[t]), f"expert_ffn row {t} differs alone vs in the batch"
 
 
+@pytest.mark.skipif(NV is None, reason="kernel property")
+def test_expert_ffn_variants_same_bits(gen):
+    """The L2-hinted loads and other block shapes change timing only: same bits as the default."""
+    E, T, k, Dl, I = 8, 2, 4, 512, 768
+    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
+    weights, z = rand(gen, T, k, lo=0.01, hi=1.0), randn(gen, T, Dl)
+    base = NV_IMPLS["mma"].expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    assert torch.equal(NV_IMPLS["mma_l2pf"].expert_ffn(z, ids, weights, experts, 4.0, 25.0), base)
+    from streamrt.backends.nvrtc import MMA_WARPS_DN, MMA_WARPS_GU
+
+    nv = NV_IMPLS["mma"]
+    for warps in ((8, 4), (4, 2), (2, 1), (1, 8)):
+        nv.mma_warps = warps
+        try:
+            assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), base), f"warps {warps}"
+        finally:
+            nv.mma_warps = (MMA_WARPS_GU, MMA_WARPS_DN)
+
+
 class _LateExperts(dict):
     """A Mapping like the runtime's StreamedExperts: some experts report a pending copy."""
 
@@ -454,7 +477,7 @@ class _LateExperts(dict):
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
-@pytest.mark.parametrize("impl", ["mma", "cuda_core"])
+@pytest.mark.parametrize("impl", ["mma", "mma_l2pf", "cuda_core"])
 def test_expert_ffn_late_experts_same_bits(gen, impl):
     """Experts still in flight are launched after the resident ones (a second launch group);
     the result bits do not depend on that split."""

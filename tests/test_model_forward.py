@@ -183,6 +183,29 @@ def test_batch_decode_is_bit_identical_to_single(name):
     assert batch.lengths == [25, 27, 18]
 
 
+def test_stack_rows_of_very_different_lengths():
+    """Caches of different capacities stack into one batch: prompts of 3, 100 and 150 tokens leave
+    capacities 64, 128 and 150; the 128 row used to grow past 150 by doubling (256) and the
+    stack failed. Each row still decodes as it does alone."""
+    cfg, model, experts = build("tiny-k3.1-pro")
+    prov = DictExpertProvider(experts)
+    prompts = [tokens(cfg, 3, 21), tokens(cfg, 100, 24), tokens(cfg, 150, 22)]
+    cont = tokens(cfg, 3, 23)
+    with torch.no_grad():
+        caches = [model.new_cache(1) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model(p[None], c, prov)
+        singles = [model.new_cache(1) for _ in prompts]
+        for p, c in zip(prompts, singles):
+            model(p[None], c, prov)
+        batch = ModelCache.stack(caches)
+        for t in range(len(cont)):
+            lb = model(torch.stack([cont[t:t + 1]] * 3), batch, prov)
+            for r, c in enumerate(singles):
+                assert torch.equal(lb[r], model(cont[t:t + 1][None], c, prov)[0]), f"row {r} step {t}"
+    assert batch.lengths == [6, 103, 153]
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_logits_are_deterministic(name):
     cfg, model, experts = build(name)

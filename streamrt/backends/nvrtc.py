@@ -46,8 +46,10 @@ GEMV_VARIANTS = {("bf16", 1): ("r2", "r1", "r4"), ("bf16", 2): ("r2", "r4"), ("b
                  ("bf16", 8): ("r4", "r2"), ("f32", 1): ("r2",), ("f32", 2): ("r2",), ("f32", 4): ("r2",),
                  ("f32", 8): ("r2",)}
 MOE_WARPS = 8  # CUDA-core NVFP4 kernels
-MMA_WARPS_GU, MMA_WARPS_DN = 4, 2  # tensor-core NVFP4 kernels: warps per block (gate+up, down)
-NVFP4_IMPLS = ("mma", "cuda_core")
+# Tensor-core NVFP4 kernels: warps per block (gate+up, down). bench_kernels.py --variants, H200,
+# slice layer: (8, 8) 0.54 of the copy rate, (8, 4) 0.53, (4, 2) 0.49, (2, 1) 0.37; same bits.
+MMA_WARPS_GU, MMA_WARPS_DN = 8, 8
+NVFP4_IMPLS = ("mma", "mma_l2pf", "cuda_core")  # mma_l2pf: the same kernels with 256-byte L2 fetch hints
 SMEM_DEFAULT = 48 * 1024
 
 
@@ -271,6 +273,7 @@ class NvrtcBackend:
         self.nvfp4_impl = nvfp4_impl or os.environ.get("STREAMRT_NVFP4", "mma")
         if self.nvfp4_impl not in NVFP4_IMPLS:
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
+        self.mma_warps = (MMA_WARPS_GU, MMA_WARPS_DN)  # warps per block of the tensor-core NVFP4 kernels
         self.gemv_plan = gemv_plan(os.environ.get("STREAMRT_GEMV", ""))
         self._gemv_choice: dict[tuple, tuple[str, int]] = {}
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -634,7 +637,9 @@ class NvrtcBackend:
         ptrs, I = {}, None
         binf = int(math.isinf(beta))
         act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
-        mma = self.nvfp4_impl == "mma"
+        mma = self.nvfp4_impl.startswith("mma")
+        sfx = "_l2pf" if self.nvfp4_impl == "mma_l2pf" else ""
+        wgu, wdn = self.mma_warps
         h = y = None
         for group in groups:
             if not group:
@@ -653,11 +658,11 @@ class NvrtcBackend:
                 gtab, dtab = _tables(chunk, ptrs)
                 np_ = len(chunk)
                 if mma:  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-                    self._k("nvfp4_moe", "srt_nvfp4_gateup_mma")(
-                        (math.ceil(I / (16 * MMA_WARPS_GU)), np_), (MMA_WARPS_GU * 32,),
+                    self._k("nvfp4_moe", f"srt_nvfp4_gateup_mma{sfx}")(
+                        (math.ceil(I / (16 * wgu)), np_), (wgu * 32,),
                         [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5)
-                    self._k("nvfp4_moe", "srt_nvfp4_down_mma")(
-                        (math.ceil(Dl / (32 * MMA_WARPS_DN)), np_), (MMA_WARPS_DN * 32,),
+                    self._k("nvfp4_moe", f"srt_nvfp4_down_mma{sfx}")(
+                        (math.ceil(Dl / (32 * wdn)), np_), (wdn * 32,),
                         [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5)
                 else:
                     self._k("nvfp4_moe", "srt_nvfp4_gateup")(

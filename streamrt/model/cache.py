@@ -49,12 +49,12 @@ class MLACache:
     def map(self, fn) -> "MLACache":
         return MLACache(fn(self.c), fn(self.kr), None if self.ik is None else fn(self.ik))
 
-    def reserve(self, n: int) -> None:
-        """Grow capacity (doubling) to hold n positions."""
+    def reserve(self, n: int, *, exact: bool = False) -> None:
+        """Grow capacity to hold n positions: doubling (amortised appends), or to exactly n."""
         cap = self.c.shape[1]
         if n <= cap:
             return
-        new = max(n, 2 * cap)
+        new = n if exact else max(n, 2 * cap)
         grow = lambda t: torch.cat((t, t.new_zeros(t.shape[0], new - cap, t.shape[2])), dim=1)  # noqa: E731
         self.c, self.kr = grow(self.c), grow(self.kr)
         if self.ik is not None:
@@ -98,7 +98,7 @@ class ModelCache:
             if isinstance(per_layer[0], MLACache):
                 cap = max(lc.c.shape[1] for lc in per_layer)
                 for lc in per_layer:
-                    lc.reserve(cap)
+                    lc.reserve(cap, exact=True)  # same width for every row (doubling could overshoot)
                 cat = [torch.cat(ts, dim=0) for ts in zip(*(lc.tensors() for lc in per_layer))]
                 layers.append(MLACache(cat[0], cat[1], cat[2] if len(cat) > 2 else None))
             else:

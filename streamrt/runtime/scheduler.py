@@ -234,7 +234,7 @@ class StreamingRuntime:
                 cold.append(key)
         if cold:
             t = time.perf_counter()
-            await asyncio.gather(*(self._fetch(k) for k in cold))
+            await _all(self._fetch(k) for k in cold)
             self.stats.stall_s += time.perf_counter() - t
 
         # 4. stage: the next layer's predicted experts copy while this layer computes, into
@@ -409,7 +409,7 @@ class StreamingRuntime:
             async with aiofiles.open(self.host.path_of(key), "rb", executor=self.pool) as f:
                 self.stats.bytes_disk += len(await f.read())
 
-        await asyncio.gather(*(read(k) for k in keys))
+        await _all(read(k) for k in keys)
 
     def preload(self, keys=None) -> int:
         """Setup, not decode: copy `keys` (default every expert, in path order) into free device
@@ -426,6 +426,23 @@ class StreamingRuntime:
                 n += 1
         self.retire.release()
         return n
+
+    def warm_host(self, keys=None) -> int:
+        """Setup, not decode: map (checksum on first map, page-lock) `keys` (default every
+        expert) into the host window, as many as it holds, concurrently on the pool; no device
+        copies. A long-running process reaches this state by itself; benchmarks that measure
+        steady-state decode with "experts in host RAM" start from it. Returns how many."""
+        if keys is None:
+            keys = [ExpertKey(l, e) for l in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
+        keys = [k for k in keys if self.host.lookup(k) is None][: max(0, self.window - len(self.host))]
+
+        async def all_maps():
+            await _all(self._mapping(k) for k in keys)
+
+        if keys:
+            self.loop.run_until_complete(all_maps())
+        self.retire.release()
+        return len(keys)
 
     # ---- results and shutdown ----------------------------------------------------------
 
@@ -459,6 +476,17 @@ class StreamingRuntime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _all(coros) -> list:
+    """Run coroutines concurrently; wait for every one, then raise the first failure. (A plain
+    gather raises at the first failure and leaves the others' exceptions unretrieved: asyncio
+    then prints their tracebacks, e.g. when several expert files fail their checksum.)"""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 async def _event_done(ev) -> None:
