@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if "baseline" in runs and link["pinned"]:  # a stricter floor: only the bytes the baseline (no speculation) moved
         bb = runs["baseline"]["payload"]["decode_bytes_h2d"] / max(1, runs["baseline"]["payload"]["tokens"])
-        strict = bb / (link["pinned"] * 1e9) if link["pinned"] else 0.0
+        strict = bb / (link["pinned"] * 1e9)
         ratios = ", ".join(f"{name} {runs[name]['payload']['s_per_token'] / max(strict, 1e-12):.2f}x"
                            for name in ("runtime", "runtime-nvrtc") if name in runs)
         lines.append(f"strict floor (baseline's {bb / 1e6:.0f} MB/token, no speculative bytes): {strict * 1e3:.2f} ms/token; "

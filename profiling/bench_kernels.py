@@ -3,7 +3,7 @@
 1. The HBM copy rate: a large device-to-device copy (bytes read + bytes written per second).
 2. NVFP4 expert FFN at `slice` geometry (Dl=3584, I=3072, 16 experts of one layer, one token):
    effective bytes/s = expert bytes read (nibbles + E4M3 scales + global scales) / time.
-3. BF16 GEMV at batch 1: 7168x12288 and 12288x7168 (weight bytes / time).
+3. BF16 GEMV at T=1 (7168x12288 and 12288x7168) and T=4, 8 (7168x12288): weight bytes / time.
 4. A few other decode ops, for the record.
 Each timing replays a CUDA graph of `--reps` back-to-back calls (no Python in the loop),
 median of `--trials`. Ratios are against the copy rate of the same run (target >= 0.8).
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
     ap.add_argument("--torch", action="store_true", help="also time the torch backend for each op")
     ap.add_argument("--variants", action="store_true",
-                    help="also time every GEMV variant (rows per warp, L1 or shared x) to check the plan")
+                    help="also time every GEMV variant (rows per warp) and NVFP4 block shape, to check the defaults")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -133,37 +133,29 @@ def main(argv=None) -> int:
           lambda: nv.expert_ffn(z, ids, w, experts, 4.0, 25.0),
           lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
 
-    nv_pf = NvrtcBackend(nvfp4_impl="mma_l2pf")
-    bench("nvfp4 expert FFN slice, tensor-core kernels + 256 B L2 fetch hints", ex_bytes,
-          lambda: nv_pf.expert_ffn(z, ids, w, experts, 4.0, 25.0))
-    if args.variants:
-        for impl in ("mma", "mma_l2pf"):
-            for warps in ((8, 4), (2, 1), (8, 8)):
-                nvw = NvrtcBackend(nvfp4_impl=impl)
-                nvw.mma_warps = warps
-                bench(f"  variant: nvfp4 FFN {impl}, warps/block gate-up {warps[0]}, down {warps[1]}", ex_bytes,
-                      lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+    if args.variants:  # block shapes of the tensor-core kernels (same bits, different occupancy)
+        for warps in ((8, 4), (4, 2), (2, 1)):
+            nvw = NvrtcBackend()
+            nvw.mma_warps = warps
+            bench(f"  variant: nvfp4 FFN, warps/block gate-up {warps[0]}, down {warps[1]}", ex_bytes,
+                  lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
 
+    def bench_gemv(W, x):
+        """The default plan's GEMV (and the torch backend), then with --variants every variant of its T bucket."""
+        (N, K), T = W.shape, x.shape[0]
+        bench(f"bf16 GEMV {N}x{K}, T={T}", W.numel() * 2, lambda: nv.linear(x, W), lambda: tb.linear(x, W))
+        for v in GEMV_VARIANTS[("bf16", T)] if args.variants else ():
+            nvv = NvrtcBackend()
+            nvv.gemv_plan = gemv_plan(f"bf16:{T}={v}")
+            bench(f"  variant: bf16 GEMV {N}x{K}, T={T}, {v}", W.numel() * 2, lambda nvv=nvv: nvv.linear(x, W))
+
     for N, K in ((7168, 12288), (12288, 7168)):
-        W = torch.randn(N, K, device=dev).to(torch.bfloat16)
-        x = torch.randn(1, K, device=dev)
-        bench(f"bf16 GEMV {N}x{K}, T=1", N * K * 2, lambda W=W, x=x: nv.linear(x, W), lambda W=W, x=x: tb.linear(x, W))
-        if args.variants:
-            for v in GEMV_VARIANTS[("bf16", 1)]:
-                nvv = NvrtcBackend()
-                nvv.gemv_plan = gemv_plan(f"bf16:1={v}")
-                bench(f"  variant: bf16 GEMV {N}x{K}, T=1, {v}", N * K * 2, lambda W=W, x=x, nvv=nvv: nvv.linear(x, W))
+        bench_gemv(torch.randn(N, K, device=dev).to(torch.bfloat16), torch.randn(1, K, device=dev))
     W = torch.randn(7168, 12288, device=dev).to(torch.bfloat16)
     for T in (4, 8):
-        xt = torch.randn(T, 12288, device=dev)
-        bench(f"bf16 GEMV 7168x12288, T={T}", W.numel() * 2, lambda xt=xt: nv.linear(xt, W), lambda xt=xt: tb.linear(xt, W))
-        if args.variants:
-            for v in GEMV_VARIANTS[("bf16", T)]:
-                nvv = NvrtcBackend()
-                nvv.gemv_plan = gemv_plan(f"bf16:{T}={v}")
-                bench(f"  variant: bf16 GEMV 7168x12288, T={T}, {v}", W.numel() * 2, lambda xt=xt, nvv=nvv: nvv.linear(xt, W))
+        bench_gemv(W, torch.randn(T, 12288, device=dev))
 
     # other decode ops (bytes = main tensors read + written)
     H, K_, n = 96, 128, 8192
@@ -189,7 +181,7 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     head = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, {date}"
     lines = [f"# bench_kernels: {head}", "",
-             f"HBM copy rate (D2D, read+write, best of: "
+             "HBM copy rate (D2D, read+write, best of: "
              + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in copy_kinds.items()) + f" GB/s): {copy / 1e9:.0f} GB/s", "",
              "| op | bytes | time (us) | GB/s | / copy rate | torch (us) |", "|---|---:|---:|---:|---:|---:|"]
     for name, nb, t, tt in rows:

@@ -77,20 +77,20 @@ def test_shipped_tree_is_packaged_and_small():
     assert set(cfg.indexer.layers) == set(cfg.mla_layers) and set(cfg.kda_layers)
 
 
+def assert_exact_share(cases, runner, at_least: int, share: float) -> None:
+    """At least `at_least` prompts, and `share` of them answered exactly as trained."""
+    assert len(cases) >= at_least
+    score = E.exact(cases)
+    misses = [(c.name, runner.tok.decode(got)) for c, got in cases if got != c.target]
+    assert score >= share, f"{score:.0%} exact; misses: {misses[:5]}"
+
+
 def test_training_prompts_reproduce_trained_answers(answers, runner):
-    train, _ = answers
-    assert len(train) >= 20
-    score = E.exact(train)
-    misses = [(c.name, runner.tok.decode(got)) for c, got in train if got != c.target]
-    assert score >= 0.9, f"{score:.0%} exact; misses: {misses[:5]}"
+    assert_exact_share(answers[0], runner, 20, 0.9)
 
 
 def test_heldout_prompts(answers, runner):
-    _, held = answers
-    assert len(held) >= 10
-    score = E.exact(held)
-    misses = [(c.name, runner.tok.decode(got)) for c, got in held if got != c.target]
-    assert score >= 0.7, f"{score:.0%} exact; misses: {misses[:5]}"
+    assert_exact_share(answers[1], runner, 10, 0.7)
 
 
 def test_weather_tool_call_and_final_answer(weather):

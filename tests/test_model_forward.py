@@ -161,25 +161,28 @@ def test_k3_has_no_indexer_code_path():
     assert names == {f"model.layers.{i}.self_attn.indexer" for i in load_config("tiny-k3.1-pro").indexer.layers}
 
 
+def decode_batch_vs_single(model, prov, prompts, cont) -> ModelCache:
+    """Prefill each prompt alone, stack the caches into one batch, decode `cont` in the batch and
+    in each row's own B = 1 cache: every row's logits must be identical. Returns the batch cache."""
+    with torch.no_grad():
+        caches, singles = ([model.new_cache(1) for _ in prompts] for _ in range(2))
+        for p, c, s in zip(prompts, caches, singles):
+            model(p[None], c, prov)
+            model(p[None], s, prov)
+        batch = ModelCache.stack(caches)
+        for t in range(len(cont)):
+            lb = model(torch.stack([cont[t:t + 1]] * len(prompts)), batch, prov)  # [B, 1]
+            for r, s in enumerate(singles):
+                assert torch.equal(lb[r], model(cont[t:t + 1][None], s, prov)[0]), f"row {r} step {t}"
+    return batch
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_batch_decode_is_bit_identical_to_single(name):
     """B = 1 and the same sequence inside a batch (rows at different lengths) give identical logits."""
     cfg, model, experts = build(name)
-    prov = DictExpertProvider(experts)
     prompts = [tokens(cfg, 19, 10), tokens(cfg, 21, 11), tokens(cfg, 12, 12)]
-    cont = tokens(cfg, 6, 13)
-    with torch.no_grad():
-        caches = [model.new_cache(1) for _ in prompts]
-        for p, c in zip(prompts, caches):
-            model(p[None], c, prov)
-        single = model.new_cache(1)
-        model(prompts[1][None], single, prov)
-        batch = ModelCache.stack(caches)
-        for t in range(len(cont)):
-            row = torch.stack([cont[t:t + 1]] * 3)  # [3, 1]
-            lb = model(row, batch, prov)
-            ls = model(cont[t:t + 1][None], single, prov)
-            assert torch.equal(lb[1], ls[0])
+    batch = decode_batch_vs_single(model, DictExpertProvider(experts), prompts, tokens(cfg, 6, 13))
     assert batch.lengths == [25, 27, 18]
 
 
@@ -188,21 +191,8 @@ def test_stack_rows_of_very_different_lengths():
     capacities 64, 128 and 150; the 128 row used to grow past 150 by doubling (256) and the
     stack failed. Each row still decodes as it does alone."""
     cfg, model, experts = build("tiny-k3.1-pro")
-    prov = DictExpertProvider(experts)
     prompts = [tokens(cfg, 3, 21), tokens(cfg, 100, 24), tokens(cfg, 150, 22)]
-    cont = tokens(cfg, 3, 23)
-    with torch.no_grad():
-        caches = [model.new_cache(1) for _ in prompts]
-        for p, c in zip(prompts, caches):
-            model(p[None], c, prov)
-        singles = [model.new_cache(1) for _ in prompts]
-        for p, c in zip(prompts, singles):
-            model(p[None], c, prov)
-        batch = ModelCache.stack(caches)
-        for t in range(len(cont)):
-            lb = model(torch.stack([cont[t:t + 1]] * 3), batch, prov)
-            for r, c in enumerate(singles):
-                assert torch.equal(lb[r], model(cont[t:t + 1][None], c, prov)[0]), f"row {r} step {t}"
+    batch = decode_batch_vs_single(model, DictExpertProvider(experts), prompts, tokens(cfg, 3, 23))
     assert batch.lengths == [6, 103, 153]
 
 

@@ -49,7 +49,7 @@ MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 # Tensor-core NVFP4 kernels: warps per block (gate+up, down). bench_kernels.py --variants, H200,
 # slice layer: (8, 8) 0.54 of the copy rate, (8, 4) 0.53, (4, 2) 0.49, (2, 1) 0.37; same bits.
 MMA_WARPS_GU, MMA_WARPS_DN = 8, 8
-NVFP4_IMPLS = ("mma", "mma_l2pf", "cuda_core")  # mma_l2pf: the same kernels with 256-byte L2 fetch hints
+NVFP4_IMPLS = ("mma", "cuda_core")
 SMEM_DEFAULT = 48 * 1024
 
 
@@ -332,11 +332,10 @@ class NvrtcBackend:
     def _gemv_variant(self, dt: str, nt: int, N: int) -> tuple[str, int]:
         """(kernel name, rows per block) for N rows: the override if any, else at T=1 the
         candidate with the fullest last wave (blocks / (waves * resident slots)), else the first."""
-        key = (dt, nt, N, self.gemv_plan.get((dt, nt)))
+        forced = self.gemv_plan.get((dt, nt))
+        key = (dt, nt, N, forced)
         if key not in self._gemv_choice:
-            cands = self.gemv_plan.get((dt, nt)) or GEMV_VARIANTS[(dt, nt)]
-            if isinstance(cands, str):
-                cands = (cands,)
+            cands = (forced,) if forced else GEMV_VARIANTS[(dt, nt)]
 
             def fill(v: str) -> float:
                 blocks = math.ceil(N / (GEMV_WARPS * int(v[1:])))
@@ -637,8 +636,7 @@ class NvrtcBackend:
         ptrs, I = {}, None
         binf = int(math.isinf(beta))
         act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
-        mma = self.nvfp4_impl.startswith("mma")
-        sfx = "_l2pf" if self.nvfp4_impl == "mma_l2pf" else ""
+        mma = self.nvfp4_impl == "mma"
         wgu, wdn = self.mma_warps
         h = y = None
         for group in groups:
@@ -658,10 +656,10 @@ class NvrtcBackend:
                 gtab, dtab = _tables(chunk, ptrs)
                 np_ = len(chunk)
                 if mma:  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-                    self._k("nvfp4_moe", f"srt_nvfp4_gateup_mma{sfx}")(
+                    self._k("nvfp4_moe", "srt_nvfp4_gateup_mma")(
                         (math.ceil(I / (16 * wgu)), np_), (wgu * 32,),
                         [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5)
-                    self._k("nvfp4_moe", f"srt_nvfp4_down_mma{sfx}")(
+                    self._k("nvfp4_moe", "srt_nvfp4_down_mma")(
                         (math.ceil(Dl / (32 * wdn)), np_), (wdn * 32,),
                         [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5)
                 else:

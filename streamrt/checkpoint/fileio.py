@@ -9,8 +9,8 @@ split the file into consecutive 64 MiB chunks (the last may be shorter; an empty
 empty chunk), take blake2b with an 8-byte digest of each chunk, and the file's checksum is
 blake2b (8-byte digest) of the concatenated chunk digests, as 16 hex digits. Chunks hash
 independently, so a multi-GB file hashes on every core (hashlib releases the GIL on large
-buffers) and the result does not depend on the thread count. format_version 1 trees (the
-shipped default model among them) use `LEGACY_RULE`: blake2b-64 of the whole file.
+buffers) and the result does not depend on the thread count. format_version 1 trees (converted
+before this rule) use `LEGACY_RULE`: blake2b-64 of the whole file.
 """
 
 from __future__ import annotations
@@ -127,17 +127,23 @@ def _gather(futs: list[Future]) -> list[bytes]:
     return [f.result() for f in futs]
 
 
+def _tree_digest(size: int, chunk: int, one: Callable[[int, int], bytes]) -> str:
+    """The tree rule over `size` bytes, `one(off, n)` digesting one chunk: a single chunk on
+    this thread (no pool hop), more in the shared pool."""
+    ranges = _ranges(size, chunk)
+    if len(ranges) == 1:
+        return combine([one(0, size)])
+    pool = hash_pool()
+    return combine(_gather([pool.submit(one, off, n) for off, n in ranges]))
+
+
 def fd_digest(fd: int, size: int, rule: str | None = None, chunk_bytes: int | None = None) -> str:
     """Checksum of the first `size` bytes of fd under `rule` (default: the current tree rule,
     or the tree rule with `chunk_bytes`). Multi-chunk files hash in the shared pool."""
     chunk = _chunk_of(rule, chunk_bytes)
     if chunk is None:  # legacy: one sequential pass
         return _hash_into(new_hash(), fd, 0, size).hexdigest()
-    ranges = _ranges(size, chunk)
-    if len(ranges) == 1:  # small file: no pool hop
-        return combine([_hash_range(fd, 0, size)])
-    pool = hash_pool()
-    return combine(_gather([pool.submit(_hash_range, fd, off, n) for off, n in ranges]))
+    return _tree_digest(size, chunk, lambda off, n: _hash_range(fd, off, n))
 
 
 def file_digest(path: Path, rule: str | None = None, *, chunk_bytes: int | None = None) -> str:
@@ -155,12 +161,8 @@ def buffer_digest(data, rule: str | None = None, *, chunk_bytes: int | None = No
     chunk = _chunk_of(rule, chunk_bytes)
     if chunk is None:
         return hashlib.blake2b(mv, digest_size=DIGEST_BYTES).hexdigest()
-    one = lambda off, n: hashlib.blake2b(mv[off : off + n], digest_size=DIGEST_BYTES).digest()  # noqa: E731
-    ranges = _ranges(len(mv), chunk)
-    if len(ranges) == 1:
-        return combine([one(0, len(mv))])
-    pool = hash_pool()
-    return combine(_gather([pool.submit(one, off, n) for off, n in ranges]))
+    return _tree_digest(len(mv), chunk,
+                        lambda off, n: hashlib.blake2b(mv[off : off + n], digest_size=DIGEST_BYTES).digest())
 
 
 def tmp_path(path: Path) -> Path:

@@ -5,8 +5,8 @@ without `language_model.`); the expert store takes `expert_path`, `layout` and
 `expert_file.parse_expert` over its own mappings. Opening validates the manifest and the
 config gating (the manifest's tensor names must agree with the variant markers).
 Checksums are checked under the rule the manifest names (`tree.checksum_rule`): format_version
-2 trees use fileio's chunked tree rule, format_version 1 trees (the shipped default model) the
-whole-file blake2b they were written with.
+2 trees use fileio's chunked tree rule, format_version 1 trees (converted before the
+tree rule) the whole-file blake2b they were written with.
 """
 
 from __future__ import annotations

@@ -30,17 +30,6 @@ SRT_DEV u32x4 ld_stream16(const void* p) {
   return r;
 }
 
-// The same, asking L2 to fetch the whole 256-byte block around the address: for access
-// patterns that read only 64 contiguous bytes of a row per instruction (the tensor-core NVFP4
-// tiles), so DRAM sees larger bursts and the row's next pieces hit L2.
-SRT_DEV u32x4 ld_stream16_l2_256(const void* p) {
-  u32x4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
 // ---- conversions ---------------------------------------------------------------------------
 
 SRT_DEV float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }

@@ -15,7 +15,7 @@
 #define GEMV_CH 1024  // multiple of 256: the lane <-> column map does not depend on the chunking
 
 // RPW (rows per warp) sets the grid: N / (4 * RPW) blocks; the host picks it so the last wave is
-// not a long tail (see GEMV_PLAN in backends/nvrtc.py).
+// not a long tail (see GEMV_VARIANTS in backends/nvrtc.py).
 template <int NT, int WBF16, int RPW>
 SRT_DEV void gemv_l1(const void* __restrict__ xv, int x_bf16, int T, const void* __restrict__ Wv,
                      float* __restrict__ out, int N, int K) {

@@ -212,7 +212,6 @@ SRT_DEV u32 scale_h2(u32 byte) {
 
 // One warp: two 16-row NVFP4 tiles (row pointers for rows g and g+8 of each tile) against
 // the staged x. acc[t][0..3] = this lane's mma accumulators (c == 0 lanes hold the results).
-template <bool L2PF>
 SRT_DEV void nvfp4_mma_2tiles(const u8* const wp[2][2], const u8* const sp[2][2], const u32* xh, const u32* xl,
                               int in, float acc[2][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -233,8 +232,7 @@ SRT_DEV void nvfp4_mma_2tiles(const u8* const wp[2][2], const u8* const sp[2][2]
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const u8* src = wp[t][r] + (long long)ch * 16;
-          w[u][t][r] = !ok ? u32x4{0u, 0u, 0u, 0u} : L2PF ? ld_stream16_l2_256(src) : ld_stream16(src);
+          w[u][t][r] = ok ? ld_stream16(wp[t][r] + (long long)ch * 16) : u32x4{0u, 0u, 0u, 0u};
           sv[u][t][r] = ok ? (u32) * (const u16*)(sp[t][r] + (long long)ch * 2) : 0u;
         }
     }
@@ -279,8 +277,8 @@ SRT_DEV void nvfp4_mma_2tiles(const u8* const wp[2][2], const u8* const sp[2][2]
 }
 
 // grid (ceil(I / (16 * warps)), P), block warps*32, dynamic smem (Dl/32)*MMA_XSTRIDE*8 bytes.
-template <bool L2PF>
-SRT_DEV void nvfp4_gateup_mma(const GateUpTable& tab, const float* __restrict__ z, float* __restrict__ h,
+extern "C" __global__ void __launch_bounds__(256)
+    srt_nvfp4_gateup_mma(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
                          int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
   extern __shared__ u32x4 smem_gm[];
   __shared__ float red[32];
@@ -300,7 +298,7 @@ SRT_DEV void nvfp4_gateup_mma(const GateUpTable& tab, const float* __restrict__ 
   const u8* const wp[2][2] = {{gp + ra * rb, gp + rc * rb}, {upk + ra * rb, upk + rc * rb}};
   const u8* const sp[2][2] = {{gs + ra * sb, gs + rc * sb}, {us + ra * sb, us + rc * sb}};
   float acc[2][4];
-  nvfp4_mma_2tiles<L2PF>(wp, sp, xh, xl, Dl, acc);
+  nvfp4_mma_2tiles(wp, sp, xh, xl, Dl, acc);
   if ((lane & 3) == 0) {
     const float* gg = (const float*)tab.gate_global[p];
     const float* ug = (const float*)tab.up_global[p];
@@ -315,8 +313,8 @@ SRT_DEV void nvfp4_gateup_mma(const GateUpTable& tab, const float* __restrict__ 
 }
 
 // grid (ceil(Dl / (32 * warps)), P), block warps*32, dynamic smem (I/32)*MMA_XSTRIDE*8 bytes.
-template <bool L2PF>
-SRT_DEV void nvfp4_down_mma(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y,
+extern "C" __global__ void __launch_bounds__(256)
+    srt_nvfp4_down_mma(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y,
                        int Dl, int I) {
   extern __shared__ u32x4 smem_dm[];
   __shared__ float red[32];
@@ -336,7 +334,7 @@ SRT_DEV void nvfp4_down_mma(const DownTable& tab, const float* __restrict__ h, f
   const u8* const wp[2][2] = {{dp + rr[0] * rb, dp + rr[1] * rb}, {dp + rr[2] * rb, dp + rr[3] * rb}};
   const u8* const sp[2][2] = {{ds + rr[0] * sb, ds + rr[1] * sb}, {ds + rr[2] * sb, ds + rr[3] * sb}};
   float acc[2][4];
-  nvfp4_mma_2tiles<L2PF>(wp, sp, xh, xl, I, acc);
+  nvfp4_mma_2tiles(wp, sp, xh, xl, I, acc);
   if ((lane & 3) == 0) {
     const float* dg = (const float*)tab.global[p];
 #pragma unroll
@@ -348,25 +346,3 @@ SRT_DEV void nvfp4_down_mma(const DownTable& tab, const float* __restrict__ h, f
   }
 }
 
-// Entry points: _mma reads weights with plain streaming loads, _mma_l2pf with 256-byte L2
-// fetch hints (same math, same bits; backends/nvrtc.py NVFP4_IMPLS picks one).
-extern "C" __global__ void __launch_bounds__(256)
-    srt_nvfp4_gateup_mma(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
-                         int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
-  nvfp4_gateup_mma<false>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    srt_nvfp4_gateup_mma_l2pf(const __grid_constant__ GateUpTable tab, const float* __restrict__ z,
-                              float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
-  nvfp4_gateup_mma<true>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    srt_nvfp4_down_mma(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y,
-                       int Dl, int I) {
-  nvfp4_down_mma<false>(tab, h, y, Dl, I);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    srt_nvfp4_down_mma_l2pf(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y,
-                            int Dl, int I) {
-  nvfp4_down_mma<true>(tab, h, y, Dl, I);
-}

@@ -117,7 +117,7 @@ class StreamingRuntime:
     ) -> None:
         self.options = opts = options or RuntimeOptions()
         self.tree, self.cfg, self.layout = tree, tree.config, tree.layout
-        cfg = tree.config
+        cfg = self.cfg
         self.device = device or make_device(opts.device)
         sizes = opts.resolve(cfg, self.layout.file_bytes, self.device, batch=batch)
         self.window, self.gpu_experts = sizes.window, sizes.gpu_experts
@@ -158,8 +158,7 @@ class StreamingRuntime:
         self._staged: dict[int, list[ExpertKey]] = {}  # layer -> keys pinned for it by staging
         self._verified: set[ExpertKey] = set()  # checksummed once in this process (--verify-experts)
         if opts.preparse:
-            keys = [ExpertKey(l, e) for l in cfg.moe_layers for e in range(cfg.num_experts)]
-            self.host.preparse(keys, lambda buf: parse_expert(buf, self.layout))
+            self.host.preparse(self._every_key(), lambda buf: parse_expert(buf, self.layout))
 
     # ---- driving the model ----------------------------------------------------------
 
@@ -352,16 +351,13 @@ class StreamingRuntime:
         try:
             parse_expert(m.data, self.layout, name=str(m.path), expect=(key.layer, key.expert))
             if self.options.verify_experts == "first" and key not in self._verified:
-                self._check_checksum(key, m)
+                # hash the mapped bytes (no second read) under the manifest's rule
+                self.tree.check_expert(key.layer, key.expert, data=m.data)
                 self._verified.add(key)
         except BaseException:
             m.release()
             raise
         return m
-
-    def _check_checksum(self, key: ExpertKey, m: HostMapping) -> None:
-        """Hash the mapped bytes (no second read) against the manifest, under the manifest's rule."""
-        self.tree.check_expert(key.layer, key.expert, data=m.data)
 
     def _stage(self, layer: int, ids: list[int], *, budget: int) -> None:
         """Start copying up to `budget` of `layer`'s predicted experts: open ones now, cold ones
@@ -414,10 +410,8 @@ class StreamingRuntime:
     def preload(self, keys=None) -> int:
         """Setup, not decode: copy `keys` (default every expert, in path order) into free device
         slots until the slab is full, e.g. to measure all-resident compute. Returns how many."""
-        if keys is None:
-            keys = [ExpertKey(l, e) for l in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
         n = 0
-        for key in keys:
+        for key in self._every_key() if keys is None else keys:
             if len(self.gpu) >= self.gpu.slots:
                 break
             if key not in self.gpu:
@@ -432,17 +426,16 @@ class StreamingRuntime:
         expert) into the host window, as many as it holds, concurrently on the pool; no device
         copies. A long-running process reaches this state by itself; benchmarks that measure
         steady-state decode with "experts in host RAM" start from it. Returns how many."""
-        if keys is None:
-            keys = [ExpertKey(l, e) for l in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
-        keys = [k for k in keys if self.host.lookup(k) is None][: max(0, self.window - len(self.host))]
-
-        async def all_maps():
-            await _all(self._mapping(k) for k in keys)
-
+        keys = [k for k in (self._every_key() if keys is None else keys) if self.host.lookup(k) is None]
+        keys = keys[: max(0, self.window - len(self.host))]
         if keys:
-            self.loop.run_until_complete(all_maps())
+            self.loop.run_until_complete(_all(self._mapping(k) for k in keys))
         self.retire.release()
         return len(keys)
+
+    def _every_key(self) -> list[ExpertKey]:
+        """Every routed expert of the model, in path order (layer, then expert)."""
+        return [ExpertKey(l, e) for l in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
 
     # ---- results and shutdown ----------------------------------------------------------
 
