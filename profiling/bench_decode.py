@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not pre-map the experts into the host window: first maps (checksum, page-lock) fall "
                          "inside the timed steps")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stage-max", type=int, nargs="*", default=[], metavar="N",
+                    help="with --nvrtc: one more runtime row per N, staging the N most confident guesses per layer "
+                         "(the default stages three quarters of them)")
     ap.add_argument("--nvrtc", action="store_true",
                     help="also run resident and runtime with the NVRTC kernel backend (CUDA only)")
     args = ap.parse_args(argv)
@@ -232,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         plan += [("resident-nvrtc", plan[0][1])]
         if not args.skip_baseline:
             plan.append(("baseline-nvrtc", plan[1][1]))
-        plan.append(("runtime-nvrtc", plan[-1 if args.skip_baseline else 2][1]))
+        plan.append(("runtime-nvrtc", dict(plan)["runtime"]))
+        for n in args.stage_max:  # fewer, surer guesses: less wasted link time, more misses on the critical path
+            plan.append((f"runtime-stage{n}-nvrtc", RuntimeOptions(**{**base, "gpu_experts": limited, "stage_max": n})))
     for name, opts in plan:
         t = time.perf_counter()
         m = models["nvrtc" if name.endswith("-nvrtc") else "torch"]
@@ -310,9 +315,15 @@ def main(argv: list[str] | None = None) -> int:
         bb = runs["baseline"]["payload"]["decode_bytes_h2d"] / max(1, runs["baseline"]["payload"]["tokens"])
         strict = bb / (link["pinned"] * 1e9)
         ratios = ", ".join(f"{name} {runs[name]['payload']['s_per_token'] / max(strict, 1e-12):.2f}x"
-                           for name in ("runtime", "runtime-nvrtc") if name in runs)
+                           for name in runs if name.startswith("runtime"))
         lines.append(f"strict floor (baseline's {bb / 1e6:.0f} MB/token, no speculative bytes): {strict * 1e3:.2f} ms/token; "
                      f"s/token over it: {ratios}")
+    for name in (n for n in runs if n.startswith("runtime-stage")):
+        p = runs[name]["payload"]
+        own = p["decode_bytes_h2d"] / max(1, p["tokens"]) / (link["pinned"] * 1e9) if link["pinned"] else 0.0
+        lines.append(f"{name}: floor of its own bytes {own * 1e3:.2f} ms/token; s/token over max(that, resident-nvrtc) "
+                     f"{p['s_per_token'] / max(own, runs['resident-nvrtc']['payload']['s_per_token'], 1e-12):.2f}x; "
+                     f"effective bandwidth {p['effective_gbps'] / link['pinned'] if link['pinned'] else 0.0:.2f} of the link")
     if "resident-nvrtc" in runs:
         lines.append(f"nvrtc vs torch, all resident: greedy tokens {'identical' if tok_t == tok_n else 'DIFFER'}, "
                      f"max rel logits diff {rel:.2e}, speed-up {speed:.2f}x")

@@ -133,11 +133,11 @@ def main(argv=None) -> int:
           lambda: nv.expert_ffn(z, ids, w, experts, 4.0, 25.0),
           lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
 
-    if args.variants:  # block shapes of the tensor-core kernels (same bits, different occupancy)
-        for warps in ((8, 4), (4, 2), (2, 1)):
+    if args.variants:  # block and pipeline shapes of the tensor-core kernels (same bits)
+        for shape in ((16, 8, 2, 2), (8, 4, 2, 2), (4, 4, 2, 2), (8, 8, 3, 2), (4, 4, 2, 4), (8, 8, 4, 1)):
             nvw = NvrtcBackend()
-            nvw.mma_warps = warps
-            bench(f"  variant: nvfp4 FFN, warps/block gate-up {warps[0]}, down {warps[1]}", ex_bytes,
+            nvw.tc_shape = shape
+            bench(f"  variant: nvfp4 FFN tc, warps/block gate-up {shape[0]}, down {shape[1]}, stages {shape[2]} x {shape[3]} blocks", ex_bytes,
                   lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))

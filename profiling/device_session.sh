@@ -38,7 +38,7 @@ if has profile; then
 fi
 if has decode; then
   stage "bench decode (slice)"
-  timeout ${T_DECODE:-180} python3 profiling/bench_decode.py --workdir "$W" --nvrtc 2>&1 | tee "$L/bench_decode.log" | tail -45
+  timeout ${T_DECODE:-180} python3 profiling/bench_decode.py --workdir "$W" --nvrtc ${DECODE_ARGS:-} 2>&1 | tee "$L/bench_decode.log" | tail -45
 fi
 if has trace; then
   stage "trace (slice, small device tier)"

@@ -60,7 +60,7 @@ def _make_backend(**kw):
 
 
 NV = _make_backend()
-NV_IMPLS = {i: _make_backend(nvfp4_impl=i) for i in ("mma", "cuda_core")}
+NV_IMPLS = {i: _make_backend(nvfp4_impl=i) for i in ("tc", "cuda_core")}
 TB = TorchBackend()
 
 
@@ -422,9 +422,10 @@ def ffn_ref(z, ids, weights, experts, beta, lbeta):
 
 @pytest.mark.parametrize(
     "T,k,E,Dl,I",
-    [(1, 16, 16, 3584, 3072), (1, 4, 32, 32, 64), (3, 4, 6, 64, 96), (5, 16, 20, 64, 96), (2, 8, 8, 256, 512)],
+    [(1, 16, 16, 3584, 3072), (1, 4, 32, 32, 64), (3, 4, 6, 64, 96), (5, 16, 20, 64, 96), (2, 8, 8, 256, 512),
+     (5, 16, 20, 128, 384), (1, 2, 3, 640, 128)],
 )
-@pytest.mark.parametrize("impl", ["mma", "cuda_core"])
+@pytest.mark.parametrize("impl", ["tc", "cuda_core"])
 def test_expert_ffn(gen, T, k, E, Dl, I, impl):
     nv = NV_IMPLS[impl]
     if CPU_DRY and Dl > 1000:
@@ -446,22 +447,23 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
-def test_expert_ffn_block_shapes_same_bits(gen):
-    """Other block shapes of the tensor-core kernels change timing only: same bits as the default."""
-    E, T, k, Dl, I = 8, 2, 4, 512, 768
+def test_expert_ffn_tc_shapes_same_bits(gen):
+    """Warps per block and pipeline shape of the tensor-core kernels change timing only: same bits."""
+    from streamrt.backends.nvrtc import TC_PIPES, TC_SHAPE
+
+    E, T, k, Dl, I = 8, 2, 4, 640, 896  # 5 and 7 column blocks: partial last stages
     experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights, z = rand(gen, T, k, lo=0.01, hi=1.0), randn(gen, T, Dl)
-    base = NV_IMPLS["mma"].expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    from streamrt.backends.nvrtc import MMA_WARPS_DN, MMA_WARPS_GU
-
-    nv = NV_IMPLS["mma"]
-    for warps in ((8, 4), (4, 2), (2, 1), (1, 8)):
-        nv.mma_warps = warps
+    nv = NV_IMPLS["tc"]
+    base = nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    shapes = [(w1, w2, s, kbs) for s, kbs in TC_PIPES for (w1, w2) in ((8, 8), (4, 2), (1, 8))] + [(16, 16, 2, 2)]
+    for shape in shapes:
+        nv.tc_shape = shape
         try:
-            assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), base), f"warps {warps}"
+            assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), base), f"tc shape {shape}"
         finally:
-            nv.mma_warps = (MMA_WARPS_GU, MMA_WARPS_DN)
+            nv.tc_shape = TC_SHAPE
 
 
 class _LateExperts(dict):
@@ -476,7 +478,7 @@ class _LateExperts(dict):
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
-@pytest.mark.parametrize("impl", ["mma", "cuda_core"])
+@pytest.mark.parametrize("impl", ["tc", "cuda_core"])
 def test_expert_ffn_late_experts_same_bits(gen, impl):
     """Experts still in flight are launched after the resident ones (a second launch group);
     the result bits do not depend on that split."""

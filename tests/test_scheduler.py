@@ -226,3 +226,53 @@ def test_lagging_copy_events_hold_mappings_and_gate_compute(tree, model, referen
     rt.retire.release()
     assert rt.retire.released == p["retired"]
     rt.close()
+
+
+def test_decode_step_stages_the_first_moe_layer_from_the_embeddings(tree, model, reference):
+    """Each decode step's first MoE layer is staged before its router speaks (the model's
+    step_hint); the hint is removed after the step, and the logits do not change."""
+    rt = runtime(tree, model, window=WS, gpu_experts=2 * WS)
+    staged_layers = []
+    stage = rt._stage
+    rt._stage = lambda layer, ids, budget: (staged_layers.append((layer, len(rt._staged.get(layer, ())))),
+                                            stage(layer, ids, budget=budget))
+    try:
+        got = decode(model, lambda g, n: rt.run(g, tokens=n))
+    finally:
+        rt.close()
+    assert same(got, reference)
+    first = tree.config.moe_layers[0]
+    # the first MoE layer is staged once per decode step (CONT has 2), before any other stage that step
+    assert [layer for layer, _ in staged_layers].count(first) == len(CONT)
+    assert all(n == 0 for layer, n in staged_layers if layer == first)
+    assert model.step_hint is None
+    assert rt.stats.staged > 0
+
+
+def test_stage_max_bounds_staging_per_layer(tree, model, reference):
+    rt = runtime(tree, model, window=WS, gpu_experts=2 * WS, stage_max=1)
+    try:
+        got = decode(model, lambda g, n: rt.run(g, tokens=n))
+        per_layer = rt.stats.staged
+    finally:
+        rt.close()
+    assert same(got, reference)
+    # at most one staged expert per staged layer: 8 MoE layers per decode step, 2 decode steps
+    # (prefill stages the 7 layers after the first)
+    assert 0 < per_layer <= len(tree.config.moe_layers) * (len(CONT) + 1)
+    with pytest.raises(Exception, match="--stage-max"):
+        RuntimeOptions(stage_max=-1)
+
+
+def test_default_stages_the_most_confident_three_quarters(tree, model, reference):
+    staged = {}
+    for name, kw in (("default", {}), ("all", dict(stage_max=100)), ("three", dict(stage_max=3))):
+        rt = runtime(tree, model, window=WS, gpu_experts=WS, **kw)
+        try:
+            assert same(decode(model, lambda g, n: rt.run(g, tokens=n)), reference)
+            staged[name] = rt.stats.staged
+        finally:
+            rt.close()
+    # tiny: top-4 per row; a decode step's layer stages 3 of its 4 guesses by default (like
+    # --stage-max 3), the 4-row prefill up to 12 of its 16 (more than 3): fewer than all either way
+    assert staged["three"] < staged["default"] < staged["all"]

@@ -45,8 +45,9 @@ def kernel_names(program: str) -> list[str]:
     """The `extern "C"` __global__ entry points declared in a program (by source scan)."""
     src = _source(program)
     pat = r'extern "C" __global__ void(?:[\s\\]+__launch_bounds__\([^)]*\))?[\s\\]+(\w+)\s*\('
-    names = [n for n in re.findall(pat, src) if n != "NAME"]  # NAME: the parameter of an entry macro
-    names += re.findall(r"^SRT_GEMV_ENTRY\((\w+),", src, flags=re.M)
+    names = [n for n in re.findall(pat, src) if not n.isupper()]  # upper case: parameters of entry macros
+    for args in re.findall(r"^SRT_\w+_ENTRY\(([^)]*)\)", src, flags=re.M):  # entry-macro uses
+        names += [a.strip() for a in args.split(",") if a.strip().startswith("srt_")]
     return names
 
 

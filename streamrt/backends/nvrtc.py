@@ -46,10 +46,15 @@ GEMV_VARIANTS = {("bf16", 1): ("r2", "r1", "r4"), ("bf16", 2): ("r2", "r4"), ("b
                  ("bf16", 8): ("r4", "r2"), ("f32", 1): ("r2",), ("f32", 2): ("r2",), ("f32", 4): ("r2",),
                  ("f32", 8): ("r2",)}
 MOE_WARPS = 8  # CUDA-core NVFP4 kernels
-# Tensor-core NVFP4 kernels: warps per block (gate+up, down). bench_kernels.py --variants, H200,
-# slice layer: (8, 8) 0.54 of the copy rate, (8, 4) 0.53, (4, 2) 0.49, (2, 1) 0.37; same bits.
-MMA_WARPS_GU, MMA_WARPS_DN = 8, 8
-NVFP4_IMPLS = ("mma", "cuda_core")
+# Tensor-core NVFP4 kernels (nvfp4_moe.cu): warps per block (gate+up, down), cp.async stages per
+# warp, 128-column blocks per stage; entry points exist for TC_PIPES. bench_kernels.py
+# --variants, H200, slice layer: (8, 8, 2, 2) 0.67 of the copy rate, (4, 4, 2, 4) 0.59-0.65,
+# (8, 8, 3, 2) 0.56-0.59, (8, 8, 4, 1) 0.52-0.56; same bits.
+TC_SHAPE = (8, 8, 2, 2)
+TC_PIPES = ((2, 2), (3, 2), (2, 4), (4, 1))
+TC_STAGE_SMEM = 32 * 64 + 32 * 8  # TC_WBYTES + TC_SBYTES: one 128-column block of one warp
+# "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
+NVFP4_IMPLS = ("tc", "cuda_core")
 SMEM_DEFAULT = 48 * 1024
 
 
@@ -269,11 +274,11 @@ class NvrtcBackend:
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.rowwise_max = rowwise_max
         self._dev = self.device.index
-        # NVFP4 expert GEMVs: "mma" (tensor cores, default) or "cuda_core" (fp32 FMA); same math
-        self.nvfp4_impl = nvfp4_impl or os.environ.get("STREAMRT_NVFP4", "mma")
+        # NVFP4 expert GEMVs: "tc" (tensor cores, default) or "cuda_core" (fp32 FMA); same math
+        self.nvfp4_impl = nvfp4_impl or os.environ.get("STREAMRT_NVFP4", "tc")
         if self.nvfp4_impl not in NVFP4_IMPLS:
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
-        self.mma_warps = (MMA_WARPS_GU, MMA_WARPS_DN)  # warps per block of the tensor-core NVFP4 kernels
+        self.tc_shape = TC_SHAPE  # (warps gate+up, warps down, stages, blocks per stage)
         self.gemv_plan = gemv_plan(os.environ.get("STREAMRT_GEMV", ""))
         self._gemv_choice: dict[tuple, tuple[str, int]] = {}
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -636,8 +641,7 @@ class NvrtcBackend:
         ptrs, I = {}, None
         binf = int(math.isinf(beta))
         act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
-        mma = self.nvfp4_impl == "mma"
-        wgu, wdn = self.mma_warps
+        impl = self.nvfp4_impl
         h = y = None
         for group in groups:
             if not group:
@@ -655,13 +659,18 @@ class NvrtcBackend:
                 chunk = group[c0 : c0 + MOE_MAXP]
                 gtab, dtab = _tables(chunk, ptrs)
                 np_ = len(chunk)
-                if mma:  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-                    self._k("nvfp4_moe", "srt_nvfp4_gateup_mma")(
-                        (math.ceil(I / (16 * wgu)), np_), (wgu * 32,),
-                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5)
-                    self._k("nvfp4_moe", "srt_nvfp4_down_mma")(
-                        (math.ceil(Dl / (32 * wdn)), np_), (wdn * 32,),
-                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5)
+                # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
+                if impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and _scales_aligned8(chunk, ptrs):
+                    tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+                    if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
+                        raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+                    ring = st * kbs * TC_STAGE_SMEM
+                    self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}")(
+                        (math.ceil(I / (16 * tg)), np_), (tg * 32,),
+                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5 + tg * ring)
+                    self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
+                        (math.ceil(Dl / (32 * td)), np_), (td * 32,),
+                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5 + td * ring)
                 else:
                     self._k("nvfp4_moe", "srt_nvfp4_gateup")(
                         (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
@@ -716,6 +725,11 @@ def _check_mat(m: NVFP4Matrix, what: str, rows: int, cols: int, dev: torch.devic
     if not (_aligned(m.packed, 16) and _aligned(m.scales, 2) and _aligned(m.global_scale, 4)):
         raise ValueError(f"{what}: packed must be 16-byte aligned, scales 2-byte aligned")
     return m.packed.data_ptr(), m.scales.data_ptr(), m.global_scale.data_ptr()
+
+
+def _scales_aligned8(chunk: list[tuple[int, int, int]], ptrs: dict[int, tuple[int, ...]]) -> bool:
+    """The pipelined kernels copy scale rows 8 bytes at a time (cp.async)."""
+    return all(ptrs[e][i] % 8 == 0 for _, _, e in chunk for i in (1, 4, 7))
 
 
 def _expert_ptrs(ew: ExpertWeights, e: int, Dl: int, dev: torch.device) -> tuple[int, ...]:

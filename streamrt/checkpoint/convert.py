@@ -13,8 +13,13 @@ skips every journaled file whose size and checksum still match, so kill -9 at an
 costs at most the files in flight. `.convert/state.json` names the source (fingerprint of
 its config, index and shard sizes) and the checksum rule, which is how a non-empty DST is
 recognised as a previous partial conversion of the same source; after success the manifest
-carries both instead. Checksums follow `fileio`'s chunked tree rule (a multi-GB dense file
-hashes on every core); files recorded under another rule are redone, never mixed in.
+carries both instead. Checksums follow `fileio`'s chunked tree rule; files recorded under
+another rule are redone, never mixed in.
+
+Parallelism: one pool runs whole-file jobs (copies, experts) and, for dense files, one job
+per checksum chunk: chunks are independent in both bytes and digest, so a multi-GB dense file
+is written (pwrite into one temp file) and hashed on every core, and the last chunk to finish
+commits it (fileio.RangeWriter). Dense chunks are queued first, experts after.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from streamrt.checkpoint.expert_file import HEADER_BYTES, ExpertLayout, parse_he
 from streamrt.checkpoint.fileio import (
     LEGACY_RULE,
     AtomicWriter,
+    RangeWriter,
     file_digest,
     fsync_dir,
     remove_stale_tmp,
@@ -43,7 +49,7 @@ from streamrt.checkpoint.fileio import (
 )
 from streamrt.checkpoint.names import TensorSpec, dense_group, dense_specs, expert_prefix, expert_relpath, strip_prefix
 from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint
-from streamrt.checkpoint.safetensors_io import build_header, order_for_alignment, write_stream
+from streamrt.checkpoint.safetensors_io import build_header, order_for_alignment
 from streamrt.config import ModelConfig
 from streamrt.errors import CheckpointError
 
@@ -52,7 +58,7 @@ READ_VERSIONS = (1, 2)  # 1: whole-file blake2b (fileio.LEGACY_RULE); 2: top-lev
 MANIFEST = "manifest.json"
 STATE_DIR = ".convert"
 KILL_ENV = "STREAMRT_TEST_KILL_AFTER_BYTES"  # test hook: SIGKILL self once this many bytes are written
-COPY_CHUNK = 64 << 20
+PIECE_BYTES = 4 << 20  # dense bytes per pread/hash/pwrite step: the buffer stays in the CPU cache
 _scratch = threading.local()  # per-thread read buffers, reused across files
 
 
@@ -117,9 +123,13 @@ def write_manifest(root: Path, cfg: ModelConfig, files: dict, tensor_names: list
 
 @dataclass
 class Task:
+    """One output file: either one job (`run`), or, for dense files, one job per checksum chunk,
+    each producing its bytes with `fill`."""
+
     rel: str
     size: int  # expected final size
-    run: Callable[[Callable[[int], None]], tuple[int, str, int]]  # on_bytes -> (size, digest, global_mode)
+    run: Callable[[Callable[[int], None]], tuple[int, str, int]] | None = None  # on_bytes -> (size, digest, global_mode)
+    fill: Callable[[int, memoryview], None] | None = None  # (offset, buf): the file's bytes there into buf
 
 
 def _check_paths(src: Path, dst: Path) -> None:
@@ -180,7 +190,7 @@ def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
     for rel, specs in dense_files(dense_specs(cfg)).items():
         renamed = [TensorSpec(strip_prefix(s.name), s.shape, s.dtype) for s in specs]
         hdr, offs = build_header(renamed)
-        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), _dense_task(rt, dst / rel, specs, renamed)))
+        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), fill=_dense_fill(rt, hdr, specs)))
     layout = ExpertLayout.for_config(cfg)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
@@ -198,17 +208,35 @@ def _copy_task(src: Path, out: Path):
     return run
 
 
-def _dense_task(rt: ReleaseTree, out: Path, specs: list[TensorSpec], renamed: list[TensorSpec]):
-    def chunks():  # pread into one reused buffer; each chunk is consumed before the next read
-        for s in specs:
-            for off in range(0, s.nbytes, COPY_CHUNK):
-                yield rt.read_into(s.name, _buffer("copy", min(COPY_CHUNK, s.nbytes - off)), off)
+def _dense_fill(rt: ReleaseTree, header: bytes, specs: list[TensorSpec]):
+    """fill(off, buf): bytes [off, off + len(buf)) of the dense file (header, then the tensors
+    back to back, as build_header lays them out), so any range can be produced on its own."""
+    pieces, pos = [], len(header)  # (file offset, spec) of each tensor
+    for s in specs:
+        pieces.append((pos, s))
+        pos += s.nbytes
 
-    def run(on_bytes):
-        size, digest = write_stream(out, renamed, chunks(), on_bytes=on_bytes)
-        return size, digest, -1
+    def fill(off: int, buf: memoryview) -> None:
+        end = off + len(buf)
+        if off < len(header):
+            k = min(len(header), end) - off
+            buf[:k] = header[off : off + k]
+        for start, s in pieces:
+            lo, hi = max(start, off), min(start + s.nbytes, end)
+            if lo < hi:
+                rt.read_into(s.name, buf[lo - off : hi - off], lo - start)
 
-    return run
+    return fill
+
+
+def _chunk_pieces(t: Task, w: RangeWriter, i: int):
+    """Chunk i of a dense file as PIECE_BYTES buffers, filled one at a time into the thread's
+    reused buffer (each is consumed before the next is filled)."""
+    off, n = w.ranges[i]
+    for p in range(off, off + n, PIECE_BYTES):
+        buf = _buffer("piece", min(PIECE_BYTES, off + n - p))
+        t.fill(p, buf)  # type: ignore[misc]
+        yield buf
 
 
 def _expert_task(rt: ReleaseTree, out: Path, layer: int, e: int, layout: ExpertLayout, allow_per_row: bool):
@@ -286,20 +314,23 @@ def convert(
             if kill_at and counters["bytes_written"] >= kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    def run(t: Task) -> None:
+    def skip_if_complete(t: Task) -> bool:
+        """A previous run's file that still matches its journal entry: count it, keep it."""
         path = dst / t.rel
-        if _still_complete(path, prior.get(t.rel), t.size, check_resumed):
-            mode = -1
-            if t.rel.endswith(".nvfp4"):
-                with open(path, "rb") as f:
-                    mode = parse_header(f.read(HEADER_BYTES), ExpertLayout.for_config(rt.config), name=str(path)).global_mode
-            with lock:
-                files[t.rel] = prior[t.rel]
-                counters["skipped"] += 1
-                modes[mode] = modes.get(mode, 0) + 1
-                bar.update(t.size)
-            return
-        size, digest, mode = t.run(on_bytes)
+        if not _still_complete(path, prior.get(t.rel), t.size, check_resumed):
+            return False
+        mode = -1
+        if t.rel.endswith(".nvfp4"):
+            with open(path, "rb") as f:
+                mode = parse_header(f.read(HEADER_BYTES), ExpertLayout.for_config(rt.config), name=str(path)).global_mode
+        with lock:
+            files[t.rel] = prior[t.rel]
+            counters["skipped"] += 1
+            modes[mode] = modes.get(mode, 0) + 1
+            bar.update(t.size)
+        return True
+
+    def record(t: Task, size: int, digest: str, mode: int) -> None:
         entry = {"size": size, "blake2b": digest}
         with lock:
             files[t.rel] = entry
@@ -308,16 +339,39 @@ def convert(
             journal.write(json.dumps({"path": t.rel, **entry}) + "\n")
             journal.flush()
 
+    def run(t: Task) -> None:
+        if not skip_if_complete(t):
+            record(t, *t.run(on_bytes))  # type: ignore[misc]
+
+    def write_chunk(t: Task, w: RangeWriter, i: int) -> None:
+        if w.write_chunk(i, _chunk_pieces(t, w, i), on_bytes):  # the last chunk in commits the file
+            record(t, *w.commit(), -1)
+
+    writers: list[RangeWriter] = []  # dense files being written
+
+    def submit(ex: ThreadPoolExecutor, t: Task) -> list:
+        if t.fill is None:
+            return [ex.submit(run, t)]
+        # Checked here, not in a job, so that all its chunk jobs can be queued at once; dense
+        # files are few, and a resumed one's digest check hashes on every core anyway.
+        if skip_if_complete(t):
+            return []
+        w = RangeWriter(dst / t.rel, t.size)
+        writers.append(w)
+        return [ex.submit(write_chunk, t, w, i) for i in range(len(w.ranges))]
+
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(workers) as ex:
-            futs = [ex.submit(run, t) for t in tasks]  # big dense files first, then experts
+            futs = [f for t in tasks for f in submit(ex, t)]  # dense chunks first, then experts
             done, _ = wait(futs, return_when=FIRST_EXCEPTION)
             for f in futs:
                 if f.done() and f.exception():
                     ex.shutdown(wait=True, cancel_futures=True)
                     raise f.exception()  # type: ignore[misc]
     finally:
+        for w in writers:  # the pool has drained: no job touches these any more
+            w.abort()  # an unfinished file leaves nothing behind (no-op once committed)
         bar.close()
         journal.close()
     seconds = time.perf_counter() - t0

@@ -180,6 +180,12 @@ def disk_full_error(path: Path, e: OSError) -> CheckpointError:
     )
 
 
+def write_error(path: Path, e: OSError) -> CheckpointError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return disk_full_error(path, e)
+    return CheckpointError(f"{path}: write failed: {e.strerror or e}")
+
+
 class AtomicWriter:
     """`with AtomicWriter(path) as w: w.write(...)`; commits (fsync + rename) on clean exit,
     `w.digest` is then the file's checksum under the current tree rule.
@@ -271,9 +277,7 @@ class AtomicWriter:
 
     def _fail(self, e: OSError):
         self.abort()
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full_error(self.path, e) from None
-        raise CheckpointError(f"{self.path}: write failed: {e.strerror or e}") from None
+        raise write_error(self.path, e) from None
 
     def __enter__(self) -> "AtomicWriter":
         return self
@@ -283,6 +287,73 @@ class AtomicWriter:
             self.commit()
         else:
             self.abort()
+
+
+class RangeWriter:
+    """A file of known size written as its checksum chunks, by several threads at once and in
+    any order: `write_chunk(i, pieces)` pwrites chunk i and hashes it from memory (no read-back);
+    when every chunk is in, `commit()` fsyncs and renames. Same bytes, temp name and checksum
+    as AtomicWriter. On an error, call `abort()` once no write_chunk is running any more (a
+    closed fd number gets reused); it is a no-op after a commit."""
+
+    def __init__(self, path: Path, size: int):
+        self.path = Path(path)
+        self.tmp = tmp_path(self.path)
+        self.size = size
+        self.ranges = _ranges(size, CHUNK_BYTES)  # chunk i is bytes [off, off + n)
+        self.digests: list[bytes | None] = [None] * len(self.ranges)
+        self.left = len(self.ranges)
+        self.lock = threading.Lock()
+        self.digest: str | None = None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write_chunk(self, i: int, pieces, on_bytes: Callable[[int], None] | None = None) -> bool:
+        """Chunk i from `pieces`, consecutive buffers (each may be reused once the next is
+        asked for) that must add up to the chunk exactly. True if it was the last chunk."""
+        off, n = self.ranges[i]
+        h, pos = new_hash(), off
+        for piece in pieces:
+            mv = memoryview(piece).cast("B")
+            h.update(mv)  # while the piece is still in cache
+            self._pwrite(mv, pos)
+            pos += len(mv)
+            if on_bytes:
+                on_bytes(len(mv))
+        if pos != off + n:
+            raise AssertionError(f"{self.path}: chunk {i} got {pos - off} bytes, expected {n}")
+        with self.lock:
+            self.digests[i] = h.digest()
+            self.left -= 1
+            return self.left == 0
+
+    def _pwrite(self, mv: memoryview, pos: int) -> None:
+        while mv:
+            try:
+                k = os.pwrite(self.fd, mv, pos)
+            except OSError as e:
+                raise write_error(self.path, e) from None
+            mv, pos = mv[k:], pos + k
+
+    def commit(self) -> tuple[int, str]:
+        if self.left:
+            raise AssertionError(f"{self.path}: commit with {self.left} chunks missing")
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            raise write_error(self.path, e) from None
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.path)
+        self.digest = combine(self.digests)  # type: ignore[arg-type]
+        return self.size, self.digest
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.digest is None:
+            self.tmp.unlink(missing_ok=True)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> tuple[int, str]:

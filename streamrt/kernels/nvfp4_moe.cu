@@ -11,9 +11,10 @@
 // scales u8 [out, in/16] (E4M3), global fp32 [out]. A row's dot product is
 //   global[row] * sum_g e4m3(scale_g) * (sum_{i in g} e2m1_i * x_i)
 // (exactly the dequantised dot in real arithmetic; fp32 rounding in a fixed order).
-// Each warp owns 4 row streams; each lane reads 16 bytes (32 weights = 2 scale groups) of each
-// stream per step, the activation comes from shared memory and is reused by the 4 streams.
-// Requires in % 32 == 0.
+// Two implementations of steps 1-2: the tensor-core kernels (*_tc*, below; in % 128 == 0) and
+// the CUDA-core kernels (fp32 FMA; in % 32 == 0). In the CUDA-core kernels each warp owns 4 row
+// streams; each lane reads 16 bytes (32 weights = 2 scale groups) of each stream per step, the
+// activation comes from shared memory and is reused by the 4 streams.
 #include "common.cuh"
 
 #define SRT_MOE_MAXP 64
@@ -163,86 +164,190 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
   }
 }
 
-// ============================ tensor-core path (mma.sync, sm_80+) ============================
+// ============================ tensor-core path (mma.sync, sm_89+) ============================
 //
-// Same math, but the 16-row x 16-k products run on tensor cores. Per warp: two 16-row tiles
-// (gate and up rows r0..r0+15, or down rows r0..r0+31) share the activation operand B.
-//  * A (weights): lane (g = lane/4, c = lane%4) streams 16 bytes (32 elements = 2 scale groups)
+// Same math; the 16-row x 16-k products run on tensor cores. Per warp: two 16-row tiles (gate
+// and up rows r0..r0+15, or down rows r0..r0+31) share the activation operand B.
+//  * A (weights): lane (g = lane/4, c = lane%4) takes 16 bytes (32 elements = 2 scale groups)
 //    of rows g and g+8 per 128-column block; each nibble pair is decoded in registers to fp16
-//    (e2m1 * 2^-14, exact) and multiplied by its E4M3 block scale in fp16 (exact: the product
-//    has <= 6 significant bits and lies on the fp16 grid down to 2^-24).
+//    (e2m1 * 2^-14, exact).
 //  * B (activation): x * 2^s (s a power of two putting max|x| in [2^14, 2^15)) split exactly
-//    enough into fp16 hi + lo (|x - hi - lo| <= 2^-22 |x|); column 0 = hi, column 1 = lo.
-//  * The k order inside a 128-column block is a fixed permutation shared by A and B. Each block
-//    is summed on the tensor cores (8 k-steps from zero), then added to fp32 registers in block
-//    order (round to nearest), so the result is deterministic and does not depend on T.
-// Shared memory: xh, xl [in/32 chunks][20] u32 (16 fp16 pairs per chunk, padded).
+//    enough into fp16 hi + lo (|x - hi - lo| <= 2^-22 |x|).
+//  * Block scales stay out of the operands. An mma's 16 k values come from the chunks of the
+//    4 lanes c = 0..3 of a row group (4 values each, all in one 16-element scale group of that
+//    lane's chunk). Column n = 2c + h of B carries x (h = 0: hi, 1: lo) only for the k values
+//    of lane c and zero elsewhere, so D[row][2c + h] is lane c's group partial, unscaled. Four
+//    mma steps from zero cover a group; lane (g, c) holds exactly its own groups' columns and
+//    applies its own E4M3 scales in fp32: acc += (d_hi + d_lo) * scale, in block order. The 4
+//    lanes of a row are summed at the end (xor 1, then xor 2). Fixed order throughout: the bits
+//    do not depend on T, the block shape or the pipeline depth.
+//  * Weights and scales travel global -> shared by cp.async through a ring of S stages per
+//    warp, KBS 128-column blocks of the warp's 32 rows per stage, so S - 1 stages are in flight
+//    while one is decoded, without holding them in registers.
+//  * The copies are laid out for the memory system, not for the mma: 8 * KBS consecutive lanes
+//    copy KBS * 64 contiguous bytes of one row (whole 128-byte lines; loading straight into the
+//    mma layout requests 64-byte pieces of 16 rows at once and measured 0.50-0.54 of the copy
+//    rate against 0.67 for this). In shared memory each row's 16-byte chunks are swizzled
+//    (tc_swizzle), so both the copies and the mma-layout reads are free of bank conflicts.
+// Requires in % 128 == 0 and 8-byte aligned scale rows; other shapes use the CUDA-core kernels.
+// Shared memory: xh, xl [in/32 chunks][20] u32 (16 fp16 pairs per chunk, padded; in * 5
+// bytes), then per warp S * KBS * (TC_WBYTES + TC_SBYTES) bytes of ring.
 
 #define MMA_XSTRIDE 20
 
-// Stage x (n floats, n % 32 == 0) as prescaled fp16 hi/lo pairs; returns 2^(14 - s), the
-// factor that undoes the prescale and the decode's 2^-14.
+// Stage x (n floats, n % 32 == 0, 16-byte aligned) as prescaled fp16 hi/lo pairs; returns
+// 2^(14 - s), the factor that undoes the prescale and the decode's 2^-14. Every block of a launch
+// stages its own copy before its rows can start, so both passes use 16-byte loads, four in
+// flight per thread (a loop of dependent scalar loads cost ~20% of the expert FFN's time).
 SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, float* red) {
+  const f32x4* x4 = (const f32x4*)x;
+  const int n4 = n >> 2, nt = blockDim.x;
   float m = 0.0f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, fabsf(x[i]));
+  for (int i = threadIdx.x; i < n4; i += 4 * nt) {
+    f32x4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = i + u * nt < n4 ? x4[i + u * nt] : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) m = fmaxf(m, fmaxf(fmaxf(fabsf(v[u].x), fabsf(v[u].y)), fmaxf(fabsf(v[u].z), fabsf(v[u].w))));
+  }
   m = block_max(m, red);
   int e = 0;
   if (m > 0.0f) frexpf(m, &e);  // m < 2^e
   const int s = max(-100, min(100, 15 - e));
   const float up = ldexpf(1.0f, s);
-  const int nch = n >> 5;
-  for (int idx = threadIdx.x; idx < nch * 16; idx += blockDim.x) {
-    const int ch = idx >> 4, r = idx & 15, w = r >> 2, j = r & 3;
-    const int e0 = ch * 32 + w * 8 + j;  // pair (e0, e0 + 4): the order e2m1_pair decodes
-    const float a = x[e0] * up, b = x[e0 + 4] * up;
-    const u32 hh = f2h2(a, b);
-    float ah, bh;
-    h2_to_f32(hh, ah, bh);
-    xh[ch * MMA_XSTRIDE + r] = hh;
-    xl[ch * MMA_XSTRIDE + r] = f2h2(a - ah, b - bh);
+  // item (chunk ch, word w): elements ch*32 + w*8 + 0..7 -> pairs (j, j + 4), j = 0..3: the
+  // order e2m1_pair decodes; 4 u32 of xh and of xl at [ch][w*4 .. w*4+3].
+  const int items = (n >> 5) * 4;
+  for (int i = threadIdx.x; i < items; i += 2 * nt) {
+    f32x4 a[2], b[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int it = min(i + u * nt, items - 1);
+      a[u] = x4[it * 2];
+      b[u] = x4[it * 2 + 1];
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int it = i + u * nt;
+      if (it >= items) break;
+      const float lo[4] = {a[u].x * up, a[u].y * up, a[u].z * up, a[u].w * up};
+      const float hi[4] = {b[u].x * up, b[u].y * up, b[u].z * up, b[u].w * up};
+      u32 hh[4], ll[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        hh[j] = f2h2(lo[j], hi[j]);
+        float ah, bh;
+        h2_to_f32(hh[j], ah, bh);
+        ll[j] = f2h2(lo[j] - ah, hi[j] - bh);
+      }
+      const int off = (it >> 2) * MMA_XSTRIDE + (it & 3) * 4;
+      *(u32x4*)(xh + off) = u32x4{hh[0], hh[1], hh[2], hh[3]};
+      *(u32x4*)(xl + off) = u32x4{ll[0], ll[1], ll[2], ll[3]};
+    }
   }
   __syncthreads();
   return ldexpf(1.0f, 14 - s);
 }
 
-SRT_DEV u32 scale_h2(u32 byte) {
-  const float v = e4m3_to_f32(byte);
-  return f2h2(v, v);
+#define TC_WBYTES (32 * 64)  // one 128-column block of 32 rows: weights
+#define TC_SBYTES (32 * 8)   // ... and its E4M3 scales
+
+SRT_DEV u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+  return a;
+}
+// Copy `bytes` (0 or the full size: 0 zero-fills) from global to shared, asynchronously.
+SRT_DEV void cp_async16(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+SRT_DEV void cp_async8(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+SRT_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+SRT_DEV void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// One warp: two 16-row NVFP4 tiles (row pointers for rows g and g+8 of each tile) against
-// the staged x. acc[t][0..3] = this lane's mma accumulators (c == 0 lanes hold the results).
-SRT_DEV void nvfp4_mma_2tiles(const u8* const wp[2][2], const u8* const sp[2][2], const u32* xh, const u32* xl,
-                              int in, float acc[2][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int nch = in >> 5;
-  const u32* xsrc = g == 0 ? xh : xl;
+// Two E4M3 bytes (low byte first) -> two floats, exact (sm_89+ conversion).
+SRT_DEV void e4m3x2_to_f32(u32 v, float& lo, float& hi) {
+  u32 h;
+  asm("{\n\t.reg .b16 s;\n\tcvt.u16.u32 s, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, s;\n\t}" : "=r"(h) : "r"(v));
+  h2_to_f32(h, lo, hi);
+}
+
+// A warp's 32 rows: 4 slots of 8 rows (slot q = rows row0[q] .. row0[q] + 7 of matrix q, clamped
+// to nrows - 1); the two tiles of the mma are slots (0, 1) and (2, 3).
+struct TcRows {
+  const u8* pk[4];
+  const u8* sc[4];
+  int row0[4];
+  int nrows;
+  long long rb, sb;  // bytes per row: packed, scales
+  int kb_lo, kb_hi;  // the 128-column blocks to cover: [kb_lo, kb_hi)
+};
+
+// Where chunk j of row r (r & 7 = gg) sits within the row in shared memory. With KBS = 1 a
+// row is 64 bytes and rows g, g+1 already fall in different bank halves.
+template <int KBS>
+SRT_DEV int tc_swizzle(int j, int gg) {
+  return KBS >= 2 ? j ^ ((gg & 1) << 2) : j;
+}
+
+// Queue stage st (blocks kb_lo + st*KBS + 0..KBS-1; those from kb_hi on zero-filled) into ring slot st % S.
+template <int S, int KBS>
+SRT_DEV void tc_issue(int st, const TcRows& R, u32 wbuf, u32 sbuf) {
+  const int lane = threadIdx.x & 31, kb0 = R.kb_lo + st * KBS, nkb = R.kb_hi;
+  if (kb0 < nkb) {
+    const u32 wst = wbuf + (st % S) * KBS * TC_WBYTES, sst = sbuf + (st % S) * KBS * TC_SBYTES;
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[t][j] = 0.0f;
-  for (int kb0 = 0; kb0 * 4 < nch; kb0 += 2) {
-    u32x4 w[2][2][2];  // [kblock][tile][row g / g+8]
-    u32 sv[2][2][2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int ch = (kb0 + u) * 4 + c;
-      const bool ok = ch < nch;
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          w[u][t][r] = ok ? ld_stream16(wp[t][r] + (long long)ch * 16) : u32x4{0u, 0u, 0u, 0u};
-          sv[u][t][r] = ok ? (u32) * (const u16*)(sp[t][r] + (long long)ch * 2) : 0u;
-        }
+    for (int it = 0; it < 4 * KBS; ++it) {  // row r: 4 * KBS chunks, copied by as many consecutive lanes
+      const int r = (it * 32 + lane) / (4 * KBS), j = lane % (4 * KBS), q = (it * 32) / (32 * KBS), gg = r & 7;
+      const int row = min(R.row0[q] + gg, R.nrows - 1), ok = kb0 + (j >> 2) < nkb;
+      cp_async16(wst + r * (KBS * 64) + (tc_swizzle<KBS>(j, gg) << 4), R.pk[q] + row * R.rb + (ok ? (kb0 * 4 + j) * 16 : 0),
+                 ok ? 16 : 0);
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int ch = (kb0 + u) * 4 + c;
-      if ((kb0 + u) * 4 >= nch) break;  // warp-uniform
+    for (int q = 0; q < 4; ++q)  // scales: 8 rows x KBS blocks of 8 bytes per slot
+      if (lane < 8 * KBS) {
+        const int gg = lane / KBS, u = lane % KBS, row = min(R.row0[q] + gg, R.nrows - 1), ok = kb0 + u < nkb;
+        cp_async8(sst + ((q * 8 + gg) * KBS + u) * 8, R.sc[q] + row * R.sb + (ok ? (kb0 + u) * 8 : 0), ok ? 8 : 0);
+      }
+  }
+  cp_async_commit();  // an empty group past the end keeps the wait count uniform
+}
+
+// acc[q]: slot q's row g (this lane's row of the slot), summed over the whole row.
+template <int S, int KBS>
+SRT_DEV void tc_rows(const TcRows& R, const u32* xh, const u32* xl, const u8* wring, const u8* sring, float acc[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int nst = (R.kb_hi - R.kb_lo + KBS - 1) / KBS;
+  const u32 wbuf = smem_addr(wring), sbuf = smem_addr(sring);
+  const bool holds_b = (g >> 1) == c;  // B column g = 2c + h belongs to this lane's chunk
+  const u32* xsrc = (g & 1) ? xl : xh;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) acc[q] = 0.0f;
+  for (int st = 0; st < nst; ++st) {
+    tc_issue<S, KBS>(st + S - 1, R, wbuf, sbuf);
+    cp_async_wait<S - 1>();
+    __syncwarp();
+    const u8* wst = wring + (st % S) * KBS * TC_WBYTES;
+    const u8* sst = sring + (st % S) * KBS * TC_SBYTES;
+#pragma unroll
+    for (int u = 0; u < KBS; ++u) {
+      const int kb = R.kb_lo + st * KBS + u;
+      if (kb >= R.kb_hi) break;  // warp-uniform
+      u32x4 w[4];
+      u32 sv[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        w[q] = *(const u32x4*)(wst + (q * 8 + g) * (KBS * 64) + (tc_swizzle<KBS>(u * 4 + c, g) << 4));
+        sv[q] = *(const u16*)(sst + ((q * 8 + g) * KBS + u) * 8 + 2 * c);
+      }
       u32 bq[16];
-      if (g < 2 && ch < nch) {
-        const u32x4* src = (const u32x4*)(xsrc + ch * MMA_XSTRIDE);
+      if (holds_b) {
+        const u32x4* src = (const u32x4*)(xsrc + (kb * 4 + c) * MMA_XSTRIDE);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
           const u32x4 b = src[v];
@@ -254,95 +359,109 @@ SRT_DEV void nvfp4_mma_2tiles(const u8* const wp[2][2], const u8* const sp[2][2]
       }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
-        const u32 s0lo = scale_h2(sv[u][t][0] & 0xffu), s0hi = scale_h2(sv[u][t][0] >> 8);
-        const u32 s1lo = scale_h2(sv[u][t][1] & 0xffu), s1hi = scale_h2(sv[u][t][1] >> 8);
-        const u32 q0[4] = {w[u][t][0].x, w[u][t][0].y, w[u][t][0].z, w[u][t][0].w};
-        const u32 q1[4] = {w[u][t][1].x, w[u][t][1].y, w[u][t][1].z, w[u][t][1].w};
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const u32 q0[4] = {w[2 * t].x, w[2 * t].y, w[2 * t].z, w[2 * t].w};
+        const u32 q1[4] = {w[2 * t + 1].x, w[2 * t + 1].y, w[2 * t + 1].z, w[2 * t + 1].w};
+        float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int wi = i >> 1, shA = (i & 1) ? 4 : 12, shB = (i & 1) ? 0 : 8;
-          const u32 sg0 = i < 4 ? s0lo : s0hi, sg1 = i < 4 ? s1lo : s1hi;
-          const u32 a0 = hmul2(e2m1_pair(q0[wi], shA), sg0);
-          const u32 a1 = hmul2(e2m1_pair(q1[wi], shA), sg1);
-          const u32 a2 = hmul2(e2m1_pair(q0[wi], shB), sg0);
-          const u32 a3 = hmul2(e2m1_pair(q1[wi], shB), sg1);
-          mma16816(d, a0, a1, a2, a3, bq[2 * i], bq[2 * i + 1]);
+          mma16816(i < 4 ? dl : dh, e2m1_pair(q0[wi], shA), e2m1_pair(q1[wi], shA), e2m1_pair(q0[wi], shB),
+                   e2m1_pair(q1[wi], shB), bq[2 * i], bq[2 * i + 1]);
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[t][j] += d[j];
+        float s0l, s0h, s1l, s1h;
+        e4m3x2_to_f32(sv[2 * t], s0l, s0h);
+        e4m3x2_to_f32(sv[2 * t + 1], s1l, s1h);
+        acc[2 * t] = fmaf(dh[0] + dh[1], s0h, fmaf(dl[0] + dl[1], s0l, acc[2 * t]));
+        acc[2 * t + 1] = fmaf(dh[2] + dh[3], s1h, fmaf(dl[2] + dl[3], s1l, acc[2 * t + 1]));
       }
     }
+    __syncwarp();  // every lane has read ring slot st % S before a later tc_issue refills it
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    acc[q] += __shfl_xor_sync(SRT_FULL, acc[q], 1);
+    acc[q] += __shfl_xor_sync(SRT_FULL, acc[q], 2);
   }
 }
 
-// grid (ceil(I / (16 * warps)), P), block warps*32, dynamic smem (Dl/32)*MMA_XSTRIDE*8 bytes.
-extern "C" __global__ void __launch_bounds__(256)
-    srt_nvfp4_gateup_mma(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
-                         int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
-  extern __shared__ u32x4 smem_gm[];
-  __shared__ float red[32];
-  u32* xh = (u32*)smem_gm;
+// grid (ceil(I / (16 * warps)), P), block warps*32, smem Dl*5 + warps*S*KBS*(TC_WBYTES+TC_SBYTES).
+template <int S, int KBS>
+SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
+                       float beta, int beta_inf, float lbeta, int has_lin, u8* smem, float* red) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  u32* xh = (u32*)smem;
   u32* xl = xh + (Dl >> 5) * MMA_XSTRIDE;
-  const int p = blockIdx.y;
-  const float unscale = stage_x_f16(xh, xl, z + (long long)tab.row[p] * Dl, Dl, red);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const u8* wring = smem + Dl * 5 + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+  const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
+  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
+  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
+  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, 0, Dl >> 7};
+  if (r0 < I)  // weights do not depend on x: start the pipeline before staging it
+    for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  const float unscale = stage_x_f16(xh, xl, z + (long long)tab.row[p] * Dl, Dl, red);
   if (r0 >= I) return;
-  const long long rb = Dl >> 1, sb = Dl >> 4;
-  const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
-  const u8* gp = (const u8*)tab.gate_packed[p];
-  const u8* gs = (const u8*)tab.gate_scales[p];
-  const u8* upk = (const u8*)tab.up_packed[p];
-  const u8* us = (const u8*)tab.up_scales[p];
-  const u8* const wp[2][2] = {{gp + ra * rb, gp + rc * rb}, {upk + ra * rb, upk + rc * rb}};
-  const u8* const sp[2][2] = {{gs + ra * sb, gs + rc * sb}, {us + ra * sb, us + rc * sb}};
-  float acc[2][4];
-  nvfp4_mma_2tiles(wp, sp, xh, xl, Dl, acc);
+  float acc[4];
+  tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
   if ((lane & 3) == 0) {
+    const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
     const float* gg = (const float*)tab.gate_global[p];
     const float* ug = (const float*)tab.up_global[p];
     float* hp = h + (long long)tab.dst[p] * I;
     if (r0 + g < I)
-      hp[r0 + g] = situ((acc[0][0] + acc[0][1]) * unscale * gg[ra],
-                                          (acc[1][0] + acc[1][1]) * unscale * ug[ra], beta, beta_inf, lbeta, has_lin);
+      hp[r0 + g] = situ(acc[0] * unscale * gg[ra], acc[2] * unscale * ug[ra], beta, beta_inf, lbeta, has_lin);
     if (r0 + g + 8 < I)
-      hp[r0 + g + 8] = situ((acc[0][2] + acc[0][3]) * unscale * gg[rc],
-                                              (acc[1][2] + acc[1][3]) * unscale * ug[rc], beta, beta_inf, lbeta, has_lin);
+      hp[r0 + g + 8] = situ(acc[1] * unscale * gg[rc], acc[3] * unscale * ug[rc], beta, beta_inf, lbeta, has_lin);
   }
 }
 
-// grid (ceil(Dl / (32 * warps)), P), block warps*32, dynamic smem (I/32)*MMA_XSTRIDE*8 bytes.
-extern "C" __global__ void __launch_bounds__(256)
-    srt_nvfp4_down_mma(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y,
-                       int Dl, int I) {
-  extern __shared__ u32x4 smem_dm[];
-  __shared__ float red[32];
-  u32* xh = (u32*)smem_dm;
+// grid (ceil(Dl / (32 * warps)), P), block warps*32, smem I*5 + warps*S*KBS*(TC_WBYTES+TC_SBYTES).
+template <int S, int KBS>
+SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I, u8* smem,
+                     float* red) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  u32* xh = (u32*)smem;
   u32* xl = xh + (I >> 5) * MMA_XSTRIDE;
-  const int p = blockIdx.y;
-  const float unscale = stage_x_f16(xh, xl, h + (long long)tab.dst[p] * I, I, red);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const u8* wring = smem + I * 5 + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+  const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
+  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
+  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, 0, I >> 7};
+  if (r0 < Dl)
+    for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  const float unscale = stage_x_f16(xh, xl, h + (long long)tab.dst[p] * I, I, red);
   if (r0 >= Dl) return;
-  const long long rb = I >> 1, sb = I >> 4;
-  int rr[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) rr[q] = min(r0 + g + 8 * q, Dl - 1);  // tile 0: g, g+8; tile 1: g+16, g+24
-  const u8* dp = (const u8*)tab.packed[p];
-  const u8* ds = (const u8*)tab.scales[p];
-  const u8* const wp[2][2] = {{dp + rr[0] * rb, dp + rr[1] * rb}, {dp + rr[2] * rb, dp + rr[3] * rb}};
-  const u8* const sp[2][2] = {{ds + rr[0] * sb, ds + rr[1] * sb}, {ds + rr[2] * sb, ds + rr[3] * sb}};
-  float acc[2][4];
-  nvfp4_mma_2tiles(wp, sp, xh, xl, I, acc);
+  float acc[4];
+  tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
   if ((lane & 3) == 0) {
     const float* dg = (const float*)tab.global[p];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int row = r0 + g + 8 * q;
-      const float v = (acc[q >> 1][(q & 1) * 2] + acc[q >> 1][(q & 1) * 2 + 1]) * unscale * dg[rr[q]];
-      if (row < Dl) y[(long long)tab.dst[p] * Dl + row] = v;
+      if (row < Dl) y[(long long)tab.dst[p] * Dl + row] = acc[q] * unscale * dg[row];
     }
   }
 }
 
+// Entry points per (stages S, blocks per stage KBS): the benchmark's variants; the backend picks one.
+#define SRT_TC_ENTRY(GU_NAME, DN_NAME, S, KBS)                                                                      \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
+      GU_NAME(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h, int I,   \
+              int Dl, float beta, int beta_inf, float lbeta, int has_lin) {                                        \
+    extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
+    __shared__ float red[32];                                                                                      \
+    gateup_tc<S, KBS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, (u8*)smem_##GU_NAME, red);                 \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
+      DN_NAME(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,    \
+              int I) {                                                                                             \
+    extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
+    __shared__ float red[32];                                                                                      \
+    down_tc<S, KBS>(tab, h, y, Dl, I, (u8*)smem_##DN_NAME, red);                                                   \
+  }
+
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, 2, 2)
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, 3, 2)
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x4, srt_nvfp4_down_tc2x4, 2, 4)
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, 4, 1)

@@ -88,6 +88,9 @@ class KimiLinearForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.backend = backend or TorchBackend()
+        # Called with a decode step's embeddings [N, D] before its first layer (the streaming
+        # runtime stages the first MoE layer's likely experts then); timing only, never numbers.
+        self.step_hint = None
         self.model = KimiLinearModel(cfg, float_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -132,6 +135,8 @@ class KimiLinearForCausalLM(nn.Module):
         step = Step(be=be, batch=B, seqlen=T, cache=cache, start=cache.lengths[0] if cache is not None else 0)
 
         h = F.embedding(ids.reshape(-1), self.model.embed_tokens.weight).float()  # [N, D]
+        if self.step_hint is not None and cache is not None and T == 1:
+            self.step_hint(h)
         partial, blocks = h, []
         for layer in self.model.layers:
             partial, blocks = yield from layer.forward_steps(partial, blocks, step)

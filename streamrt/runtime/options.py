@@ -51,6 +51,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--staging", default="on", choices=("on", "off"),
                    help="on: copy stream, page-locked mappings, stage predicted experts of the next layer; "
                         "off: pageable synchronous copies, no staging (the baseline)")
+    g.add_argument("--stage-max", type=int, default=None, metavar="N",
+                   help="stage at most the N most confident guesses for the next layer (default: the most "
+                        "confident three quarters that fit in free device slots); wrong guesses cost link time")
     g.add_argument("--preparse", action="store_true", help="failure mode: eagerly map and parse experts at load")
     g.add_argument("--prefetch", default="none", choices=("none", "discard"),
                    help="failure mode 'discard': read each routed file into a throwaway buffer first")
@@ -85,6 +88,7 @@ class RuntimeOptions:
     gpu_mem: int | None = None
     gpu_policy: str = DEFAULT_POLICY
     staging: bool = True
+    stage_max: int | None = None
     preparse: bool = False
     prefetch: str = "none"
     evict: str = "event"
@@ -99,6 +103,8 @@ class RuntimeOptions:
             raise StreamrtError(f"--window must be >= 1 (expert mappings kept open), got {self.window}")
         if self.gpu_experts is not None and self.gpu_experts < 1:
             raise StreamrtError(f"--gpu-experts must be >= 1, got {self.gpu_experts}")
+        if self.stage_max is not None and self.stage_max < 0:
+            raise StreamrtError(f"--stage-max must be >= 0 (guesses staged per layer), got {self.stage_max}")
         if self.gpu_policy not in POLICIES:
             raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of {', '.join(POLICIES)}")
         if self.prefetch not in ("none", "discard"):
@@ -122,6 +128,7 @@ class RuntimeOptions:
             gpu_mem=parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None,
             gpu_policy=getattr(args, "gpu_policy", DEFAULT_POLICY),
             staging=staging in ("on", True),
+            stage_max=getattr(args, "stage_max", None),
             preparse=bool(getattr(args, "preparse", False)),
             prefetch=getattr(args, "prefetch", "none"),
             evict=getattr(args, "evict", "event"),

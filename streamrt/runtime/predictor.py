@@ -3,7 +3,9 @@
 Layer l+1's router (`block_sparse_moe.gate.weight` [E, D] and `e_score_correction_bias` [E])
 applied to layer l's FFN input. The residual stream changes little from one layer to the next,
 so the guess is usually close; the real router still decides, and a wrong guess costs only
-traffic. The scheduler reports recall (`predicted_recall`).
+traffic. The first MoE layer of a decode step has no MoE layer before it: its guess comes from
+the step's token embeddings (`predict_first`), made while the dense layers compute. The
+scheduler reports recall (`predicted_recall`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class Predictor:
         self.routers = dict(routers)  # layer -> (weight [E, D], bias [E]) on the compute device
         self.k = k
         self.next_layer = {a: b for a, b in zip(moe_layers, moe_layers[1:])}
+        self.first_layer = moe_layers[0] if moe_layers and moe_layers[0] in self.routers else None
 
     @classmethod
     def from_model(cls, model) -> "Predictor":
@@ -49,9 +52,14 @@ class Predictor:
         """hidden [T, D] (layer's FFN input) -> predicted ids [T, k] of the next MoE layer, on the
         compute device (the caller brings them to the host together with the routed ids)."""
         nxt = self.target(layer)
-        if nxt is None:
-            return None
-        w, b = self.routers[nxt]
+        return None if nxt is None else self._topk(nxt, hidden)
+
+    def predict_first(self, embeddings: Tensor) -> Tensor | None:
+        """embeddings [T, D] of a decode step -> predicted ids [T, k] of the first MoE layer."""
+        return None if self.first_layer is None else self._topk(self.first_layer, embeddings)
+
+    def _topk(self, layer: int, hidden: Tensor) -> Tensor:
+        w, b = self.routers[layer]
         logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()  # [T, E]; no fp32 copy of w
         s = torch.sigmoid(logits) + b.float()  # selection scores
         return torch.topk(s, self.k, dim=-1).indices  # [T, k]

@@ -13,7 +13,8 @@ The whole I/O story of a decode step is in `decode_step` and `serve`, top to bot
                 are mapped (and page-locked) by a bounded thread pool, each copied the moment
                 its mapping arrives
     4. stage    the next layer's predicted experts start copying, behind this layer's misses,
-                while this layer computes
+                while this layer computes (the first MoE layer's guess is staged at the start
+                of the step, from the token embeddings, while the dense layers compute)
     5. retire   mappings evicted from the host window are released once the copy-stream event
                 recorded at their eviction completed (front of the FIFO only)
     6. compute  the model receives lazy expert views: taking expert e makes the compute stream
@@ -40,6 +41,7 @@ or synchronously: `run_sync(gen, rt.provider)`.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -59,6 +61,11 @@ from streamrt.store.keys import ExpertKey
 from streamrt.store.policies import make_policy
 from streamrt.store.retire import RetireQueue
 from streamrt.trace import NullTracer
+
+# Share of a layer's guesses staged by default (most confident first). H200, slice, 32 device
+# slots (profiling/RESULTS.md §1): staging all 16 guesses 31.6 / 36.0 ms/token, 12 of them
+# 30.0 / 28.2, 8 of them 26.2 / 29.9 in two runs.
+STAGE_SHARE = 0.75
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -144,6 +151,7 @@ class StreamingRuntime:
         if predictor is None and model is not None and opts.staging:
             predictor = Predictor.from_model(model)
         self.predictor = predictor if opts.staging else None
+        self.model = model
         self.pool = ThreadPoolExecutor(
             max_workers=workers or min(16, os.cpu_count() or 1),
             thread_name_prefix="streamrt-map",
@@ -175,6 +183,9 @@ class StreamingRuntime:
         t0, b0 = time.perf_counter(), self.stats.bytes_h2d
         tracer = self.tracer
         tracer.begin_step()
+        hinted = self.model is not None and self.predictor is not None and self.predictor.first_layer is not None
+        if hinted:
+            self.model.step_hint = self._stage_first
         try:
             req = next(gen)  # runs the model up to the first MoE router
             while True:
@@ -184,6 +195,8 @@ class StreamingRuntime:
         except StopIteration as stop:
             logits = stop.value
         finally:
+            if hinted:
+                self.model.step_hint = None
             gen.close()
             self._finish_previous()
             await self._settle()
@@ -359,12 +372,23 @@ class StreamingRuntime:
             raise
         return m
 
+    def _stage_first(self, embeddings: torch.Tensor) -> None:
+        """Decode-step start (the model's step_hint): stage the first MoE layer's guess while the
+        dense layers compute, leaving slots for that layer's misses."""
+        guess = self.predictor.predict_first(embeddings).reshape(-1).cpu()  # small; the GPU is idle here
+        budget = self.gpu.slots - self.gpu.pinned - min(self.gpu.slots, guess.numel())
+        self._stage(self.predictor.first_layer, list(dict.fromkeys(guess.tolist())), budget=budget)
+
     def _stage(self, layer: int, ids: list[int], *, budget: int) -> None:
-        """Start copying up to `budget` of `layer`'s predicted experts: open ones now, cold ones
-        when mapped. Staged keys are pinned until `layer` has been served; no victim, skip."""
+        """Start copying up to `budget` of `layer`'s predicted experts (most confident first, at
+        most --stage-max, by default three quarters of the guesses: the least confident ones are
+        the likeliest to be wrong, and a wrong guess holds the link while real misses wait):
+        open ones now, cold ones when mapped. Staged keys are pinned until `layer` has been
+        served; no victim, skip."""
         self._predicted[layer] = set(ids)  # recall is the predictor's, whatever gets staged
         pinned = self._staged.setdefault(layer, [])
-        for e in ids[: max(0, budget)]:
+        cap = self.options.stage_max if self.options.stage_max is not None else math.ceil(STAGE_SHARE * len(ids))
+        for e in ids[: max(0, min(budget, cap))]:
             key = ExpertKey(layer, e)
             if key in self.gpu:
                 continue
