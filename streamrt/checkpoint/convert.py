@@ -24,6 +24,7 @@ commits it (fileio.RangeWriter). Dense chunks are queued first, experts after.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
@@ -211,9 +212,9 @@ def _copy_task(src: Path, out: Path):
 def _dense_fill(rt: ReleaseTree, header: bytes, specs: list[TensorSpec]):
     """fill(off, buf): bytes [off, off + len(buf)) of the dense file (header, then the tensors
     back to back, as build_header lays them out), so any range can be produced on its own."""
-    pieces, pos = [], len(header)  # (file offset, spec) of each tensor
+    starts, pos = [], len(header)  # file offset of each tensor
     for s in specs:
-        pieces.append((pos, s))
+        starts.append(pos)
         pos += s.nbytes
 
     def fill(off: int, buf: memoryview) -> None:
@@ -221,7 +222,12 @@ def _dense_fill(rt: ReleaseTree, header: bytes, specs: list[TensorSpec]):
         if off < len(header):
             k = min(len(header), end) - off
             buf[:k] = header[off : off + k]
-        for start, s in pieces:
+        # from the tensor holding `off` on (a full-size dense file has thousands of tensors and
+        # pieces: scanning them all per piece would be quadratic)
+        for i in range(max(0, bisect.bisect_right(starts, off) - 1), len(specs)):
+            start, s = starts[i], specs[i]
+            if start >= end:
+                break
             lo, hi = max(start, off), min(start + s.nbytes, end)
             if lo < hi:
                 rt.read_into(s.name, buf[lo - off : hi - off], lo - start)
