@@ -142,7 +142,6 @@ def decode_run(
                 logits.append(lg.float().cpu())
         p = rt.payload()
         p["gpu_experts"], p["window"] = rt.gpu_experts, rt.window
-        p["staged"] = rt.stats.staged
         p["decode_bytes_h2d"] = rt.stats.decode_bytes_h2d
     finally:
         rt.close()
@@ -196,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stage-max", type=int, nargs="*", default=[], metavar="N",
                     help="with --nvrtc: one more runtime row per N, staging the N most confident guesses per layer "
-                         "(the default stages three quarters of them)")
+                         "(the default queues all of them)")
+    ap.add_argument("--stage-depth", type=int, nargs="*", default=[], metavar="D",
+                    help="with --nvrtc: one more runtime row per D, keeping at most D staged copies in flight "
+                         "(the default is 2)")
     ap.add_argument("--nvrtc", action="store_true",
                     help="also run resident and runtime with the NVRTC kernel backend (CUDA only)")
     args = ap.parse_args(argv)
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.append(("runtime-nvrtc", dict(plan)["runtime"]))
         for n in args.stage_max:  # fewer, surer guesses: less wasted link time, more misses on the critical path
             plan.append((f"runtime-stage{n}-nvrtc", RuntimeOptions(**{**base, "gpu_experts": limited, "stage_max": n})))
+        for d in args.stage_depth:  # deeper: more overlap, more wrong guesses ahead of the next layer's misses
+            plan.append((f"runtime-depth{d}-nvrtc", RuntimeOptions(**{**base, "gpu_experts": limited, "stage_depth": d})))
     for name, opts in plan:
         t = time.perf_counter()
         m = models["nvrtc" if name.endswith("-nvrtc") else "torch"]
@@ -288,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
               f"geometry: {cfg.name}    command: python profiling/bench_decode.py "
               + " ".join(argv if argv is not None else sys.argv[1:]))
     cols = ["run", "gpu slots", "ms/token", "eff GB/s", "MB h2d/token", "device hit", "host hit", "recall",
-            "stall ms/tok", "full syncs", "evictions", "retired/released"]
+            "stall ms/tok", "staged/dropped per tok", "full syncs", "evictions", "retired/released"]
     body = []
     for name, r in runs.items():
         p = r["payload"]
@@ -299,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             name, str(p["gpu_experts"]), f"{p['s_per_token'] * 1e3:.2f}", f"{p['effective_gbps']:.1f}",
             f"{p['decode_bytes_h2d'] / n / 1e6:.0f}", f"{p['device_hits'] / dref:.2f}" if dref else "-",
             f"{p['host_hits'] / href:.2f}" if href else "-", f"{p['predicted_recall']:.2f}",
-            f"{p['stall_s'] / n * 1e3:.2f}", str(p["full_synchronizes"]), str(p["evictions"]),
+            f"{p['stall_s'] / n * 1e3:.2f}", f"{p['staged'] / n:.1f}/{p['stage_dropped'] / n:.1f}",
+            str(p["full_synchronizes"]), str(p["evictions"]),
             f"{p['retired']}/{p['released']}",
         ])
     lines = [
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                            for name in runs if name.startswith("runtime"))
         lines.append(f"strict floor (baseline's {bb / 1e6:.0f} MB/token, no speculative bytes): {strict * 1e3:.2f} ms/token; "
                      f"s/token over it: {ratios}")
-    for name in (n for n in runs if n.startswith("runtime-stage")):
+    for name in (n for n in runs if n.startswith(("runtime-stage", "runtime-depth"))):
         p = runs[name]["payload"]
         own = p["decode_bytes_h2d"] / max(1, p["tokens"]) / (link["pinned"] * 1e9) if link["pinned"] else 0.0
         lines.append(f"{name}: floor of its own bytes {own * 1e3:.2f} ms/token; s/token over max(that, resident-nvrtc) "

@@ -97,6 +97,44 @@ def nbytes(m: NVFP4Matrix) -> int:
     return sum(t.numel() * t.element_size() for t in (m.packed, m.scales, m.global_scale))
 
 
+def diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes) -> None:
+    """Where the expert FFN's time goes: resident blocks per SM of the default kernels, each
+    kernel's own time (torch.profiler sees driver-API launches), and more pairs per launch (if
+    the ratio climbs with the pairs, partial last waves and kernel boundaries are the loss)."""
+    from streamrt.backends.nvrtc import TC_STAGE_SMEM
+
+    tg, td, st, kbs = nv.tc_shape
+    ring = st * kbs * TC_STAGE_SMEM
+    for name, threads, smem in ((f"srt_nvfp4_gateup_tc{st}x{kbs}", tg * 32, Dl * 5 + tg * ring),
+                                (f"srt_nvfp4_down_tc{st}x{kbs}", td * 32, I * 5 + td * ring)):
+        print(f"diagnose: {name}: {threads} threads, {smem} B shared -> {nv._k('nvfp4_moe', name).blocks_per_sm(threads, smem)} blocks/SM")
+    for T in (2, 4):
+        ids = torch.arange(k).repeat(T, 1)  # each token through the same 16 experts: T x the bytes per launch
+        w = torch.softmax(torch.randn(T, k, device=dev), -1)
+        z = torch.randn(T, Dl, device=dev)
+        bench(f"  diagnose: nvfp4 FFN with {T * k} pairs per launch (T={T}, bytes counted {T}x)", T * ex_bytes,
+              lambda ids=ids, w=w, z=z: nv.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+    ids = torch.arange(k).view(1, k)
+    w = torch.softmax(torch.randn(1, k, device=dev), -1)
+    z = torch.randn(1, Dl, device=dev)
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
+        torch.cuda.synchronize()
+    share = {"gateup": 2 / 3, "down": 1 / 3}
+    for ev in prof.key_averages():
+        if "nvfp4" in ev.key or "combine" in ev.key:
+            us = ev.device_time_total / max(1, ev.count)
+            part = next((v for key, v in share.items() if key in ev.key), 0.0)
+            rate = f", {part * ex_bytes / us / 1e3:.0f} GB/s of its bytes" if part else ""
+            print(f"diagnose: kernel {ev.key}: {ev.count} calls, {us:.1f} us each{rate}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
@@ -134,11 +172,13 @@ def main(argv=None) -> int:
           lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
 
     if args.variants:  # block and pipeline shapes of the tensor-core kernels (same bits)
-        for shape in ((16, 8, 2, 2), (8, 4, 2, 2), (4, 4, 2, 2), (8, 8, 3, 2), (4, 4, 2, 4), (8, 8, 4, 1)):
+        for shape in ((16, 8, 2, 2), (8, 4, 2, 2), (4, 4, 2, 2), (8, 8, 3, 2), (8, 8, 4, 1),
+                      (8, 7, 2, 2), (12, 7, 2, 2), (3, 7, 2, 2), (6, 6, 2, 2)):
             nvw = NvrtcBackend()
             nvw.tc_shape = shape
             bench(f"  variant: nvfp4 FFN tc, warps/block gate-up {shape[0]}, down {shape[1]}, stages {shape[2]} x {shape[3]} blocks", ex_bytes,
                   lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+        diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes)
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
 

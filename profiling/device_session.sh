@@ -3,6 +3,7 @@
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
 #   bash profiling/device_session.sh [stages...]
 #   stages: tests kernels variants profile decode trace sweep convert
+#   env: T_<STAGE> timeouts, DECODE_ARGS, CONVERT_ARGS, PROFILE_BACKENDS, TRACE_SLOTS, TRACE_BACKEND
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/streamrt-out}; mkdir -p "$OUT"
@@ -57,6 +58,6 @@ fi
 if has convert; then
   stage "bench convert (slice)"
   rm -rf "$TREE"  # disk: the release tree and its conversion need the room
-  python3 profiling/bench_convert.py --workdir "$W/convert" 2>&1 | tee "$L/bench_convert.log" | tail -20
+  python3 profiling/bench_convert.py --workdir "$W/convert" ${CONVERT_ARGS:-} 2>&1 | tee "$L/bench_convert.log" | tail -30
 fi
 stage done

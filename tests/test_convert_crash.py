@@ -1,7 +1,10 @@
 """kill -9 in the middle of `streamrt convert`, then re-run: the tree must verify and equal a
 clean conversion file for file. The kill is made deterministic by a test hook
 (STREAMRT_TEST_KILL_AFTER_BYTES: the process SIGKILLs itself once that many bytes are
-written) with one worker, placed mid-way through an expert file."""
+written) with one worker, placed mid-way through an expert file. Both commit paths are
+covered: inline (--commit-threads 0) and the deferred commit stage, where finished files may
+still sit under their temp names waiting for fsync + rename when the kill lands.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from streamrt.checkpoint.convert import KILL_ENV, convert
 from streamrt.checkpoint.expert_file import ExpertLayout
 from streamrt.checkpoint.fileio import is_tmp
@@ -19,34 +24,85 @@ from streamrt.checkpoint.verify import verify_tree
 from streamrt.config import load_config
 
 
-def _convert_cli(src, dst, env_extra=None):
+def _convert_cli(src, dst, env_extra=None, extra_args=()):
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run(
-        [sys.executable, "-m", "streamrt", "convert", str(src), str(dst), "--workers", "1", "--no-progress"],
+        [sys.executable, "-m", "streamrt", "convert", str(src), str(dst), "--workers", "1", "--no-progress",
+         *extra_args],
         env=env, capture_output=True, text=True, timeout=120,
     )
 
 
-def test_kill_9_mid_file_then_resume(tmp_path):
+def _tmps(dst):
+    return [p for p in dst.rglob("*") if is_tmp(p.name)]
+
+
+def _check_killed_tree(dst, clean):
+    """What a kill may leave: temp files, and final files that are complete (byte-equal to the
+    clean tree); the journal names only final files, each complete."""
+    assert not (dst / "manifest.json").exists()
+    finals = [p for p in dst.rglob("*") if p.is_file() and not is_tmp(p.name) and ".convert" not in p.parts]
+    for p in finals:
+        assert p.read_bytes() == (clean / p.relative_to(dst)).read_bytes(), p
+    journal = (dst / ".convert" / "journal.jsonl").read_text().splitlines()
+    journaled = {json.loads(line)["path"] for line in journal}
+    assert journaled <= {str(p.relative_to(dst)) for p in finals}
+    return finals
+
+
+def _release_and_clean(tmp_path):
+    """A tiny release, its clean conversion's manifest files, the expert layout, and a kill
+    point inside the 11th expert file (past its header)."""
     src, clean, dst = tmp_path / "rel", tmp_path / "clean", tmp_path / "out"
     synth("tiny-k3.1-pro", src, seed=3, progress=False)
     convert(src, clean, workers=1, progress=False)
     files = json.loads((clean / "manifest.json").read_text())["files"]
     before_experts = sum(v["size"] for k, v in files.items() if not k.endswith(".nvfp4"))
     lay = ExpertLayout.for_config(load_config("tiny-k3.1-pro"))
-    kill_at = before_experts + 10 * lay.file_bytes + 6000  # inside the 11th expert, past its header
+    return src, clean, dst, files, lay, before_experts + 10 * lay.file_bytes + 6000
 
-    r = _convert_cli(src, dst, {KILL_ENV: str(kill_at)})
+
+@pytest.mark.parametrize("commit_args", [(), ("--commit-threads", "0")], ids=["deferred", "inline"])
+def test_kill_9_mid_file_then_resume(tmp_path, commit_args):
+    src, clean, dst, files, lay, kill_at = _release_and_clean(tmp_path)
+
+    r = _convert_cli(src, dst, {KILL_ENV: str(kill_at)}, commit_args)
     assert r.returncode == -signal.SIGKILL, r.stderr
-    assert not (dst / "manifest.json").exists()
-    tmps = [p for p in dst.rglob("*") if is_tmp(p.name)]
-    assert len(tmps) == 1  # killed mid-file: exactly the one in flight, under its temp name
-    finals = list(dst.rglob("*.nvfp4"))
-    assert len(finals) == 10 and all(p.stat().st_size == lay.file_bytes for p in finals)
+    finals = _check_killed_tree(dst, clean)
+    tmps = _tmps(dst)
+    final_experts = [p for p in finals if p.suffix == ".nvfp4"]
+    if commit_args:  # inline: exactly the one in flight, under its temp name
+        assert len(tmps) == 1 and len(final_experts) == 10
+    else:  # deferred: the one in flight, plus finished ones whose commit had not happened yet
+        assert len(tmps) >= 1 and len(final_experts) + len([p for p in tmps if ".nvfp4" in p.name]) == 11
+    assert all(p.stat().st_size == lay.file_bytes for p in final_experts)
 
-    r = _convert_cli(src, dst)
+    r = _convert_cli(src, dst, extra_args=commit_args)
     assert r.returncode == 0, r.stderr
-    assert "10 already complete" in r.stdout or "already complete" in r.stdout
-    assert not [p for p in dst.rglob("*") if is_tmp(p.name)]
+    assert "already complete" in r.stdout
+    assert not _tmps(dst)
+    assert verify_tree(dst, full=True, progress=False)[0] == []
+    assert json.loads((dst / "manifest.json").read_text())["files"] == files
+
+
+def test_kill_9_with_commit_backlog_then_resume(tmp_path):
+    """Slow fsync, one committer: several finished files wait in the backlog under temp names
+    when the kill lands. None of them may count; the re-run redoes them."""
+    src, clean, dst, files, lay, kill_at = _release_and_clean(tmp_path)
+    code = (
+        "import os, sys, time; from streamrt.checkpoint import convert as c; real = os.fsync; "
+        "os.fsync = lambda fd: (time.sleep(0.2), real(fd))[1]; "
+        "c.convert(sys.argv[1], sys.argv[2], workers=1, commit_threads=1, progress=False)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, KILL_ENV: str(kill_at)})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    finals = _check_killed_tree(dst, clean)
+    expert_tmps = [p for p in _tmps(dst) if ".nvfp4" in p.name]
+    assert len(expert_tmps) >= 2  # the one being written and at least one finished, uncommitted
+    assert len([p for p in finals if p.suffix == ".nvfp4"]) + len(expert_tmps) == 11
+
+    s = convert(src, dst, workers=1, progress=False)
+    assert s["skipped"] >= 1 and not _tmps(dst)
     assert verify_tree(dst, full=True, progress=False)[0] == []
     assert json.loads((dst / "manifest.json").read_text())["files"] == files

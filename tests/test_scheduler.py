@@ -2,15 +2,18 @@
 logits bit-identical to the direct provider across window, policy, staging and batch; the
 cyclic-scan and compulsory-miss counts; no full synchronize on the decode path."""
 
+import argparse
+import asyncio
+
 import pytest
 import torch
 
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
 from streamrt.model import DirectExpertProvider, ModelCache, load_model, run_sync
-from streamrt.runtime.options import RuntimeOptions
+from streamrt.runtime.options import RuntimeOptions, add_runtime_flags
 from streamrt.runtime.scheduler import StreamedExperts, StreamingRuntime
-from streamrt.runtime.stats import PAYLOAD_KEYS
+from streamrt.runtime.stats import PAYLOAD_KEYS, STAGING_KEYS
 from streamrt.store.keys import ExpertKey
 
 PROMPT = [256, 72, 101, 108]
@@ -70,7 +73,7 @@ def test_logits_bit_identical_and_no_full_synchronize(tree, model, reference, kw
         out = decode(model, lambda g, n: rt.run(g, tokens=n))
         p = rt.payload()
     assert same(out, reference)
-    assert tuple(p) == PAYLOAD_KEYS and p["tokens"] == len(CONT)
+    assert tuple(p) == PAYLOAD_KEYS + STAGING_KEYS and p["tokens"] == len(CONT)
     assert p["full_synchronizes"] == 0
     assert p["retired"] == p["evictions"] and p["released"] == p["retired"]  # CPU events: done at once
     assert p["device_hits"] + p["device_misses"] == sum(len(ids) for _, ids in rt.stats.trace)
@@ -264,15 +267,174 @@ def test_stage_max_bounds_staging_per_layer(tree, model, reference):
         RuntimeOptions(stage_max=-1)
 
 
-def test_default_stages_the_most_confident_three_quarters(tree, model, reference):
+def test_default_queues_every_guess_and_stage_max_caps_it(tree, model, reference):
     staged = {}
     for name, kw in (("default", {}), ("all", dict(stage_max=100)), ("three", dict(stage_max=3))):
         rt = runtime(tree, model, window=WS, gpu_experts=WS, **kw)
         try:
             assert same(decode(model, lambda g, n: rt.run(g, tokens=n)), reference)
-            staged[name] = rt.stats.staged
+            staged[name] = rt.stats.staged + rt.stats.stage_dropped  # queued: issued or dropped
         finally:
             rt.close()
-    # tiny: top-4 per row; a decode step's layer stages 3 of its 4 guesses by default (like
-    # --stage-max 3), the 4-row prefill up to 12 of its 16 (more than 3): fewer than all either way
-    assert staged["three"] < staged["default"] < staged["all"]
+    # tiny: top-4 per row; by default a layer queues every guess that fits (like --stage-max 100),
+    # --stage-max 3 queues fewer
+    assert staged["three"] < staged["default"] == staged["all"]
+
+
+# ---- just-in-time staging ------------------------------------------------------------------
+
+
+def jit_runtime(tree, model, dev, *, depth, lag_steps, **kw):
+    """A runtime on `dev` (a LaggyDevice) with every mapping open, whose route waits while the
+    copy stream executes `lag_steps` more copies, one per feeder poll (the CUDA path awaits the
+    ids' event the same way). Logs what staging issued, what it dropped, and every slot fill."""
+    rt = StreamingRuntime(tree, model, RuntimeOptions(window=65536, stage_depth=depth, **kw), device=dev,
+                          workers=2, record_trace=True)
+    rt.warm_host()  # open mappings only: the test is deterministic (no pool timing)
+    log = dict(step=0, max_out=0, pumps=0, fed=0, in_pump=False, in_stage=False, staged_seqs=[], dropped=[], fills=[],
+               after_stage=[])
+
+    record = dev.record_copy_event
+
+    def record_copy_event():
+        ev = record()
+        if log["in_pump"]:  # a staged copy: count those issued whose event has not completed
+            log["staged_seqs"].append(ev.seq)
+            out = sum(1 for q in log["staged_seqs"] if q > dev.done_upto)
+            log["max_out"] = max(log["max_out"], out)
+        return ev
+
+    dev.record_copy_event = record_copy_event
+
+    pump = rt._pump
+
+    def counted_pump():
+        log["pumps"] += 1
+        log["in_pump"] = True
+        try:
+            n = pump()
+        finally:
+            log["in_pump"] = False
+        if not log["in_stage"]:
+            log["fed"] += n  # issued later than at stage time: by the feeder
+        return n
+
+    rt._pump = counted_pump
+
+    async def to_host(t):
+        for _ in range(lag_steps):
+            dev.done_upto = min(dev.seq, dev.done_upto + 1)
+            seen = log["pumps"]
+            while rt._queue and log["pumps"] == seen:  # let the feeder see the completed copy
+                await asyncio.sleep(1e-4)
+        return t.cpu()
+
+    rt._to_host = to_host
+
+    drop = rt._drop
+
+    def logged_drop(layer):
+        log["dropped"].append((log["step"], layer, [k for k in rt._queue.get(layer, ()) if k not in rt.gpu]))
+        drop(layer)
+
+    rt._drop = logged_drop
+
+    fill = rt.gpu.fill
+
+    def logged_fill(slot, src, *, pinned):
+        log["fills"].append((log["step"], rt.gpu._key_of[slot]))
+        fill(slot, src, pinned=pinned)
+
+    rt.gpu.fill = logged_fill
+
+    stage = rt._stage
+
+    def checked_stage(layer, ids, *, budget):
+        log["in_stage"] = True
+        try:
+            stage(layer, ids, budget=budget)
+        finally:
+            log["in_stage"] = False
+        # implementation-agnostic: staged keys whose copy event has not completed, right after staging
+        pending = sum(1 for keys in rt._staged.values() for k in keys
+                      if k in rt.gpu and not rt.gpu.ready[rt.gpu.slot_of(k)].query())
+        log["after_stage"].append(pending)
+
+    rt._stage = checked_stage
+
+    def run(gen, tokens):
+        out = rt.run(gen, tokens=tokens)
+        log["step"] += 1
+        return out
+
+    return rt, log, run
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_jit_staging_keeps_at_most_depth_staged_copies_in_flight(tree, model, reference, depth):
+    dev = LaggyDevice()
+    rt, log, run = jit_runtime(tree, model, dev, depth=depth, lag_steps=6, gpu_experts=2 * WS)
+    try:
+        out = decode(model, run)
+    finally:
+        rt.close()
+    assert same(out, reference)
+    assert max(log["after_stage"]) <= depth  # all-at-once staging leaves every capped guess pending here
+    assert rt.stats.staged > 0 and log["max_out"] == depth  # the bound is reached, never passed
+    assert rt.payload()["full_synchronizes"] == 0
+    # the feeder issued guesses while the router was awaited, not only the first `depth` at stage time,
+    # and the rest were dropped when it spoke
+    assert 0 < log["fed"] < rt.stats.staged and rt.stats.stage_dropped > 0
+
+
+def test_jit_staging_drops_unissued_guesses_and_fetches_routed_ones(tree, model, reference):
+    dev = LaggyDevice()
+    rt, log, run = jit_runtime(tree, model, dev, depth=1, lag_steps=1, gpu_experts=2 * WS)
+    try:
+        out = decode(model, run)
+        p = rt.payload()
+    finally:
+        rt.close()
+    assert same(out, reference)
+    assert p["stage_dropped"] == sum(len(keys) for _, _, keys in log["dropped"]) > 0
+    routed = {}  # (step, layer) -> routed ids; one request per layer per step (batch 1)
+    step, seen = 0, set()
+    for layer, ids in rt.stats.trace:
+        if layer in seen:
+            step, seen = step + 1, set()
+        seen.add(layer)
+        routed[step, layer] = set(ids)
+    fills = set(log["fills"])
+    wrong = right = 0
+    for step, layer, keys in log["dropped"]:
+        for key in keys:
+            if key.expert in routed[step, layer]:
+                right += 1
+                assert (step, key) in fills  # routed but never issued: fetched as an ordinary miss
+            else:
+                wrong += 1
+                assert (step, key) not in fills  # a wrong guess never issued costs no copy
+    assert right > 0 and wrong > 0
+
+
+def test_cpu_device_issues_every_open_guess_at_once(tree, model, reference):
+    """CpuDevice events are complete when recorded: --stage-depth is never reached, so every
+    queued guess with an open mapping is copied at stage time and nothing is dropped."""
+    rt = runtime(tree, model, window=65536, gpu_experts=2 * WS, stage_depth=1)
+    try:
+        rt.warm_host()
+        out = decode(model, lambda g, n: rt.run(g, tokens=n))
+        p = rt.payload()
+    finally:
+        rt.close()
+    assert same(out, reference)
+    assert p["staged"] > 0 and p["stage_dropped"] == 0 and rt._feeder is None and not rt._queue
+
+
+def test_stage_depth_flag():
+    p = add_runtime_flags(argparse.ArgumentParser())
+    assert RuntimeOptions.from_args(p.parse_args([])).stage_depth == 2
+    assert RuntimeOptions.from_args(p.parse_args(["--stage-depth", "3"])).stage_depth == 3
+    assert "--stage-depth" in p.format_help()
+    with pytest.raises(Exception, match="--stage-depth must be >= 1"):
+        RuntimeOptions.from_args(p.parse_args(["--stage-depth", "0"]))

@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", metavar="SRC", help="release tree")
     p.add_argument("dst", metavar="DST", help="output directory: empty, absent, or a partial conversion of SRC")
     p.add_argument("--workers", type=int, default=None, help="threads (default: min(16, cores))")
+    p.add_argument("--commit-threads", type=int, default=None, metavar="N",
+                   help="threads that fsync, rename and journal finished files, so the --workers threads never wait "
+                   "on the disk (default: as many as --workers; 0: each worker commits its own files)")
     p.add_argument("--allow-per-row", action="store_true",
                    help="when a matrix's exponent span exceeds 17 octaves, keep one global scale per row (still exact) "
                    "instead of failing")
@@ -75,7 +78,7 @@ def _convert(args: argparse.Namespace) -> int:
     from streamrt.checkpoint.convert import convert
 
     convert(args.src, args.dst, workers=args.workers, allow_per_row=args.allow_per_row,
-            progress=False if args.no_progress else None, log=print)
+            progress=False if args.no_progress else None, log=print, commit_threads=args.commit_threads)
     return 0
 
 

@@ -8,9 +8,10 @@ source mapping and the E8M0 -> E4M3 scale repack is integer table work (fp4.mxfp
 nothing is dequantised.
 
 Crash safety: every file is written under a temp name, fsynced and renamed, then appended
-to `DST/.convert/journal.jsonl` (path, size, blake2b). A re-run removes stale temp files and
-skips every journaled file whose size and checksum still match, so kill -9 at any moment
-costs at most the files in flight. `.convert/state.json` names the source (fingerprint of
+to `DST/.convert/journal.jsonl` (path, size, blake2b), in that order on whichever thread
+commits it. A re-run removes stale temp files and skips every journaled file whose size and
+checksum still match, so kill -9 at any moment costs at most the files in flight (being
+written or waiting for their commit). `.convert/state.json` names the source (fingerprint of
 its config, index and shard sizes) and the checksum rule, which is how a non-empty DST is
 recognised as a previous partial conversion of the same source; after success the manifest
 carries both instead. Checksums follow `fileio`'s chunked tree rule; files recorded under
@@ -19,7 +20,15 @@ another rule are redone, never mixed in.
 Parallelism: one pool runs whole-file jobs (copies, experts) and, for dense files, one job
 per checksum chunk: chunks are independent in both bytes and digest, so a multi-GB dense file
 is written (pwrite into one temp file) and hashed on every core, and the last chunk to finish
-commits it (fileio.RangeWriter). Dense chunks are queued first, experts after.
+finishes it (fileio.RangeWriter). Dense chunks are queued first, experts after.
+
+Commit stage: a job that finished a file (bytes written, hash closed) hands the writer to a
+small pool of committer threads (fsync, rename, journal record) and moves on, so writer
+threads never wait on writeback or journal commits and dirty pages keep streaming out. At
+most COMMIT_BACKLOG x workers files are finished but not yet committed (bounded dirty memory,
+bounded open fds); a writer blocks when the backlog is full. `commit_threads=0` commits inside
+the job, as before the stage existed. A failed commit removes its temp file, stops new files
+from starting and is raised once everything in flight has settled.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ MANIFEST = "manifest.json"
 STATE_DIR = ".convert"
 KILL_ENV = "STREAMRT_TEST_KILL_AFTER_BYTES"  # test hook: SIGKILL self once this many bytes are written
 PIECE_BYTES = 4 << 20  # dense bytes per pread/hash/pwrite step: the buffer stays in the CPU cache
+COMMIT_BACKLOG = 4  # finished-but-uncommitted files allowed per worker (4 x 16 x 18.6 MB ~ 1.2 GB dirty)
 _scratch = threading.local()  # per-thread read buffers, reused across files
 
 
@@ -129,7 +139,8 @@ class Task:
 
     rel: str
     size: int  # expected final size
-    run: Callable[[Callable[[int], None]], tuple[int, str, int]] | None = None  # on_bytes -> (size, digest, global_mode)
+    # on_bytes -> (finished, uncommitted AtomicWriter, global_mode)
+    run: Callable[[Callable[[int], None]], tuple[AtomicWriter, int]] | None = None
     fill: Callable[[int, memoryview], None] | None = None  # (offset, buf): the file's bytes there into buf
 
 
@@ -202,9 +213,9 @@ def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
 
 def _copy_task(src: Path, out: Path):
     def run(on_bytes):
-        with AtomicWriter(out, on_bytes) as w:
+        with AtomicWriter(out, on_bytes, defer_commit=True) as w:
             w.write(src.read_bytes())
-        return w.size, w.digest, -1
+        return w, -1
 
     return run
 
@@ -255,10 +266,11 @@ def _expert_task(rt: ReleaseTree, out: Path, layer: int, e: int, layout: ExpertL
             label = f"{rt.root / rt.weight_map[name + '.weight_packed']}: tensor {name}"
             p, s, g, pr = fp4.repack_expert_matrix(packed, scales, allow_per_row=allow_per_row, name=label)
             mats[m], per_row = (p, s, g), per_row or pr
-        size, digest = write_expert_file(
-            out, mats, layer=layer, expert=e, global_mode=int(per_row), layout=layout, on_bytes=on_bytes
+        w = write_expert_file(
+            out, mats, layer=layer, expert=e, global_mode=int(per_row), layout=layout, on_bytes=on_bytes,
+            defer_commit=True,
         )
-        return size, digest, int(per_row)
+        return w, int(per_row)
 
     return run
 
@@ -283,8 +295,11 @@ def convert(
     progress: bool | None = None,
     check_resumed: bool = True,
     log: Callable[[str], None] | None = None,
+    commit_threads: int | None = None,
 ) -> dict:
-    """Convert; returns a summary dict. Raises CheckpointError / ConfigError on bad input."""
+    """Convert; returns a summary dict. Raises CheckpointError / ConfigError on bad input.
+    `commit_threads`: committer threads (fsync, rename, journal); default `workers`, 0 commits
+    inside the writing job."""
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such release directory")
@@ -301,6 +316,11 @@ def convert(
         )
 
     workers = workers or min(16, os.cpu_count() or 1)
+    # Committers sleep in fsync (no GIL, no CPU): as many as workers keeps as many files
+    # flushing at once as the inline path did, while the workers go on producing.
+    commit_threads = workers if commit_threads is None else commit_threads
+    if commit_threads < 0:
+        raise CheckpointError(f"commit_threads must be >= 0, got {commit_threads}")
     lock = threading.Lock()
     files: dict[str, dict] = {}
     modes = {0: 0, 1: 0}
@@ -336,6 +356,16 @@ def convert(
             bar.update(t.size)
         return True
 
+    errors: list[BaseException] = []  # first failure (of a job or a commit) is the one raised
+    stop = threading.Event()  # set on any failure: no new file is started
+    slots = threading.Semaphore(COMMIT_BACKLOG * workers)
+    committer = ThreadPoolExecutor(commit_threads, thread_name_prefix="srt-commit") if commit_threads else None
+
+    def failed(e: BaseException) -> None:
+        with lock:
+            errors.append(e)
+        stop.set()
+
     def record(t: Task, size: int, digest: str, mode: int) -> None:
         entry = {"size": size, "blake2b": digest}
         with lock:
@@ -345,38 +375,80 @@ def convert(
             journal.write(json.dumps({"path": t.rel, **entry}) + "\n")
             journal.flush()
 
+    def commit(t: Task, w: AtomicWriter | RangeWriter, mode: int) -> None:
+        try:
+            size, digest = w.commit()  # fsync + rename; a CheckpointError names the file
+        except BaseException:
+            w.abort()  # whatever failed, no temp file stays (a no-op if commit cleaned up)
+            raise
+        record(t, size, digest, mode)  # only after the rename: a journaled file is complete
+
+    def commit_job(t: Task, w: AtomicWriter | RangeWriter, mode: int) -> None:
+        try:
+            commit(t, w, mode)
+        except BaseException as e:
+            failed(e)
+        finally:
+            slots.release()
+
+    def hand_off(t: Task, w: AtomicWriter | RangeWriter, mode: int) -> None:
+        """A finished file: commit it here (commit_threads=0) or queue it for the committers."""
+        if committer is None:
+            commit(t, w, mode)
+            return
+        slots.acquire()  # backpressure: the writer waits only when the backlog is full
+        try:
+            committer.submit(commit_job, t, w, mode)
+        except BaseException:
+            slots.release()
+            w.abort()
+            raise
+
+    def guarded(fn: Callable, *args) -> None:
+        if stop.is_set():  # something failed: start no new file (running ones still finish)
+            return
+        try:
+            fn(*args)
+        except BaseException as e:
+            failed(e)
+            raise
+
     def run(t: Task) -> None:
         if not skip_if_complete(t):
-            record(t, *t.run(on_bytes))  # type: ignore[misc]
+            hand_off(t, *t.run(on_bytes))  # type: ignore[misc]
 
     def write_chunk(t: Task, w: RangeWriter, i: int) -> None:
-        if w.write_chunk(i, _chunk_pieces(t, w, i), on_bytes):  # the last chunk in commits the file
-            record(t, *w.commit(), -1)
+        if w.write_chunk(i, _chunk_pieces(t, w, i), on_bytes):  # the last chunk in finishes the file
+            hand_off(t, w, -1)
 
     writers: list[RangeWriter] = []  # dense files being written
 
     def submit(ex: ThreadPoolExecutor, t: Task) -> list:
         if t.fill is None:
-            return [ex.submit(run, t)]
+            return [ex.submit(guarded, run, t)]
         # Checked here, not in a job, so that all its chunk jobs can be queued at once; dense
         # files are few, and a resumed one's digest check hashes on every core anyway.
         if skip_if_complete(t):
             return []
         w = RangeWriter(dst / t.rel, t.size)
         writers.append(w)
-        return [ex.submit(write_chunk, t, w, i) for i in range(len(w.ranges))]
+        return [ex.submit(guarded, write_chunk, t, w, i) for i in range(len(w.ranges))]
 
     t0 = time.perf_counter()
     try:
-        with ThreadPoolExecutor(workers) as ex:
-            futs = [f for t in tasks for f in submit(ex, t)]  # dense chunks first, then experts
-            done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-            for f in futs:
-                if f.done() and f.exception():
+        try:
+            with ThreadPoolExecutor(workers) as ex:
+                futs = [f for t in tasks for f in submit(ex, t)]  # dense chunks first, then experts
+                wait(futs, return_when=FIRST_EXCEPTION)
+                if any(f.done() and f.exception() for f in futs):
                     ex.shutdown(wait=True, cancel_futures=True)
-                    raise f.exception()  # type: ignore[misc]
+        finally:
+            if committer is not None:  # after the writers: nothing submits any more
+                committer.shutdown(wait=True)  # never cancel: every handed-off file is committed or aborted
+        if errors:
+            raise errors[0]
     finally:
-        for w in writers:  # the pool has drained: no job touches these any more
+        for w in writers:  # both pools have drained: no job touches these any more
             w.abort()  # an unfinished file leaves nothing behind (no-op once committed)
         bar.close()
         journal.close()
@@ -400,6 +472,7 @@ def convert(
         "expert_files_per_matrix_global": modes.get(0, 0),
         "expert_files_per_row_global": modes.get(1, 0),
         "workers": workers,
+        "commit_threads": commit_threads,
     }
     if log:
         log(_summary_line(summary))

@@ -197,10 +197,12 @@ def write_expert_file(
     global_mode: int = GLOBAL_PER_MATRIX,
     layout: ExpertLayout | None = None,
     on_bytes=None,
-) -> tuple[int, str]:
+    defer_commit: bool = False,
+) -> "tuple[int, str] | AtomicWriter":
     """Write one expert atomically. `weights` is an ExpertWeights or a mapping
     {'gate'|'up'|'down': (packed uint8 [out, in/2], scales uint8 [out, in/16], global float32 [out] or scalar)}.
-    Returns (size, checksum hex under fileio's rule)."""
+    Returns (size, checksum hex under fileio's rule); with `defer_commit`, the finished but
+    uncommitted AtomicWriter instead (the caller commits or aborts it, e.g. on another thread)."""
     get = (lambda m: weights[m]) if isinstance(weights, Mapping) else (lambda m: getattr(weights, m))
     trip = {m: _numpy_triple(get(m)) for m in MATRICES}
     if layout is None:
@@ -214,7 +216,7 @@ def write_expert_file(
         if p.shape != (out, inn // 2) or s.shape != (out, inn // 16) or p.dtype != np.uint8 or s.dtype != np.uint8:
             raise ValueError(f"{path}: {m}: packed {p.shape} / scales {s.shape} do not match [out={out}, in={inn}]")
         parts += [p, s, g]
-    with AtomicWriter(Path(path), on_bytes) as w:
+    with AtomicWriter(Path(path), on_bytes, defer_commit=defer_commit) as w:
         w.write(layout.header(layer, expert, global_mode))
         for (off, n), arr in zip(layout.sections, parts):
             w.pad_to(off)
@@ -222,4 +224,4 @@ def write_expert_file(
             assert a.nbytes == n
             w.write(a)
         w.pad_to(layout.file_bytes)
-    return w.size, w.digest  # type: ignore[return-value]
+    return w if defer_commit else (w.size, w.digest)  # type: ignore[return-value]

@@ -1,4 +1,5 @@
 """Crash-safe file output: write a temp name, hash as we go, fsync, rename; and the checksum rule.
+The fsync + rename (`commit()`) may run on another thread than the writing (`finish()`).
 
 A final path therefore only ever holds a complete, fsynced file; a kill -9 leaves at most
 a `.srt-*.tmp` file next to it, which the next run removes. A full disk (ENOSPC / EDQUOT)
@@ -190,12 +191,19 @@ class AtomicWriter:
     """`with AtomicWriter(path) as w: w.write(...)`; commits (fsync + rename) on clean exit,
     `w.digest` is then the file's checksum under the current tree rule.
 
+    Commit is two steps: `finish()` (all bytes written, hash closed) and `commit()` (fsync,
+    close, rename: the part that waits on the disk). `defer_commit=True` makes a clean exit
+    only finish, so the durable part can run on another thread; the owner must then call
+    `commit()` or `abort()` exactly as for a plain writer. Until the rename the file exists
+    only under its temp name.
+
     Small files hash inline as they are written. `background_hash=True` (multi-chunk files)
     hands each completed chunk to the shared hash pool, which reads it back from the page
     cache: the caller may reuse its buffer at once, chunks hash on all cores while writing
     continues, and the last chunk hashes while fsync runs."""
 
-    def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None, *, background_hash: bool = False):
+    def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None, *, background_hash: bool = False,
+                 defer_commit: bool = False):
         self.path = Path(path)
         self.tmp = tmp_path(self.path)
         self.size = 0
@@ -203,6 +211,8 @@ class AtomicWriter:
         self.digest: str | None = None
         self.chunk = CHUNK_BYTES
         self.background = background_hash
+        self.defer_commit = defer_commit
+        self.finished = self.committed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_RDWR if background_hash else os.O_WRONLY
         self.fd = os.open(self.tmp, flags | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -211,6 +221,8 @@ class AtomicWriter:
         self.cur_n = 0
 
     def write(self, data) -> None:
+        if self.finished:
+            raise AssertionError(f"{self.path}: write after finish()")
         mv = memoryview(data).cast("B")
         total = len(mv)
         if not self.background:
@@ -242,26 +254,40 @@ class AtomicWriter:
         while self.size < offset:
             self.write(_ZEROS[: min(len(_ZEROS), offset - self.size)])
 
-    def commit(self) -> tuple[int, str]:
+    def finish(self) -> None:
+        """Every byte is written: close the hash (background: the last chunk goes to the pool).
+        Not durable yet; commit() or abort() next, on any thread. Idempotent."""
+        if self.finished:
+            return
         done = len(self.parts) * self.chunk
         if self.background:
             if done < self.size or self.size == 0:  # the short last chunk (an empty file is one chunk)
                 self.parts.append(hash_pool().submit(_hash_range, self.fd, done, self.size - done))
         elif self.cur_n or self.size == 0:
             self.parts.append(self.cur.digest())
+        self.finished = True
+
+    def commit(self) -> tuple[int, str]:
+        """finish() if needed, then the durable part: fsync, close, rename. On an OSError the
+        temp file is removed and a CheckpointError names the final path."""
+        self.finish()
         try:
             os.fsync(self.fd)  # overlaps the pool still hashing
             digest = combine(_gather(self.parts) if self.background else self.parts)
+            self.parts = []
+            fd, self.fd = self.fd, -1  # closed even if close() itself reports an error
+            os.close(fd)
+            os.replace(self.tmp, self.path)
         except OSError as e:
             self._fail(e)
-        self.parts = []
-        os.close(self.fd)
-        self.fd = -1
-        os.replace(self.tmp, self.path)
+        self.committed = True
         self.digest = digest
         return self.size, digest
 
     def abort(self) -> None:
+        """Drop the temp file (and any hash jobs); a no-op once committed."""
+        if self.committed:
+            return
         if self.background:  # no job may read the fd after it is closed (the number gets reused)
             for f in self.parts:
                 f.cancel()
@@ -284,7 +310,7 @@ class AtomicWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.commit()
+            self.finish() if self.defer_commit else self.commit()
         else:
             self.abort()
 
@@ -292,9 +318,9 @@ class AtomicWriter:
 class RangeWriter:
     """A file of known size written as its checksum chunks, by several threads at once and in
     any order: `write_chunk(i, pieces)` pwrites chunk i and hashes it from memory (no read-back);
-    when every chunk is in, `commit()` fsyncs and renames. Same bytes, temp name and checksum
-    as AtomicWriter. On an error, call `abort()` once no write_chunk is running any more (a
-    closed fd number gets reused); it is a no-op after a commit."""
+    when every chunk is in, `commit()` fsyncs and renames (on any thread). Same bytes, temp
+    name and checksum as AtomicWriter. On an error, call `abort()` once no write_chunk is
+    running any more (a closed fd number gets reused); it is a no-op after a commit."""
 
     def __init__(self, path: Path, size: int):
         self.path = Path(path)
@@ -335,18 +361,26 @@ class RangeWriter:
                 raise write_error(self.path, e) from None
             mv, pos = mv[k:], pos + k
 
-    def commit(self) -> tuple[int, str]:
+    def finish(self) -> None:
+        """Every chunk is in (AtomicWriter's protocol: commit() may then run on any thread)."""
         if self.left:
             raise AssertionError(f"{self.path}: commit with {self.left} chunks missing")
+
+    def commit(self) -> tuple[int, str]:
+        """fsync, close, rename. On an OSError the temp file is removed and a CheckpointError
+        names the final path."""
+        self.finish()
+        digest = combine(self.digests)  # type: ignore[arg-type]
         try:
             os.fsync(self.fd)
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+            os.replace(self.tmp, self.path)
         except OSError as e:
+            self.abort()  # every chunk is in: no write_chunk still uses the fd
             raise write_error(self.path, e) from None
-        os.close(self.fd)
-        self.fd = -1
-        os.replace(self.tmp, self.path)
-        self.digest = combine(self.digests)  # type: ignore[arg-type]
-        return self.size, self.digest
+        self.digest = digest
+        return self.size, digest
 
     def abort(self) -> None:
         if self.fd >= 0:

@@ -91,13 +91,6 @@ SRT_DEV u32 hmul2(u32 a, u32 b) {  // fp16x2 multiply, subnormals kept (no .ftz)
   return d;
 }
 
-// The pair of E2M1 nibbles at bits 12..15 and 28..31 of (q << sh) as fp16x2, value * 2^-14:
-// sh = 12, 8, 4, 0 gives elements (0,4), (1,5), (2,6), (3,7) of the word.
-SRT_DEV u32 e2m1_pair(u32 q, int sh) {
-  const u32 t = q << sh;
-  return (t & 0x80008000u) | ((t >> 3) & 0x0e000e00u);
-}
-
 // D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulators (sm_80+).
 SRT_DEV void mma16816(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "

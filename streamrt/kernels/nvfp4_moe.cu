@@ -169,8 +169,8 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 // Same math; the 16-row x 16-k products run on tensor cores. Per warp: two 16-row tiles (gate
 // and up rows r0..r0+15, or down rows r0..r0+31) share the activation operand B.
 //  * A (weights): lane (g = lane/4, c = lane%4) takes 16 bytes (32 elements = 2 scale groups)
-//    of rows g and g+8 per 128-column block; each nibble pair is decoded in registers to fp16
-//    (e2m1 * 2^-14, exact).
+//    of rows g and g+8 per 128-column block, decoded in registers to fp16 (e2m1 * 2^-14, exact;
+//    e2m1x8_h2). The k order inside a word is the decoder's; B is staged in the same order.
 //  * B (activation): x * 2^s (s a power of two putting max|x| in [2^14, 2^15)) split exactly
 //    enough into fp16 hi + lo (|x - hi - lo| <= 2^-22 |x|).
 //  * Block scales stay out of the operands. An mma's 16 k values come from the chunks of the
@@ -215,8 +215,8 @@ SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, 
   if (m > 0.0f) frexpf(m, &e);  // m < 2^e
   const int s = max(-100, min(100, 15 - e));
   const float up = ldexpf(1.0f, s);
-  // item (chunk ch, word w): elements ch*32 + w*8 + 0..7 -> pairs (j, j + 4), j = 0..3: the
-  // order e2m1_pair decodes; 4 u32 of xh and of xl at [ch][w*4 .. w*4+3].
+  // item (chunk ch, word w): elements ch*32 + w*8 + 0..7 -> 4 u32 of xh and of xl at
+  // [ch][w*4 .. w*4+3].
   const int items = (n >> 5) * 4;
   for (int i = threadIdx.x; i < items; i += 2 * nt) {
     f32x4 a[2], b[2];
@@ -230,8 +230,9 @@ SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, 
     for (int u = 0; u < 2; ++u) {
       const int it = i + u * nt;
       if (it >= items) break;
-      const float lo[4] = {a[u].x * up, a[u].y * up, a[u].z * up, a[u].w * up};
-      const float hi[4] = {b[u].x * up, b[u].y * up, b[u].z * up, b[u].w * up};
+      // pairs (0, 2), (1, 3), (4, 6), (5, 7) of the word's 8 elements: the order e2m1x8_h2 decodes
+      const float lo[4] = {a[u].x * up, a[u].y * up, b[u].x * up, b[u].y * up};
+      const float hi[4] = {a[u].z * up, a[u].w * up, b[u].z * up, b[u].w * up};
       u32 hh[4], ll[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -303,7 +304,7 @@ SRT_DEV void tc_issue(int st, const TcRows& R, u32 wbuf, u32 sbuf) {
     const u32 wst = wbuf + (st % S) * KBS * TC_WBYTES, sst = sbuf + (st % S) * KBS * TC_SBYTES;
 #pragma unroll
     for (int it = 0; it < 4 * KBS; ++it) {  // row r: 4 * KBS chunks, copied by as many consecutive lanes
-      const int r = (it * 32 + lane) / (4 * KBS), j = lane % (4 * KBS), q = (it * 32) / (32 * KBS), gg = r & 7;
+      const int r = it * (8 / KBS) + lane / (4 * KBS), j = lane % (4 * KBS), q = r >> 3, gg = r & 7;
       const int row = min(R.row0[q] + gg, R.nrows - 1), ok = kb0 + (j >> 2) < nkb;
       cp_async16(wst + r * (KBS * 64) + (tc_swizzle<KBS>(j, gg) << 4), R.pk[q] + row * R.rb + (ok ? (kb0 * 4 + j) * 16 : 0),
                  ok ? 16 : 0);
@@ -316,6 +317,20 @@ SRT_DEV void tc_issue(int st, const TcRows& R, u32 wbuf, u32 sbuf) {
       }
   }
   cp_async_commit();  // an empty group past the end keeps the wait count uniform
+}
+
+// 8 E2M1 nibbles (low nibble first) -> 4 fp16 pairs (e0, e2), (e1, e3), (e4, e6), (e5, e7), each
+// value e2m1 * 2^-14 exactly. An E2M1 nibble s|e1 e0|m is the E5M2 byte s|0 0 e1 e0|m 0, which is
+// the high byte of the fp16 with the same bits: 7 logic ops make the E5M2 bytes of the even and
+// of the odd elements, 4 byte permutes place them (11 ops per 8 values; shifting each pair into
+// place takes 15).
+SRT_DEV void e2m1x8_h2(u32 q, u32 out[4]) {
+  const u32 ev = ((q << 1) & 0x0e0e0e0eu) | ((q << 4) & 0x80808080u);
+  const u32 od = ((q >> 3) & 0x0e0e0e0eu) | (q & 0x80808080u);
+  out[0] = __byte_perm(ev, 0u, 0x1404);
+  out[1] = __byte_perm(od, 0u, 0x1404);
+  out[2] = __byte_perm(ev, 0u, 0x3424);
+  out[3] = __byte_perm(od, 0u, 0x3424);
 }
 
 // acc[q]: slot q's row g (this lane's row of the slot), summed over the whole row.
@@ -363,10 +378,12 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xh, const u32* xl, const u8* wr
         const u32 q1[4] = {w[2 * t + 1].x, w[2 * t + 1].y, w[2 * t + 1].z, w[2 * t + 1].w};
         float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int wi = i >> 1, shA = (i & 1) ? 4 : 12, shB = (i & 1) ? 0 : 8;
-          mma16816(i < 4 ? dl : dh, e2m1_pair(q0[wi], shA), e2m1_pair(q1[wi], shA), e2m1_pair(q0[wi], shB),
-                   e2m1_pair(q1[wi], shB), bq[2 * i], bq[2 * i + 1]);
+        for (int wi = 0; wi < 4; ++wi) {  // word wi: elements 0-3 then 4-7 of rows g (q0) and g + 8 (q1)
+          u32 a0[4], a1[4];
+          e2m1x8_h2(q0[wi], a0);
+          e2m1x8_h2(q1[wi], a1);
+          mma16816(wi < 2 ? dl : dh, a0[0], a1[0], a0[1], a1[1], bq[4 * wi], bq[4 * wi + 1]);
+          mma16816(wi < 2 ? dl : dh, a0[2], a1[2], a0[3], a1[3], bq[4 * wi + 2], bq[4 * wi + 3]);
         }
         float s0l, s0h, s1l, s1h;
         e4m3x2_to_f32(sv[2 * t], s0l, s0h);
@@ -463,5 +480,4 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
 
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, 2, 2)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, 3, 2)
-SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x4, srt_nvfp4_down_tc2x4, 2, 4)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, 4, 1)

@@ -21,6 +21,7 @@ from streamrt.store.policies import DEFAULT_POLICY, POLICIES
 DEFAULT_WINDOW_FLOOR = 65536
 CPU_SLAB_BYTES = 2 << 30  # default device-tier budget of the CPU twin
 GPU_RESERVE_BYTES = 6 << 30  # left free for activations, caches and workspace by default
+DEFAULT_STAGE_DEPTH = 2  # staged copies in flight on the copy stream at once (--stage-depth)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
@@ -52,8 +53,14 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="on: copy stream, page-locked mappings, stage predicted experts of the next layer; "
                         "off: pageable synchronous copies, no staging (the baseline)")
     g.add_argument("--stage-max", type=int, default=None, metavar="N",
-                   help="stage at most the N most confident guesses for the next layer (default: the most "
-                        "confident three quarters that fit in free device slots); wrong guesses cost link time")
+                   help="queue at most the N most confident guesses for the next layer for staging (default: "
+                        "every guess that fits in free device slots); a wrong guess that is "
+                        "issued costs link time and a device slot")
+    g.add_argument("--stage-depth", type=int, default=DEFAULT_STAGE_DEPTH, metavar="N",
+                   help="staged guesses in flight on the copy stream at once (default %(default)s): the rest wait "
+                        "in a queue, most confident first, and are issued one by one as earlier copies finish; "
+                        "those still waiting when the layer's router speaks are dropped (a routed one is then "
+                        "fetched as an ordinary miss), so real misses queue behind at most N guesses")
     g.add_argument("--preparse", action="store_true", help="failure mode: eagerly map and parse experts at load")
     g.add_argument("--prefetch", default="none", choices=("none", "discard"),
                    help="failure mode 'discard': read each routed file into a throwaway buffer first")
@@ -89,6 +96,7 @@ class RuntimeOptions:
     gpu_policy: str = DEFAULT_POLICY
     staging: bool = True
     stage_max: int | None = None
+    stage_depth: int = DEFAULT_STAGE_DEPTH
     preparse: bool = False
     prefetch: str = "none"
     evict: str = "event"
@@ -105,6 +113,8 @@ class RuntimeOptions:
             raise StreamrtError(f"--gpu-experts must be >= 1, got {self.gpu_experts}")
         if self.stage_max is not None and self.stage_max < 0:
             raise StreamrtError(f"--stage-max must be >= 0 (guesses staged per layer), got {self.stage_max}")
+        if self.stage_depth < 1:
+            raise StreamrtError(f"--stage-depth must be >= 1 (staged copies in flight), got {self.stage_depth}")
         if self.gpu_policy not in POLICIES:
             raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of {', '.join(POLICIES)}")
         if self.prefetch not in ("none", "discard"):
@@ -129,6 +139,7 @@ class RuntimeOptions:
             gpu_policy=getattr(args, "gpu_policy", DEFAULT_POLICY),
             staging=staging in ("on", True),
             stage_max=getattr(args, "stage_max", None),
+            stage_depth=getattr(args, "stage_depth", DEFAULT_STAGE_DEPTH),
             preparse=bool(getattr(args, "preparse", False)),
             prefetch=getattr(args, "prefetch", "none"),
             evict=getattr(args, "evict", "event"),

@@ -4,17 +4,24 @@ generator and moves routed experts host -> device around its compute.
 The whole I/O story of a decode step is in `decode_step` and `serve`, top to bottom:
 
     the model runs until a MoE layer's router has spoken and yields ExpertRequest(layer, ids, ...)
-    1. finish   the previous layer's compute is queued: one compute event marks its slots'
-                last use; its pins drop
-    2. route    ids to the host (one transfer, together with the predictor's guess for the
-                next layer); predicted recall is recorded
+    1. route    ids to the host (one transfer, together with the predictor's guess for the
+                next layer), awaited without blocking the host thread: a non-blocking copy into
+                page-locked memory and a polled compute event, so the staging feeder keeps
+                the copy stream fed meanwhile. Then this layer's unissued staged guesses are
+                dropped (a routed one becomes an ordinary miss below); recall is recorded
+    2. finish   the previous layer's compute is queued: one compute event marks its slots'
+                last use; its pins drop (only now, so guesses fed during the route never
+                evict the previous layer's experts, as when all were staged at once)
     3. fetch    device hits need nothing. Every miss is issued at once: a miss whose mapping
                 is open is copied now on the copy stream (one event per expert); cold files
                 are mapped (and page-locked) by a bounded thread pool, each copied the moment
                 its mapping arrives
-    4. stage    the next layer's predicted experts start copying, behind this layer's misses,
-                while this layer computes (the first MoE layer's guess is staged at the start
-                of the step, from the token embeddings, while the dense layers compute)
+    4. stage    the next layer's predicted experts are queued (most confident first) and fed
+                to the copy stream just in time, behind this layer's misses: at most
+                --stage-depth staged copies are in flight at once, so when the next router
+                speaks its real misses wait behind at most that many guesses, and guesses
+                never issued cost no link time (the first MoE layer's guess is queued at the
+                start of the step, from the token embeddings, while the dense layers compute)
     5. retire   mappings evicted from the host window are released once the copy-stream event
                 recorded at their eviction completed (front of the FIFO only)
     6. compute  the model receives lazy expert views: taking expert e makes the compute stream
@@ -62,10 +69,12 @@ from streamrt.store.policies import make_policy
 from streamrt.store.retire import RetireQueue
 from streamrt.trace import NullTracer
 
-# Share of a layer's guesses staged by default (most confident first). H200, slice, 32 device
-# slots (profiling/RESULTS.md §1): staging all 16 guesses 31.6 / 36.0 ms/token, 12 of them
-# 30.0 / 28.2, 8 of them 26.2 / 29.9 in two runs.
-STAGE_SHARE = 0.75
+# Share of a layer's guesses queued for staging by default (most confident first). When every
+# queued guess was copied at once, fewer were faster (H200, slice, 32 slots: all 16 31.6 / 36.0
+# ms/token, 12 30.0 / 28.2, 8 26.2 / 29.9). Copied just in time, a queued guess costs nothing
+# until it is issued and the unissued rest is dropped when the router speaks, so all of them are
+# queued (session 4, profiling/RESULTS.md §1).
+STAGE_SHARE = 1.0
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -159,7 +168,11 @@ class StreamingRuntime:
         )
         self.loop = new_event_loop()
         self._inflight: dict[ExpertKey, asyncio.Future] = {}  # cold mappings being opened
-        self._tasks: set[asyncio.Task] = set()  # staging fetches in flight
+        self._tasks: set[asyncio.Task] = set()  # cold guesses being mapped
+        self._guess_maps: dict[ExpertKey, asyncio.Task] = {}  # cold guess -> its mapping task
+        self._queue: dict[int, list[ExpertKey]] = {}  # layer -> guesses not yet issued, by rank
+        self._outstanding: list = []  # ready events of issued staged copies, not seen complete
+        self._feeder: asyncio.Task | None = None  # feeds _queue while guesses wait
         self._held: list[ExpertKey] = []  # keys the last served request pinned
         self._transient: dict[ExpertKey, tuple] = {}  # overflow of a request wider than the slab
         self._predicted: dict[int, set[int]] = {}  # layer -> ids predicted for it
@@ -213,11 +226,14 @@ class StreamingRuntime:
     async def serve(self, req) -> StreamedExperts:
         layer = req.layer
 
-        # 1. finish: the previous layer's compute is queued; mark its slots' last use, unpin.
-        self._finish_previous()
+        # 1. route: routed ids (and the guess for the next layer) reach the host together;
+        #    the feeder issues this layer's queued guesses while the host waits. The router has
+        #    spoken: guesses still queued are dropped (routed ones are fetched as misses in 3).
+        host_ids, guess = await self._route(req)
+        self._drop(layer)
 
-        # 2. route: routed ids (and the guess for the next layer) reach the host together.
-        host_ids, guess = self._route(req)
+        # 2. finish: the previous layer's compute is queued; mark its slots' last use, unpin.
+        self._finish_previous()
         ids = sorted(set(host_ids.reshape(-1).tolist()))
         keys = [ExpertKey(layer, e) for e in ids]
         if layer in self._predicted:
@@ -289,18 +305,29 @@ class StreamingRuntime:
         self.gpu.unpin(self._staged.pop(layer, ()))
         self._held = []
 
-    def _route(self, req) -> tuple[torch.Tensor, tuple[int, list[int]] | None]:
+    async def _route(self, req) -> tuple[torch.Tensor, tuple[int, list[int]] | None]:
         """The routed ids on the host (req.ids' shape), and (next layer, unique predicted ids,
         most confident first)."""
         ids = req.ids.reshape(-1)
         target = self.predictor.target(req.layer) if self.predictor is not None else None
         if target is None:
-            return req.ids.cpu(), None
+            return await self._to_host(req.ids), None
         guess = self.predictor.predict(req.layer, req.hidden).reshape(-1)
-        both = torch.cat((ids.to(guess.dtype), guess)).cpu()  # one device-to-host transfer
+        both = await self._to_host(torch.cat((ids.to(guess.dtype), guess)))  # one device-to-host transfer
         n = ids.numel()
         host = both[:n].to(req.ids.dtype).view(req.ids.shape)
         return host, (target, list(dict.fromkeys(both[n:].tolist())))  # guesses by rank
+
+    async def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the host, without blocking the host thread on the GPU reaching it: from a CUDA
+        device a non-blocking copy into page-locked memory, then a compute-stream event polled
+        (other tasks, the staging feeder, run meanwhile). Elsewhere a plain `.cpu()`."""
+        if self.device.kind != "cuda" or not t.is_cuda or not self.options.staging:
+            return t.cpu()  # (the --staging off baseline keeps the seed's blocking transfer)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        await _event_done(self.device.record_compute_event())
+        return host
 
     def _copy_in(self, key: ExpertKey, m: HostMapping, *, required: bool = True) -> bool:
         """Give `key` a slot and queue its copy from mapping `m` (one ready event)."""
@@ -373,50 +400,114 @@ class StreamingRuntime:
         return m
 
     def _stage_first(self, embeddings: torch.Tensor) -> None:
-        """Decode-step start (the model's step_hint): stage the first MoE layer's guess while the
-        dense layers compute, leaving slots for that layer's misses."""
+        """Decode-step start (the model's step_hint): queue the first MoE layer's guess (the
+        first --stage-depth issued now) while the dense layers compute, leaving slots for that
+        layer's misses."""
         guess = self.predictor.predict_first(embeddings).reshape(-1).cpu()  # small; the GPU is idle here
         budget = self.gpu.slots - self.gpu.pinned - min(self.gpu.slots, guess.numel())
         self._stage(self.predictor.first_layer, list(dict.fromkeys(guess.tolist())), budget=budget)
 
     def _stage(self, layer: int, ids: list[int], *, budget: int) -> None:
-        """Start copying up to `budget` of `layer`'s predicted experts (most confident first, at
-        most --stage-max, by default three quarters of the guesses: the least confident ones are
-        the likeliest to be wrong, and a wrong guess holds the link while real misses wait):
-        open ones now, cold ones when mapped. Staged keys are pinned until `layer` has been
-        served; no victim, skip."""
+        """Queue up to `budget` of `layer`'s predicted experts for staging (most confident first,
+        at most --stage-max, by default all of them) and issue the first
+        --stage-depth now (the host may run Python for a while before it next awaits); the
+        feeder issues the rest one by one as earlier staged copies complete, until `layer`'s
+        router speaks and drops what is left. Cold guesses start mapping now and are copied when
+        their turn comes. Issued keys are pinned until `layer` has been served."""
         self._predicted[layer] = set(ids)  # recall is the predictor's, whatever gets staged
-        pinned = self._staged.setdefault(layer, [])
+        self._staged.setdefault(layer, [])
         cap = self.options.stage_max if self.options.stage_max is not None else math.ceil(STAGE_SHARE * len(ids))
+        queue = self._queue.setdefault(layer, [])
         for e in ids[: max(0, min(budget, cap))]:
             key = ExpertKey(layer, e)
-            if key in self.gpu:
+            if key in self.gpu or key in queue:
                 continue
-            m = self.host.lookup(key)
-            if m is not None:
-                if self._copy_in(key, m, required=False):
-                    self.gpu.pin((key,))
-                    pinned.append(key)
-                    self.stats.staged += 1
-            else:
-                task = self.loop.create_task(self._stage_cold(layer, key))
+            queue.append(key)
+            if key not in self.host:
+                task = self._guess_maps[key] = self.loop.create_task(self._stage_cold(key))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+        self._pump()
+        if self._queue and (self._feeder is None or self._feeder.done()):
+            self._feeder = self.loop.create_task(self._feed())
 
-    async def _stage_cold(self, layer: int, key: ExpertKey) -> None:
-        m = await self._mapping(key)
-        if key in self.gpu or layer not in self._staged:  # already served, or the layer is done
+    def _pump(self) -> int:
+        """Issue queued guesses, most confident first, while fewer than --stage-depth staged
+        copies are outstanding (issued, copy event not complete). A guess whose mapping is still
+        being opened keeps its place without holding up the ones behind it; one already
+        resident leaves the queue; one whose mapping was pushed out of the window again, or
+        with no slot to take (every slot pinned), is dropped. Returns how many were issued."""
+        out = self._outstanding = [ev for ev in self._outstanding if not ev.query()]
+        depth, issued = self.options.stage_depth, 0
+        for layer in list(self._queue):
+            queue, rest = self._queue[layer], []
+            for i, key in enumerate(queue):
+                if len(out) >= depth:
+                    rest += queue[i:]
+                    break
+                if key in self.gpu:
+                    continue
+                if key not in self.host:
+                    task = self._guess_maps.get(key)
+                    if task is not None and not task.done():
+                        rest.append(key)  # still mapping
+                    else:
+                        self.stats.stage_dropped += 1
+                    continue
+                if not self._copy_in(key, self.host.lookup(key), required=False):
+                    self.stats.stage_dropped += 1
+                    continue
+                self.gpu.pin((key,))
+                self._staged[layer].append(key)
+                self.stats.staged += 1
+                issued += 1
+                ev = self.gpu.ready[self.gpu.slot_of(key)]
+                if not ev.query():
+                    out.append(ev)
+            if rest:
+                self._queue[layer] = rest
+            else:
+                del self._queue[layer]
+        return issued
+
+    async def _feed(self) -> None:
+        """The staging feeder: while guesses are queued, poll the outstanding staged copies'
+        events (query, yield, back off to 100 us, as `_event_done`) and issue the next guess as
+        one completes. It runs whenever the decode coroutine awaits: above all while the next
+        router's ids come to the host."""
+        delay = 0.0
+        while self._queue:
+            if self._pump():
+                delay = 0.0
+            await asyncio.sleep(delay)
+            delay = min(1e-4, delay * 2 or 5e-6)
+
+    async def _stage_cold(self, key: ExpertKey) -> None:
+        """A cold guess: map it on the pool; if its turn has come, it is copied at once."""
+        try:
+            await self._mapping_once(key)
+        except Exception:  # a guess is no error: if routed, its fetch maps it again and raises
             return
-        if self._copy_in(key, m, required=False):
-            self.gpu.pin((key,))
-            self._staged[layer].append(key)
-            self.stats.staged += 1
+        if self._queue:
+            self._pump()  # the mapping is live now
+
+    def _drop(self, layer: int) -> None:
+        """`layer`'s router has spoken (or the step ended): its unissued guesses cost nothing."""
+        queue = self._queue.pop(layer, ())
+        self.stats.stage_dropped += sum(1 for key in queue if key not in self.gpu)
 
     async def _settle(self) -> None:
-        """End of a step: let staging fetches still mapping files finish (they only map; the
-        layer they were for has been served, so they copy nothing)."""
+        """End of a step: drop what is still queued, stop the feeder, let cold guesses still
+        mapping finish (they only map), unpin what staging pinned."""
+        for layer in list(self._queue):
+            self._drop(layer)
+        if self._feeder is not None:
+            self._feeder.cancel()
+            await asyncio.gather(self._feeder, return_exceptions=True)
+            self._feeder = None
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._guess_maps.clear()
         for layer in list(self._staged):
             self.gpu.unpin(self._staged.pop(layer))
         self._predicted.clear()
@@ -465,7 +556,7 @@ class StreamingRuntime:
 
     def payload(self) -> dict:
         """The `--stats-json` object."""
-        return self.stats.payload(retire=self.retire, device=self.device)
+        return self.stats.payload(retire=self.retire, device=self.device, staging=True)
 
     def reset_stats(self) -> None:
         """Zero every counter (e.g. after warm-up steps), retirement and synchronizes included."""

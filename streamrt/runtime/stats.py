@@ -15,6 +15,13 @@ Every byte moved and every stall is accounted for:
                                prediction (layer l+1's router on layer l's FFN input)
   effective_gbps               bytes copied during decode steps / decode wall time (1e9 B/s);
                                prefill copies are not counted
+
+A runtime's `--stats-json` adds the staging counters (STAGING_KEYS) after those:
+  staged                       guessed experts whose copy was issued ahead of their router
+  stage_dropped                queued guesses dropped unissued, almost all because their
+                               layer's router spoke first (or the step ended): they cost no
+                               link time; a routed one was fetched as an ordinary miss.
+                               staged + stage_dropped = guesses queued (not already resident)
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ PAYLOAD_KEYS = (
     "bytes_disk", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
     "effective_gbps",
 )
+STAGING_KEYS = ("staged", "stage_dropped")
 
 
 @dataclass
@@ -46,7 +54,8 @@ class RuntimeStats:
     stall_s: float = 0.0
     predicted: int = 0  # routed experts that had been predicted
     routed: int = 0  # routed experts of requests that had a prediction
-    staged: int = 0  # experts copied ahead on a prediction
+    staged: int = 0  # experts copied ahead on a prediction (staged copies issued)
+    stage_dropped: int = 0  # queued guesses dropped unissued (mostly: their router spoke first)
     trace: list | None = field(default=None, repr=False)  # [[layer, [experts]], ...] when recording
 
     def reset(self) -> None:
@@ -56,8 +65,8 @@ class RuntimeStats:
             setattr(self, f.name, f.default if f.default is not MISSING else f.default_factory())
         self.trace = trace
 
-    def payload(self, *, retire=None, device=None) -> dict:
-        """The `--stats-json` object: exactly PAYLOAD_KEYS."""
+    def payload(self, *, retire=None, device=None, staging: bool = False) -> dict:
+        """The `--stats-json` object: exactly PAYLOAD_KEYS, then STAGING_KEYS with `staging`."""
         retired = retire.retired if retire is not None else 0
         released = (retire.released if retire is not None else 0) + self.released_sync
         out = {
@@ -78,6 +87,8 @@ class RuntimeStats:
             "effective_gbps": self.decode_bytes_h2d / self.decode_s / 1e9 if self.decode_s else 0.0,
         }
         assert tuple(out) == PAYLOAD_KEYS
+        if staging:
+            out.update(staged=self.staged, stage_dropped=self.stage_dropped)
         return out
 
 
