@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from streamrt.backends.nvrtc import GEMV_VARIANTS, NvrtcBackend, gemv_plan  # noqa: E402
+from streamrt.backends.nvrtc import GEMV_VARIANTS, NvrtcBackend, gemv_plan, tc_smem  # noqa: E402
 from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix  # noqa: E402
 
@@ -101,12 +101,9 @@ def diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes) -> None:
     """Where the expert FFN's time goes: resident blocks per SM of the default kernels, each
     kernel's own time (torch.profiler sees driver-API launches), and more pairs per launch (if
     the ratio climbs with the pairs, partial last waves and kernel boundaries are the loss)."""
-    from streamrt.backends.nvrtc import TC_STAGE_SMEM
-
     tg, td, st, kbs = nv.tc_shape
-    ring = st * kbs * TC_STAGE_SMEM
-    for name, threads, smem in ((f"srt_nvfp4_gateup_tc{st}x{kbs}", tg * 32, Dl * 5 + tg * ring),
-                                (f"srt_nvfp4_down_tc{st}x{kbs}", td * 32, I * 5 + td * ring)):
+    for name, threads, smem in ((f"srt_nvfp4_gateup_tc{st}x{kbs}", tg * 32, tc_smem(Dl, tg, st, kbs)),
+                                (f"srt_nvfp4_down_tc{st}x{kbs}", td * 32, tc_smem(I, td, st, kbs))):
         print(f"diagnose: {name}: {threads} threads, {smem} B shared -> {nv._k('nvfp4_moe', name).blocks_per_sm(threads, smem)} blocks/SM")
     for T in (2, 4):
         ids = torch.arange(k).repeat(T, 1)  # each token through the same 16 experts: T x the bytes per launch

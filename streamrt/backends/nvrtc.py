@@ -55,6 +55,12 @@ MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 TC_SHAPE = (8, 7, 2, 2)
 TC_PIPES = ((2, 2), (3, 2), (4, 1))
 TC_STAGE_SMEM = 32 * 64 + 32 * 8  # TC_WBYTES + TC_SBYTES: one 128-column block of one warp
+
+
+def tc_smem(in_features: int, warps: int, stages: int, blocks: int) -> int:
+    """Dynamic shared memory of a tensor-core NVFP4 block: the staged activation (fp16 hi + lo,
+    padded: 5 bytes per input) and each warp's cp.async ring."""
+    return in_features * 5 + warps * stages * blocks * TC_STAGE_SMEM
 # "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
 NVFP4_IMPLS = ("tc", "cuda_core")
 SMEM_DEFAULT = 48 * 1024
@@ -666,13 +672,12 @@ class NvrtcBackend:
                     tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
                     if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
                         raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
-                    ring = st * kbs * TC_STAGE_SMEM
                     self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}")(
                         (math.ceil(I / (16 * tg)), np_), (tg * 32,),
-                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 5 + tg * ring)
+                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=tc_smem(Dl, tg, st, kbs))
                     self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
                         (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 5 + td * ring)
+                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=tc_smem(I, td, st, kbs))
                 else:
                     self._k("nvfp4_moe", "srt_nvfp4_gateup")(
                         (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),

@@ -309,8 +309,10 @@ class AtomicWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish() if self.defer_commit else self.commit()
+        if exc_type is None and self.defer_commit:
+            self.finish()
+        elif exc_type is None:
+            self.commit()
         else:
             self.abort()
 

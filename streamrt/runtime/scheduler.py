@@ -168,8 +168,7 @@ class StreamingRuntime:
         )
         self.loop = new_event_loop()
         self._inflight: dict[ExpertKey, asyncio.Future] = {}  # cold mappings being opened
-        self._tasks: set[asyncio.Task] = set()  # cold guesses being mapped
-        self._guess_maps: dict[ExpertKey, asyncio.Task] = {}  # cold guess -> its mapping task
+        self._guess_maps: dict[ExpertKey, asyncio.Task] = {}  # cold guess -> its mapping task (this step)
         self._queue: dict[int, list[ExpertKey]] = {}  # layer -> guesses not yet issued, by rank
         self._outstanding: list = []  # ready events of issued staged copies, not seen complete
         self._feeder: asyncio.Task | None = None  # feeds _queue while guesses wait
@@ -423,10 +422,9 @@ class StreamingRuntime:
             if key in self.gpu or key in queue:
                 continue
             queue.append(key)
-            if key not in self.host:
-                task = self._guess_maps[key] = self.loop.create_task(self._stage_cold(key))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            task = self._guess_maps.get(key)
+            if key not in self.host and (task is None or task.done()):
+                self._guess_maps[key] = self.loop.create_task(self._stage_cold(key))
         self._pump()
         if self._queue and (self._feeder is None or self._feeder.done()):
             self._feeder = self.loop.create_task(self._feed())
@@ -505,8 +503,8 @@ class StreamingRuntime:
             self._feeder.cancel()
             await asyncio.gather(self._feeder, return_exceptions=True)
             self._feeder = None
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self._guess_maps:
+            await asyncio.gather(*self._guess_maps.values(), return_exceptions=True)
         self._guess_maps.clear()
         for layer in list(self._staged):
             self.gpu.unpin(self._staged.pop(layer))
