@@ -178,3 +178,11 @@ def test_failed_fsync_removes_temp_and_names_file(tmp_path, monkeypatch, kind):
     assert str(path) in str(ei.value)
     w.abort()  # safe to call again
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kw, flag", [(dict(commit_threads=-1), "--commit-threads"), (dict(workers=-1), "--workers")])
+def test_bad_thread_counts_are_refused_before_dst_is_touched(release, tmp_path, kw, flag):
+    dst = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=f"{flag} must be"):
+        conv.convert(release, dst, progress=False, **kw)
+    assert not dst.exists()

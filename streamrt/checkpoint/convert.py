@@ -301,6 +301,10 @@ def convert(
     `commit_threads`: committer threads (fsync, rename, journal); default `workers`, 0 commits
     inside the writing job."""
     src, dst = Path(src), Path(dst)
+    if workers is not None and workers < 0:
+        raise CheckpointError(f"--workers must be >= 0 (0: the default, min(16, cores)), got {workers}")
+    if commit_threads is not None and commit_threads < 0:
+        raise CheckpointError(f"--commit-threads must be >= 0, got {commit_threads}")
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such release directory")
     _check_paths(src, dst)
@@ -319,8 +323,6 @@ def convert(
     # Committers sleep in fsync (no GIL, no CPU): as many as workers keeps as many files
     # flushing at once as the inline path did, while the workers go on producing.
     commit_threads = workers if commit_threads is None else commit_threads
-    if commit_threads < 0:
-        raise CheckpointError(f"commit_threads must be >= 0, got {commit_threads}")
     lock = threading.Lock()
     files: dict[str, dict] = {}
     modes = {0: 0, 1: 0}
