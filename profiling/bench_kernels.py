@@ -97,10 +97,27 @@ def nbytes(m: NVFP4Matrix) -> int:
     return sum(t.numel() * t.element_size() for t in (m.packed, m.scales, m.global_scale))
 
 
+def kernel_times(nvb, z, ids, w, experts, calls: int = 20) -> dict[str, float]:
+    """Each expert-FFN kernel's own device time (us per call), by torch.profiler (it sees
+    driver-API launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        nvb.expert_ffn(z, ids, w, experts, 4.0, 25.0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            nvb.expert_ffn(z, ids, w, experts, 4.0, 25.0)
+        torch.cuda.synchronize()
+    return {ev.key: ev.device_time_total / max(1, ev.count) for ev in prof.key_averages()
+            if "nvfp4" in ev.key or "combine" in ev.key}
+
+
 def diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes) -> None:
-    """Where the expert FFN's time goes: resident blocks per SM of the default kernels, each
-    kernel's own time (torch.profiler sees driver-API launches), and more pairs per launch (if
-    the ratio climbs with the pairs, partial last waves and kernel boundaries are the loss)."""
+    """Where the expert FFN's time goes: resident blocks per SM of the default kernels, more
+    pairs per launch through the same experts, and each kernel's own time as the distinct
+    experts per launch grow (16, 32, 48): the slope is the kernel's streaming rate, the
+    intercept its fixed cost (ramp, last wave, launch)."""
     tg, td, st, kbs = nv.tc_shape
     for name, threads, smem in ((f"srt_nvfp4_gateup_tc{st}x{kbs}", tg * 32, tc_smem(Dl, tg, st, kbs)),
                                 (f"srt_nvfp4_down_tc{st}x{kbs}", td * 32, tc_smem(I, td, st, kbs))):
@@ -111,25 +128,28 @@ def diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes) -> None:
         z = torch.randn(T, Dl, device=dev)
         bench(f"  diagnose: nvfp4 FFN with {T * k} pairs per launch (T={T}, bytes counted {T}x)", T * ex_bytes,
               lambda ids=ids, w=w, z=z: nv.expert_ffn(z, ids, w, experts, 4.0, 25.0))
-    ids = torch.arange(k).view(1, k)
-    w = torch.softmax(torch.randn(1, k, device=dev), -1)
+    plain = NvrtcBackend()
+    plain.pdl = False  # one kernel after another: each one's time is its own
+    many = dict(experts)
+    for e in range(k, 48):
+        many[e] = ExpertWeights(rand_nvfp4(I, Dl), rand_nvfp4(I, Dl), rand_nvfp4(Dl, I))
+    per_expert = ex_bytes / k
     z = torch.randn(1, Dl, device=dev)
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
-        torch.cuda.synchronize()
-    share = {"gateup": 2 / 3, "down": 1 / 3}
-    for ev in prof.key_averages():
-        if "nvfp4" in ev.key or "combine" in ev.key:
-            us = ev.device_time_total / max(1, ev.count)
-            part = next((v for key, v in share.items() if key in ev.key), 0.0)
-            rate = f", {part * ex_bytes / us / 1e3:.0f} GB/s of its bytes" if part else ""
-            print(f"diagnose: kernel {ev.key}: {ev.count} calls, {us:.1f} us each{rate}")
+    fits = {}
+    for n in (16, 32, 48):
+        ids = torch.arange(n).view(1, n)
+        w = torch.softmax(torch.randn(1, n, device=dev), -1)
+        bench(f"  diagnose: nvfp4 FFN, {n} distinct experts per launch, T=1", n * per_expert,
+              lambda ids=ids, w=w: nv.expert_ffn(z, ids, w, many, 4.0, 25.0))
+        for key, us in kernel_times(plain, z, ids, w, many).items():
+            fits.setdefault(key, []).append((n, us))
+    for key, pts in fits.items():
+        (n0, t0), (n1, t1) = pts[0], pts[-1]
+        slope = (t1 - t0) / (n1 - n0)  # us per expert
+        part = 2 / 3 if "gateup" in key else 1 / 3 if "down" in key else 0.0
+        rate = f" = {part * per_expert / slope / 1e3:.0f} GB/s streaming" if part and slope > 0 else ""
+        print(f"diagnose: {key}: " + ", ".join(f"{n} experts {us:.1f} us" for n, us in pts)
+              + f"; {slope:.2f} us per expert{rate}, fixed {t0 - slope * n0:.1f} us")
 
 
 def main(argv=None) -> int:
@@ -141,6 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", action="store_true", help="also time the torch backend for each op")
     ap.add_argument("--variants", action="store_true",
                     help="also time every GEMV variant (rows per warp) and NVFP4 block shape, to check the defaults")
+    ap.add_argument("--ffn-only", action="store_true", help="only the NVFP4 expert FFN rows (with --variants: its diagnosis)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -169,15 +190,25 @@ def main(argv=None) -> int:
           lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
 
     if args.variants:  # block and pipeline shapes of the tensor-core kernels (same bits)
-        for shape in ((16, 8, 2, 2), (8, 4, 2, 2), (4, 4, 2, 2), (8, 8, 3, 2), (8, 8, 4, 1),
-                      (8, 7, 2, 2), (12, 7, 2, 2), (3, 7, 2, 2), (6, 6, 2, 2)):
+        for shape, pdl in (((8, 7, 2, 2), False), ((8, 7, 2, 2), True), ((8, 8, 2, 2), True), ((8, 4, 2, 2), True),
+                           ((6, 7, 3, 2), True), ((8, 8, 4, 1), True)):
             nvw = NvrtcBackend()
-            nvw.tc_shape = shape
-            bench(f"  variant: nvfp4 FFN tc, warps/block gate-up {shape[0]}, down {shape[1]}, stages {shape[2]} x {shape[3]} blocks", ex_bytes,
+            nvw.tc_shape, nvw.pdl = shape, pdl and nv.pdl
+            bench(f"  variant: nvfp4 FFN tc, warps/block gate-up {shape[0]}, down {shape[1]}, stages {shape[2]} x "
+                  f"{shape[3]} blocks, programmatic launch {'on' if nvw.pdl else 'off'}", ex_bytes,
                   lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
         diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes)
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+
+    if not args.ffn_only:
+        other_ops(args, nv, tb, dev, bench)
+    write_table(args, props, copy, copy_kinds, rows)
+    return 0
+
+
+def other_ops(args, nv, tb, dev, bench) -> None:
+    """The BF16 GEMV rows (with --variants every variant) and the other decode ops."""
 
     def bench_gemv(W, x):
         """The default plan's GEMV (and the torch backend), then with --variants every variant of its T bucket."""
@@ -215,6 +246,8 @@ def main(argv=None) -> int:
     xr, wn = torch.randn(1, 7168, device=dev), torch.rand(7168, device=dev)
     bench("rmsnorm D=7168", 2 * xr.numel() * 4, lambda: nv.rmsnorm(xr, wn, 1e-5))
 
+
+def write_table(args, props, copy, copy_kinds, rows) -> None:
     date = datetime.date.today().isoformat()
     head = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, {date}"
     lines = [f"# bench_kernels: {head}", "",
@@ -228,7 +261,6 @@ def main(argv=None) -> int:
     print(md)
     if args.markdown:
         args.markdown.write_text(md + "\n")
-    return 0
 
 
 if __name__ == "__main__":

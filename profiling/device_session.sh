@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one call on the device machine (H200, no network, repo not
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
 #   bash profiling/device_session.sh [stages...]
-#   stages: tests kernels variants profile decode trace sweep convert
+#   stages: tests kernels variants access profile decode trace sweep convert
 #   env: T_<STAGE> timeouts, DECODE_ARGS, CONVERT_ARGS, PROFILE_BACKENDS, TRACE_SLOTS, TRACE_BACKEND
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -30,6 +30,10 @@ fi
 if has variants; then
   stage "bench kernels: every GEMV variant and NVFP4 block shape"
   timeout ${T_VARIANTS:-150} python3 profiling/bench_kernels.py --variants --markdown "$L/bench_variants.md" 2>&1 | tee "$L/bench_variants.log" | tail -45
+fi
+if has access; then
+  stage "bench access patterns"
+  timeout ${T_ACCESS:-90} python3 profiling/bench_access.py 2>&1 | tee "$L/bench_access.log" | tail -25
 fi
 if has profile; then
   stage "profile one decode step (slice, all experts resident)"

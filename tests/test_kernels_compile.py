@@ -75,3 +75,18 @@ def test_hot_kernels_do_not_spill():
     assert "Compiling entry function 'srt_nvfp4_gateup'" in log
     spills = [ln for ln in log.splitlines() if "spill" in ln and "0 bytes spill stores, 0 bytes spill loads" not in ln]
     assert not spills, "\n".join(spills)
+
+
+def test_access_benchmark_source_compiles():
+    """profiling/bench_access.py builds its read kernels from a source string: it compiles too."""
+    _nvrtc_or_skip()
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "profiling" / "bench_access.py"
+    spec = importlib.util.spec_from_file_location("bench_access", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cubin = cc.nvrtc_compile(mod.SOURCE, "bench_access.cu", cc._options("sm_90", ()))
+    for pb, rw in mod.PATTERNS:
+        assert f"read_{pb}_{rw}".encode() + b"\0" in cubin

@@ -448,7 +448,8 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
 def test_expert_ffn_tc_shapes_same_bits(gen):
-    """Warps per block and pipeline shape of the tensor-core kernels change timing only: same bits."""
+    """Warps per block, pipeline shape and programmatic launch of the tensor-core kernels change
+    timing only: same bits."""
     from streamrt.backends.nvrtc import TC_PIPES, TC_SHAPE
 
     E, T, k, Dl, I = 8, 2, 4, 640, 896  # 5 and 7 column blocks: partial last stages
@@ -458,12 +459,14 @@ def test_expert_ffn_tc_shapes_same_bits(gen):
     nv = NV_IMPLS["tc"]
     base = nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     shapes = [(w1, w2, s, kbs) for s, kbs in TC_PIPES for (w1, w2) in ((8, 8), (4, 2), (1, 8))] + [(16, 16, 2, 2)]
+    pdl0 = nv.pdl
     for shape in shapes:
-        nv.tc_shape = shape
-        try:
-            assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), base), f"tc shape {shape}"
-        finally:
-            nv.tc_shape = TC_SHAPE
+        for pdl in (not pdl0, pdl0):
+            nv.tc_shape, nv.pdl = shape, pdl
+            try:
+                assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), base), f"tc shape {shape}, pdl {pdl}"
+            finally:
+                nv.tc_shape, nv.pdl = TC_SHAPE, pdl0
 
 
 class _LateExperts(dict):

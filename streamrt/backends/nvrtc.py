@@ -48,10 +48,10 @@ GEMV_VARIANTS = {("bf16", 1): ("r2", "r1", "r4"), ("bf16", 2): ("r2", "r4"), ("b
 MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 # Tensor-core NVFP4 kernels (nvfp4_moe.cu): warps per block (gate+up, down), cp.async stages per
 # warp, 128-column blocks per stage; entry points exist for TC_PIPES. bench_kernels.py
-# --variants, H200, slice layer (16 experts, T=1), session 4: (8, 7, 2, 2) 0.73 of the copy rate,
-# (8, 8, 2, 2) 0.71, (8, 4, 2, 2) 0.68, (8, 8, 3, 2) 0.63, (8, 8, 4, 1) 0.57; same bits. Seven
-# down warps make 16 x 16 = 256 blocks, which fit the 264 two-per-SM slots in one wave (eight
-# warps: 224 blocks, 92 SMs holding two and 40 holding one).
+# --variants, H200, slice layer (16 experts, T=1): (8, 7, 2, 2) 0.73-0.76 of the copy rate in
+# sessions 4-5, (8, 8, 2, 2) the same or 0.01 lower, (6, 7, 3, 2) 0.71-0.73, (8, 8, 4, 1) 0.55-0.57;
+# same bits. Seven down warps make 16 x 16 = 256 blocks, which fit the 264 two-per-SM slots in one
+# wave (eight warps: 224 blocks, 92 SMs holding two and 40 holding one).
 TC_SHAPE = (8, 7, 2, 2)
 TC_PIPES = ((2, 2), (3, 2), (4, 1))
 TC_STAGE_SMEM = 32 * 64 + 32 * 8  # TC_WBYTES + TC_SBYTES: one 128-column block of one warp
@@ -177,7 +177,10 @@ class _Kernel:
         n = _ck(_cu().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, smem), f"occupancy({self.name})")
         return max(1, int(n))
 
-    def __call__(self, grid, block, args: list[np.ndarray], smem: int = 0, stream=None) -> None:
+    def __call__(self, grid, block, args: list[np.ndarray], smem: int = 0, stream=None, pdl: bool = False) -> None:
+        """Launch on `stream` (torch's current one by default). pdl: programmatic dependent launch,
+        the kernel may start before the kernel before it in the stream ends (it must call
+        pdl_wait() before reading that kernel's output)."""
         cu = _cu()
         if self.param_sizes is not None and [a.nbytes for a in args] != self.param_sizes:
             raise CudaError(f"{self.name}: argument sizes {[a.nbytes for a in args]} != kernel params {self.param_sizes}")
@@ -191,10 +194,29 @@ class _Kernel:
         params = np.array([a.ctypes.data for a in args], dtype=np.uint64)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
+        if pdl:
+            cfg = cu.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
+            cfg.sharedMemBytes, cfg.hStream = smem, cu.CUstream(stream)
+            cfg.attrs, cfg.numAttrs = [_pdl_attr()], 1
+            _ck(cu.cuLaunchKernelEx(cfg, self.fn, params.ctypes.data, 0),
+                f"cuLaunchKernelEx({self.name}, grid={grid}, block={block}, smem={smem}, programmatic)")
+            return
         _ck(
             cu.cuLaunchKernel(self.fn, gx, gy, gz, bx, by, bz, smem, cu.CUstream(stream), params.ctypes.data, 0),
             f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})",
         )
+
+
+@functools.cache
+def _pdl_attr():
+    """The launch attribute that lets a kernel overlap the one before it (sm_90+)."""
+    cu = _cu()
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return attr
 
 
 @functools.cache
@@ -287,6 +309,10 @@ class NvrtcBackend:
         if self.nvfp4_impl not in NVFP4_IMPLS:
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
         self.tc_shape = TC_SHAPE  # (warps gate+up, warps down, stages, blocks per stage)
+        # Programmatic dependent launch of the expert FFN's tensor-core down kernel (its weights
+        # start streaming while the gate+up kernel's last wave runs) and of the weighted sum
+        # (sm_90+; STREAMRT_PDL=0: off)
+        self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9 and os.environ.get("STREAMRT_PDL", "1") != "0"
         self.gemv_plan = gemv_plan(os.environ.get("STREAMRT_GEMV", ""))
         self._gemv_choice: dict[tuple, tuple[str, int]] = {}
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -677,7 +703,7 @@ class NvrtcBackend:
                         [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=tc_smem(Dl, tg, st, kbs))
                     self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
                         (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=tc_smem(I, td, st, kbs))
+                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=tc_smem(I, td, st, kbs), pdl=self.pdl)
                 else:
                     self._k("nvfp4_moe", "srt_nvfp4_gateup")(
                         (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
@@ -687,7 +713,8 @@ class NvrtcBackend:
                         [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 4)
         n = T * Dl
         self._k("nvfp4_moe", "srt_moe_combine")(
-            (min(math.ceil(n / 256), 4096),), (256,), [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl)]
+            (min(math.ceil(n / 256), 4096),), (256,), [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl)],
+            pdl=self.pdl,  # only y is the kernel before's output: read after pdl_wait()
         )
         return out
 

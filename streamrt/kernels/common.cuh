@@ -30,6 +30,25 @@ SRT_DEV u32x4 ld_stream16(const void* p) {
   return r;
 }
 
+// ---- programmatic dependent launch (sm_90+; no-ops on older archs and in plain launches) ---
+//
+// A kernel launched with the programmatic-serialization attribute may start while the kernel
+// before it in the stream still runs: until pdl_wait() returns (that kernel has finished and its
+// writes are visible) it may only read what that kernel does not write (weights). A kernel lets
+// the next one start early by pdl_launch_dependents(): once every one of its blocks has called it
+// (or exited), the next kernel's blocks may take free SM slots. In a plain launch pdl_wait()
+// returns at once.
+SRT_DEV void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+SRT_DEV void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- conversions ---------------------------------------------------------------------------
 
 SRT_DEV float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }

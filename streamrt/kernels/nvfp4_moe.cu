@@ -155,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // out[t, d] = w[t,0]*y[t*k, d] + w[t,1]*y[t*k+1, d] + ... (left to right, each product rounded).
 extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                            float* __restrict__ out, int T, int k, int Dl) {
+  pdl_wait();  // y is the down kernel's output
   const long long n = (long long)T * Dl;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     const long long t = i / Dl, d = i - t * Dl;
@@ -287,7 +288,13 @@ struct TcRows {
   int nrows;
   long long rb, sb;  // bytes per row: packed, scales
   int kb_lo, kb_hi;  // the 128-column blocks to cover: [kb_lo, kb_hi)
+  int sc16;          // scale rows 16-byte aligned: a stage's scales of a row (KBS = 2) in one copy
 };
+
+// Whether every scale row of these matrices starts 16-byte aligned.
+SRT_DEV int scales_aligned16(const u8* a, const u8* b, long long sb) {
+  return sb % 16 == 0 && (((unsigned long long)a | (unsigned long long)b) & 15) == 0;
+}
 
 // Where chunk j of row r (r & 7 = gg) sits within the row in shared memory. With KBS = 1 a
 // row is 64 bytes and rows g, g+1 already fall in different bank halves.
@@ -309,12 +316,19 @@ SRT_DEV void tc_issue(int st, const TcRows& R, u32 wbuf, u32 sbuf) {
       cp_async16(wst + r * (KBS * 64) + (tc_swizzle<KBS>(j, gg) << 4), R.pk[q] + row * R.rb + (ok ? (kb0 * 4 + j) * 16 : 0),
                  ok ? 16 : 0);
     }
+    if (KBS == 2 && R.sc16) {  // scales: lane = row (slot lane / 8), both blocks in one 16-byte copy
+      const int q = lane >> 3, gg = lane & 7;  // selects, not an indexed array (which would sit in local memory)
+      const int r0 = q == 0 ? R.row0[0] : q == 1 ? R.row0[1] : q == 2 ? R.row0[2] : R.row0[3];
+      const u8* sc = q == 0 ? R.sc[0] : q == 1 ? R.sc[1] : q == 2 ? R.sc[2] : R.sc[3];
+      cp_async16(sst + lane * 16, sc + min(r0 + gg, R.nrows - 1) * R.sb + kb0 * 8, min(2, nkb - kb0) * 8);
+    } else {
 #pragma unroll
-    for (int q = 0; q < 4; ++q)  // scales: 8 rows x KBS blocks of 8 bytes per slot
-      if (lane < 8 * KBS) {
-        const int gg = lane / KBS, u = lane % KBS, row = min(R.row0[q] + gg, R.nrows - 1), ok = kb0 + u < nkb;
-        cp_async8(sst + ((q * 8 + gg) * KBS + u) * 8, R.sc[q] + row * R.sb + (ok ? (kb0 + u) * 8 : 0), ok ? 8 : 0);
-      }
+      for (int q = 0; q < 4; ++q)  // scales: 8 rows x KBS blocks of 8 bytes per slot
+        if (lane < 8 * KBS) {
+          const int gg = lane / KBS, u = lane % KBS, row = min(R.row0[q] + gg, R.nrows - 1), ok = kb0 + u < nkb;
+          cp_async8(sst + ((q * 8 + gg) * KBS + u) * 8, R.sc[q] + row * R.sb + (ok ? (kb0 + u) * 8 : 0), ok ? 8 : 0);
+        }
+    }
   }
   cp_async_commit();  // an empty group past the end keeps the wait count uniform
 }
@@ -414,7 +428,9 @@ SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, floa
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
   const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
   const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
-  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, 0, Dl >> 7};
+  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, 0, Dl >> 7,
+                    scales_aligned16(gs, us, Dl >> 4)};
+  pdl_launch_dependents();  // the down kernel's blocks may take SM slots this grid's last wave leaves free
   if (r0 < I)  // weights do not depend on x: start the pipeline before staging it
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   const float unscale = stage_x_f16(xh, xl, z + (long long)tab.row[p] * Dl, Dl, red);
@@ -444,9 +460,12 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
   const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
-  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, 0, I >> 7};
+  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, 0, I >> 7,
+                    scales_aligned16(ds, ds, I >> 4)};
+  pdl_launch_dependents();
   if (r0 < Dl)
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
   const float unscale = stage_x_f16(xh, xl, h + (long long)tab.dst[p] * I, I, red);
   if (r0 >= Dl) return;
   float acc[4];
