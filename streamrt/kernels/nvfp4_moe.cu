@@ -190,6 +190,10 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 //    mma layout requests 64-byte pieces of 16 rows at once and measured 0.50-0.54 of the copy
 //    rate against 0.67 for this). In shared memory each row's 16-byte chunks are swizzled
 //    (tc_swizzle), so both the copies and the mma-layout reads are free of bank conflicts.
+//    With 16-byte aligned scale rows a stage's scales of one row (KBS = 2) are one copy.
+//  * The down kernel is launched programmatically (sm_90+): the gate+up kernel lets it start
+//    once its own last wave is placed, so down blocks fill the slots that wave leaves free and
+//    queue their first weight stages; they read h only after pdl_wait(). The sum waits too.
 // Requires in % 128 == 0 and 8-byte aligned scale rows; other shapes use the CUDA-core kernels.
 // Shared memory: xh, xl [in/32 chunks][20] u32 (16 fp16 pairs per chunk, padded; in * 5
 // bytes), then per warp S * KBS * (TC_WBYTES + TC_SBYTES) bytes of ring.
