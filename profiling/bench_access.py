@@ -16,7 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -78,30 +77,22 @@ def main(argv=None) -> int:
     print(f"# bench_access: {torch.cuda.get_device_name(dev)}, matrix {rows} x {rb} B ({W.numel() / 1e6:.1f} MB), "
           f"copy rate {copy / 1e9:.0f} GB/s")
     print("| bytes/row/step | rows/warp | warps/SM | us | GB/s | / copy |\n|---:|---:|---:|---:|---:|---:|")
+    kargs = [nv._p(W), nv._i32(rb), nv._i32(rows), nv._p(sink)]
     for pb, rw in PATTERNS:
-        fn = nv._ck(cu.cuModuleGetFunction(mod, f"read_{pb}_{rw}".encode()), "cuModuleGetFunction")
+        kern = nv._Kernel("bench_access", f"read_{pb}_{rw}", dev, module=mod)
         warps = rows // rw
         blocks = (warps + 7) // 8
         seen = set()
         for per_sm in (16, 32, None):  # None: as many as the registers allow
             # dynamic shared memory (unused) caps the resident 8-warp blocks per SM
             smem = (228 * 1024) // (per_sm // 8) - 1024 if per_sm else 0
-            if smem > 48 * 1024:
-                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                nv._ck(cu.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute")
-            resident = nv._ck(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, 256, smem), "occupancy") * 8
+            if smem > kern.smem_limit:
+                kern.set_smem_limit(smem)
+            resident = kern.blocks_per_sm(256, smem) * 8
             if resident in seen:
                 continue
             seen.add(resident)
-            a = [np.array([W.data_ptr()], np.uint64), np.array([rb], np.int32), np.array([rows], np.int32),
-                 np.array([sink.data_ptr()], np.uint64)]
-            params = np.array([x.ctypes.data for x in a], dtype=np.uint64)
-
-            def launch(fn=fn, blocks=blocks, smem=smem, params=params, a=a):
-                s = nv._current_stream(dev)
-                nv._ck(cu.cuLaunchKernel(fn, blocks, 1, 1, 256, 1, 1, smem, cu.CUstream(s), params.ctypes.data, 0), "launch")
-
-            t = graph_time(launch, args.reps, args.trials)
+            t = graph_time(lambda: kern((blocks,), (256,), kargs, smem=smem), args.reps, args.trials)  # runs now
             print(f"| {pb} | {rw} | {resident} | {t * 1e6:.1f} | {W.numel() / t / 1e9:.0f} | {W.numel() / t / copy:.2f} |")
     return 0
 

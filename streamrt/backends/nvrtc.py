@@ -61,6 +61,8 @@ def tc_smem(in_features: int, warps: int, stages: int, blocks: int) -> int:
     """Dynamic shared memory of a tensor-core NVFP4 block: the staged activation (fp16 hi + lo,
     padded: 5 bytes per input) and each warp's cp.async ring."""
     return in_features * 5 + warps * stages * blocks * TC_STAGE_SMEM
+
+
 # "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
 NVFP4_IMPLS = ("tc", "cuda_core")
 SMEM_DEFAULT = 48 * 1024
@@ -153,9 +155,10 @@ def _module(program: str, device_index: int):
 class _Kernel:
     """One loaded entry point: checks its argument sizes once against the driver's param info."""
 
-    def __init__(self, program: str, name: str, device_index: int):
+    def __init__(self, program: str, name: str, device_index: int, module=None):
+        """`module`: a module loaded elsewhere (e.g. a benchmark's own source) instead of `program`'s."""
         self.name, self.device_index = name, device_index
-        mod = _module(program, device_index)
+        mod = module if module is not None else _module(program, device_index)
         self.fn = _ck(_cu().cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
         self.param_sizes = self._param_sizes()
         self.smem_limit = SMEM_DEFAULT
@@ -172,6 +175,13 @@ class _Kernel:
             sizes.append(int(res[2]))
         return sizes or None
 
+    def set_smem_limit(self, smem: int) -> None:
+        """Allow `smem` bytes of dynamic shared memory per block (above the 48 KiB default; the
+        occupancy query needs it set too)."""
+        attr = _cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _ck(_cu().cuFuncSetAttribute(self.fn, attr, smem), f"cuFuncSetAttribute({self.name}, smem={smem})")
+        self.smem_limit = smem
+
     def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
         """Resident blocks per SM at this block size (the driver's occupancy calculator)."""
         n = _ck(_cu().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, smem), f"occupancy({self.name})")
@@ -186,9 +196,7 @@ class _Kernel:
             raise CudaError(f"{self.name}: argument sizes {[a.nbytes for a in args]} != kernel params {self.param_sizes}")
         _make_current(self.device_index)
         if smem > self.smem_limit:
-            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _ck(cu.cuFuncSetAttribute(self.fn, attr, smem), f"cuFuncSetAttribute({self.name}, smem={smem})")
-            self.smem_limit = smem
+            self.set_smem_limit(smem)
         if stream is None:
             stream = _current_stream(self.device_index)
         params = np.array([a.ctypes.data for a in args], dtype=np.uint64)

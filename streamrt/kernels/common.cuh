@@ -104,12 +104,6 @@ SRT_DEV u32 f2h2(float lo, float hi) {
   return r;
 }
 
-SRT_DEV u32 hmul2(u32 a, u32 b) {  // fp16x2 multiply, subnormals kept (no .ftz)
-  u32 d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
 // D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulators (sm_80+).
 SRT_DEV void mma16816(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "

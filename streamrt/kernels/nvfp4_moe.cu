@@ -291,7 +291,7 @@ struct TcRows {
   int row0[4];
   int nrows;
   long long rb, sb;  // bytes per row: packed, scales
-  int kb_lo, kb_hi;  // the 128-column blocks to cover: [kb_lo, kb_hi)
+  int nkb;           // 128-column blocks per row
   int sc16;          // scale rows 16-byte aligned: a stage's scales of a row (KBS = 2) in one copy
 };
 
@@ -307,10 +307,10 @@ SRT_DEV int tc_swizzle(int j, int gg) {
   return KBS >= 2 ? j ^ ((gg & 1) << 2) : j;
 }
 
-// Queue stage st (blocks kb_lo + st*KBS + 0..KBS-1; those from kb_hi on zero-filled) into ring slot st % S.
+// Queue stage st (blocks st*KBS + 0..KBS-1; those from nkb on zero-filled) into ring slot st % S.
 template <int S, int KBS>
 SRT_DEV void tc_issue(int st, const TcRows& R, u32 wbuf, u32 sbuf) {
-  const int lane = threadIdx.x & 31, kb0 = R.kb_lo + st * KBS, nkb = R.kb_hi;
+  const int lane = threadIdx.x & 31, kb0 = st * KBS, nkb = R.nkb;
   if (kb0 < nkb) {
     const u32 wst = wbuf + (st % S) * KBS * TC_WBYTES, sst = sbuf + (st % S) * KBS * TC_SBYTES;
 #pragma unroll
@@ -355,7 +355,7 @@ SRT_DEV void e2m1x8_h2(u32 q, u32 out[4]) {
 template <int S, int KBS>
 SRT_DEV void tc_rows(const TcRows& R, const u32* xh, const u32* xl, const u8* wring, const u8* sring, float acc[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int nst = (R.kb_hi - R.kb_lo + KBS - 1) / KBS;
+  const int nst = (R.nkb + KBS - 1) / KBS;
   const u32 wbuf = smem_addr(wring), sbuf = smem_addr(sring);
   const bool holds_b = (g >> 1) == c;  // B column g = 2c + h belongs to this lane's chunk
   const u32* xsrc = (g & 1) ? xl : xh;
@@ -369,8 +369,8 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xh, const u32* xl, const u8* wr
     const u8* sst = sring + (st % S) * KBS * TC_SBYTES;
 #pragma unroll
     for (int u = 0; u < KBS; ++u) {
-      const int kb = R.kb_lo + st * KBS + u;
-      if (kb >= R.kb_hi) break;  // warp-uniform
+      const int kb = st * KBS + u;
+      if (kb >= R.nkb) break;  // warp-uniform
       u32x4 w[4];
       u32 sv[4];
 #pragma unroll
@@ -432,7 +432,7 @@ SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, floa
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
   const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
   const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
-  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, 0, Dl >> 7,
+  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
                     scales_aligned16(gs, us, Dl >> 4)};
   pdl_launch_dependents();  // the down kernel's blocks may take SM slots this grid's last wave leaves free
   if (r0 < I)  // weights do not depend on x: start the pipeline before staging it
@@ -464,7 +464,7 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
   const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
-  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, 0, I >> 7,
+  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
                     scales_aligned16(ds, ds, I >> 4)};
   pdl_launch_dependents();
   if (r0 < Dl)
