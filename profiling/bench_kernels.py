@@ -190,12 +190,14 @@ def main(argv=None) -> int:
           lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
 
     if args.variants:  # block and pipeline shapes of the tensor-core kernels (same bits)
-        for shape, pdl in (((8, 7, 2, 2), False), ((8, 7, 2, 2), True), ((8, 8, 2, 2), True), ((8, 4, 2, 2), True),
-                           ((6, 7, 3, 2), True), ((8, 8, 4, 1), True)):
+        for shape, pdl, pair in (((8, 7, 2, 2), False, False), ((8, 7, 2, 2), True, False), ((8, 7, 2, 2), False, True),
+                                 ((8, 7, 2, 2), True, True), ((8, 8, 2, 2), True, True), ((8, 4, 2, 2), True, True),
+                                 ((6, 7, 3, 2), True, True)):
             nvw = NvrtcBackend()
-            nvw.tc_shape, nvw.pdl = shape, pdl and nv.pdl
+            nvw.tc_shape, nvw.pdl, nvw.pair_ready = shape, pdl and nv.pdl, pair
             bench(f"  variant: nvfp4 FFN tc, warps/block gate-up {shape[0]}, down {shape[1]}, stages {shape[2]} x "
-                  f"{shape[3]} blocks, programmatic launch {'on' if nvw.pdl else 'off'}", ex_bytes,
+                  f"{shape[3]} blocks, programmatic launch {'on' if nvw.pdl else 'off'}, down starts on "
+                  f"{'its pair' if pair else 'the whole gate+up grid'}", ex_bytes,
                   lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
         diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes)
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")

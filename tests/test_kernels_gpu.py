@@ -461,12 +461,59 @@ def test_expert_ffn_tc_shapes_same_bits(gen):
     shapes = [(w1, w2, s, kbs) for s, kbs in TC_PIPES for (w1, w2) in ((8, 8), (4, 2), (1, 8))] + [(16, 16, 2, 2)]
     pdl0 = nv.pdl
     for shape in shapes:
-        for pdl in (not pdl0, pdl0):
-            nv.tc_shape, nv.pdl = shape, pdl
+        for pdl, pair_ready in ((not pdl0, True), (pdl0, True), (pdl0, False)):
+            nv.tc_shape, nv.pdl, nv.pair_ready = shape, pdl, pair_ready
             try:
-                assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), base), f"tc shape {shape}, pdl {pdl}"
+                got = nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+                assert torch.equal(got, base), f"tc shape {shape}, pdl {pdl}, pair_ready {pair_ready}"
             finally:
-                nv.tc_shape, nv.pdl = TC_SHAPE, pdl0
+                nv.tc_shape, nv.pdl, nv.pair_ready = TC_SHAPE, pdl0, True
+
+
+@pytest.mark.skipif(NV is None, reason="kernel property")
+def test_expert_ffn_back_to_back_same_bits(gen):
+    """Calls queued back to back (programmatic launches overlapping the call before, down blocks
+    starting on their pair's gate+up count, the sum zeroing the counts for the next call) give
+    the same bits as one call alone (each call routes z to other experts: a down block reading h
+    before its gate+up blocks wrote it would see the call before's)."""
+    E, k, Dl, I = 6, 4, 256, 384  # a grid small enough for every block of a launch to be resident
+    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    nv = NV_IMPLS["tc"]
+    ids = [torch.randperm(E, generator=gen, device=DEV)[:k].view(1, k).cpu() for _ in range(20)]
+    weights = [rand(gen, 1, k, lo=0.01, hi=1.0) for _ in range(20)]
+    z0 = randn(gen, 1, Dl)
+
+    def chain(sync):
+        outs = []
+        for i in range(20):
+            outs.append(nv.expert_ffn(z0, ids[i], weights[i], experts, 4.0, 25.0))
+            if sync:
+                torch.cuda.synchronize()
+        return outs
+
+    alone = chain(True)
+    for _ in range(3):
+        for i, (a, b) in enumerate(zip(alone, chain(False))):
+            assert torch.equal(a, b), f"call {i} of a back-to-back chain differs from the same call alone"
+
+
+@pytest.mark.skipif(NV is None, reason="kernel property")
+def test_expert_ffn_error_after_launch_leaves_no_counts(gen):
+    """An error raised once the resident experts' kernels are queued (a late expert of another
+    intermediate size) leaves no gate+up counts behind for the next call to trust."""
+    k, Dl, I = 4, 256, 384
+    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(k)}
+    bad = dict(experts)
+    bad[3] = ExpertWeights(rand_nvfp4(gen, 512, Dl), rand_nvfp4(gen, 512, Dl), rand_nvfp4(gen, Dl, 512))
+    nv = NV_IMPLS["tc"]
+    ids, w = torch.arange(k).view(1, k), rand(gen, 1, k, lo=0.01, hi=1.0)
+    z1, z2 = randn(gen, 1, Dl), randn(gen, 1, Dl)
+    want = nv.expert_ffn(z2, ids, w, experts, 4.0, 25.0)
+    with pytest.raises(ValueError, match="intermediate size"):
+        nv.expert_ffn(z1, ids, w, _LateExperts(bad, {3}), 4.0, 25.0)
+    torch.cuda.synchronize()
+    assert int(nv._ready.abs().sum()) == 0, "gate+up counts left behind by the failed call"
+    assert torch.equal(nv.expert_ffn(z2, ids, w, experts, 4.0, 25.0), want)
 
 
 class _LateExperts(dict):

@@ -51,7 +51,9 @@ MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 # --variants, H200, slice layer (16 experts, T=1): (8, 7, 2, 2) 0.73-0.76 of the copy rate in
 # sessions 4-5, (8, 8, 2, 2) the same or 0.01 lower, (6, 7, 3, 2) 0.71-0.73, (8, 8, 4, 1) 0.55-0.57;
 # same bits. Seven down warps make 16 x 16 = 256 blocks, which fit the 264 two-per-SM slots in one
-# wave (eight warps: 224 blocks, 92 SMs holding two and 40 holding one).
+# wave (eight warps: 224 blocks, 92 SMs holding two and 40 holding one). Session 6, with the down
+# blocks starting on their pair's count: (8, 7, 2, 2) 0.78, (8, 8, 2, 2) 0.78, (8, 4, 2, 2) 0.77,
+# (8, 7, 3, 2) 0.69; one block per SM (fewer warps, less in flight) 0.71-0.73.
 TC_SHAPE = (8, 7, 2, 2)
 TC_PIPES = ((2, 2), (3, 2), (4, 1))
 TC_STAGE_SMEM = 32 * 64 + 32 * 8  # TC_WBYTES + TC_SBYTES: one 128-column block of one warp
@@ -162,6 +164,7 @@ class _Kernel:
         self.fn = _ck(_cu().cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
         self.param_sizes = self._param_sizes()
         self.smem_limit = SMEM_DEFAULT
+        self._configs = {}  # programmatic launches: CUlaunchConfig by (grid, block, smem, stream)
 
     def _param_sizes(self) -> list[int] | None:
         cu = _cu()
@@ -203,11 +206,17 @@ class _Kernel:
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         if pdl:
-            cfg = cu.CUlaunchConfig()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
-            cfg.sharedMemBytes, cfg.hStream = smem, cu.CUstream(stream)
-            cfg.attrs, cfg.numAttrs = [_pdl_attr()], 1
+            key = (gx, gy, gz, bx, by, bz, smem, stream)
+            cfg = self._configs.get(key)
+            if cfg is None:  # building one costs more Python time than the launch itself
+                cfg = cu.CUlaunchConfig()
+                cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+                cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
+                cfg.sharedMemBytes, cfg.hStream = smem, cu.CUstream(stream)
+                cfg.attrs, cfg.numAttrs = [_pdl_attr()], 1
+                if len(self._configs) >= 256:
+                    self._configs.clear()
+                self._configs[key] = cfg
             _ck(cu.cuLaunchKernelEx(cfg, self.fn, params.ctypes.data, 0),
                 f"cuLaunchKernelEx({self.name}, grid={grid}, block={block}, smem={smem}, programmatic)")
             return
@@ -317,16 +326,30 @@ class NvrtcBackend:
         if self.nvfp4_impl not in NVFP4_IMPLS:
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
         self.tc_shape = TC_SHAPE  # (warps gate+up, warps down, stages, blocks per stage)
-        # Programmatic dependent launch of the expert FFN's tensor-core down kernel (its weights
-        # start streaming while the gate+up kernel's last wave runs) and of the weighted sum
-        # (sm_90+; STREAMRT_PDL=0: off)
+        # Programmatic dependent launch of the expert FFN's kernels (sm_90+; STREAMRT_PDL=0: off):
+        # the tensor-core gate+up kernel queues its first weight copies while the kernel before
+        # it ends, the down kernel's blocks take the SM slots the gate+up grid's last wave leaves
+        # free, and the weighted sum queues behind the down kernel.
         self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9 and os.environ.get("STREAMRT_PDL", "1") != "0"
+        # The tensor-core down kernel's blocks start on a pair once its gate+up blocks are done
+        # (per-pair counts), not once the whole gate+up grid is: the first experts' down work
+        # runs while the last experts' gate+up does.
+        self.pair_ready = True
+        self._ready = None
         self.gemv_plan = gemv_plan(os.environ.get("STREAMRT_GEMV", ""))
         self._gemv_choice: dict[tuple, tuple[str, int]] = {}
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def _k(self, program: str, name: str) -> _Kernel:
         return kernel(program, name, self._dev)
+
+    def _ready_counts(self, n: int) -> Tensor:
+        """Per pair of an expert-FFN call, how many gate+up blocks are done (the down kernel's
+        blocks wait on their pair's count). Zero between calls: the weighted sum zeroes them.
+        One set per backend: calls on one stream (the runtime's compute stream)."""
+        if self._ready is None or self._ready.numel() < n:
+            self._ready = torch.zeros(max(n, 1024), dtype=torch.int32, device=self.device)
+        return self._ready
 
     def _empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
         """Every output and scratch buffer comes from here (tests poison it to prove full writes)."""
@@ -683,48 +706,64 @@ class NvrtcBackend:
         ptrs, I = {}, None
         binf = int(math.isinf(beta))
         act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
-        impl = self.nvfp4_impl
         h = y = None
-        for group in groups:
-            if not group:
-                continue
-            for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
-                ptrs[e] = _expert_ptrs(experts[e], e, Dl, dev)
-                if I is None:
-                    I = ptrs[e][9]
-                elif ptrs[e][9] != I:
-                    raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e][9]}, another has {I}")
-            if h is None:
-                h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
-                hp, yp = np.array([h.data_ptr()], np.uint64), np.array([y.data_ptr()], np.uint64)
-            for c0 in range(0, len(group), MOE_MAXP):
-                chunk = group[c0 : c0 + MOE_MAXP]
-                gtab, dtab = _tables(chunk, ptrs)
-                np_ = len(chunk)
-                # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
-                if impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and _scales_aligned8(chunk, ptrs):
-                    tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-                    if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
-                        raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
-                    self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}")(
-                        (math.ceil(I / (16 * tg)), np_), (tg * 32,),
-                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=tc_smem(Dl, tg, st, kbs))
-                    self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
-                        (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=tc_smem(I, td, st, kbs), pdl=self.pdl)
-                else:
-                    self._k("nvfp4_moe", "srt_nvfp4_gateup")(
-                        (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
-                        [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 4)
-                    self._k("nvfp4_moe", "srt_nvfp4_down")(
-                        (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,),
-                        [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 4)
+        ready = self._ready_counts(P) if self.pair_ready else None
+        counted = False  # a tensor-core launch counted into `ready`: the sum must zero it
+        try:
+            for late_group, group in enumerate(groups):
+                if not group:
+                    continue
+                for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
+                    ptrs[e] = _expert_ptrs(experts[e], e, Dl, dev)
+                    if I is None:
+                        I = ptrs[e][9]
+                    elif ptrs[e][9] != I:
+                        raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e][9]}, another has {I}")
+                if h is None:
+                    h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
+                for c0 in range(0, len(group), MOE_MAXP):
+                    chunk = group[c0 : c0 + MOE_MAXP]
+                    counted |= self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup=not late_group)
+        except BaseException:
+            if counted:  # the sum that zeroes the counts will not run
+                ready.zero_()
+            raise
         n = T * Dl
         self._k("nvfp4_moe", "srt_moe_combine")(
-            (min(math.ceil(n / 256), 4096),), (256,), [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl)],
+            (min(math.ceil(n / 256), 4096),), (256,),
+            [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl), _p(ready if counted else None)],
             pdl=self.pdl,  # only y is the kernel before's output: read after pdl_wait()
         )
         return out
+
+    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup) -> bool:
+        """gate+up+SiTU into h and down into y for up to 64 pairs; True if the tensor-core kernels
+        ran with `ready` (their blocks count into it)."""
+        gtab, dtab = _tables(chunk, ptrs)
+        np_ = len(chunk)
+        hp, yp = _p(h), _p(y)
+        # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
+        if self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and _scales_aligned8(chunk, ptrs):
+            tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+            if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
+                raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+            gu_blocks = math.ceil(I / (16 * tg))
+            self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}")(
+                (gu_blocks, np_), (tg * 32,), [gtab, _p(z), hp, _i32(I), _i32(Dl), *act, _p(ready)],
+                smem=tc_smem(Dl, tg, st, kbs),
+                # programmatic: reads z after pdl_wait(); before it only weights, and only of
+                # resident experts (a late expert's copy is waited for by an event before this)
+                pdl=self.pdl and pdl_gateup)
+            self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
+                (math.ceil(Dl / (32 * td)), np_), (td * 32,), [dtab, hp, yp, _i32(Dl), _i32(I), _p(ready), _i32(gu_blocks)],
+                smem=tc_smem(I, td, st, kbs), pdl=self.pdl)
+            return ready is not None
+        self._k("nvfp4_moe", "srt_nvfp4_gateup")(
+            (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
+            [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 4)
+        self._k("nvfp4_moe", "srt_nvfp4_down")(
+            (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 4)
+        return False
 
     # ---- AttnRes -------------------------------------------------------------------------------
 

@@ -153,8 +153,10 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 }
 
 // out[t, d] = w[t,0]*y[t*k, d] + w[t,1]*y[t*k+1, d] + ... (left to right, each product rounded).
+// ready (tensor-core path): the gate+up blocks done per pair, zeroed here for the next call.
 extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const float* __restrict__ w,
-                                           float* __restrict__ out, int T, int k, int Dl) {
+                                           float* __restrict__ out, int T, int k, int Dl, int* ready) {
+  pdl_launch_dependents();  // a programmatic launch after this one may queue its weight copies now
   pdl_wait();  // y is the down kernel's output
   const long long n = (long long)T * Dl;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
@@ -162,6 +164,7 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
     float acc = __fmul_rn(w[t * k], y[(t * k) * Dl + d]);
     for (int j = 1; j < k; ++j) acc = __fadd_rn(acc, __fmul_rn(w[t * k + j], y[(t * k + j) * Dl + d]));
     out[i] = acc;
+    if (ready != nullptr && i < T * k) ready[i] = 0;
   }
 }
 
@@ -191,65 +194,80 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 //    rate against 0.67 for this). In shared memory each row's 16-byte chunks are swizzled
 //    (tc_swizzle), so both the copies and the mma-layout reads are free of bank conflicts.
 //    With 16-byte aligned scale rows a stage's scales of one row (KBS = 2) are one copy.
-//  * The down kernel is launched programmatically (sm_90+): the gate+up kernel lets it start
-//    once its own last wave is placed, so down blocks fill the slots that wave leaves free and
-//    queue their first weight stages; they read h only after pdl_wait(). The sum waits too.
+//  * All three kernels are launched programmatically (sm_90+): gate+up queues its first weight
+//    stages while the kernel before it ends and reads z after pdl_wait(); once its blocks are
+//    past that, down blocks may take the slots its last wave leaves free and queue their first
+//    weight stages. A down block then waits for its own pair only: each gate+up block adds one
+//    to ready[pair] when its rows of h are written, so the first experts' down work runs while
+//    the last experts' gate+up does (0.75 -> 0.78 of the copy rate). The sum waits for the down
+//    grid and zeroes the counts for the next call.
 // Requires in % 128 == 0 and 8-byte aligned scale rows; other shapes use the CUDA-core kernels.
 // Shared memory: xh, xl [in/32 chunks][20] u32 (16 fp16 pairs per chunk, padded; in * 5
 // bytes), then per warp S * KBS * (TC_WBYTES + TC_SBYTES) bytes of ring.
 
 #define MMA_XSTRIDE 20
 
+// 16-byte load from L2, past L1: x may have been written during this launch by another grid's
+// blocks (the down kernel starting on a pair's gate+up count), which L1 does not see.
+SRT_DEV f32x4 ld_cg4(const f32x4* p) {
+  f32x4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// One item (chunk ch, word w) of the staged activation: elements ch*32 + w*8 + 0..7 (a, b),
+// scaled by `up`, -> 4 u32 of xh and of xl at [ch][w*4 .. w*4+3].
+SRT_DEV void stage_item(u32* xh, u32* xl, int it, f32x4 a, f32x4 b, float up) {
+  // pairs (0, 2), (1, 3), (4, 6), (5, 7) of the word's 8 elements: the order e2m1x8_h2 decodes
+  const float lo[4] = {a.x * up, a.y * up, b.x * up, b.y * up};
+  const float hi[4] = {a.z * up, a.w * up, b.z * up, b.w * up};
+  u32 hh[4], ll[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    hh[j] = f2h2(lo[j], hi[j]);
+    float ah, bh;
+    h2_to_f32(hh[j], ah, bh);
+    ll[j] = f2h2(lo[j] - ah, hi[j] - bh);
+  }
+  const int off = (it >> 2) * MMA_XSTRIDE + (it & 3) * 4;
+  *(u32x4*)(xh + off) = u32x4{hh[0], hh[1], hh[2], hh[3]};
+  *(u32x4*)(xl + off) = u32x4{ll[0], ll[1], ll[2], ll[3]};
+}
+
+SRT_DEV float absmax4(f32x4 v) { return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))); }
+
 // Stage x (n floats, n % 32 == 0, 16-byte aligned) as prescaled fp16 hi/lo pairs; returns
 // 2^(14 - s), the factor that undoes the prescale and the decode's 2^-14. Every block of a launch
-// stages its own copy before its rows can start, so both passes use 16-byte loads, four in
-// flight per thread (a loop of dependent scalar loads cost ~20% of the expert FFN's time).
+// stages its own copy before its rows can start, and the down kernel's blocks do it while the
+// memory system is loaded: up to 4 items per thread are read once, all loads in flight, and
+// kept in registers for the conversion; longer x takes a second read.
 SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, float* red) {
   const f32x4* x4 = (const f32x4*)x;
-  const int n4 = n >> 2, nt = blockDim.x;
+  const int items = n >> 3, nt = blockDim.x;
+  const bool held = items <= 4 * nt;
+  f32x4 a[4], b[4];
   float m = 0.0f;
-  for (int i = threadIdx.x; i < n4; i += 4 * nt) {
-    f32x4 v[4];
+  for (int i = threadIdx.x; i < items; i += 4 * nt) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = i + u * nt < n4 ? x4[i + u * nt] : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+    for (int u = 0; u < 4; ++u) {
+      const bool in = i + u * nt < items;
+      a[u] = in ? ld_cg4(x4 + (i + u * nt) * 2) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+      b[u] = in ? ld_cg4(x4 + (i + u * nt) * 2 + 1) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+    }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) m = fmaxf(m, fmaxf(fmaxf(fabsf(v[u].x), fabsf(v[u].y)), fmaxf(fabsf(v[u].z), fabsf(v[u].w))));
+    for (int u = 0; u < 4; ++u) m = fmaxf(m, fmaxf(absmax4(a[u]), absmax4(b[u])));
   }
   m = block_max(m, red);
   int e = 0;
   if (m > 0.0f) frexpf(m, &e);  // m < 2^e
   const int s = max(-100, min(100, 15 - e));
   const float up = ldexpf(1.0f, s);
-  // item (chunk ch, word w): elements ch*32 + w*8 + 0..7 -> 4 u32 of xh and of xl at
-  // [ch][w*4 .. w*4+3].
-  const int items = (n >> 5) * 4;
-  for (int i = threadIdx.x; i < items; i += 2 * nt) {
-    f32x4 a[2], b[2];
+  if (held) {
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int it = min(i + u * nt, items - 1);
-      a[u] = x4[it * 2];
-      b[u] = x4[it * 2 + 1];
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int it = i + u * nt;
-      if (it >= items) break;
-      // pairs (0, 2), (1, 3), (4, 6), (5, 7) of the word's 8 elements: the order e2m1x8_h2 decodes
-      const float lo[4] = {a[u].x * up, a[u].y * up, b[u].x * up, b[u].y * up};
-      const float hi[4] = {a[u].z * up, a[u].w * up, b[u].z * up, b[u].w * up};
-      u32 hh[4], ll[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        hh[j] = f2h2(lo[j], hi[j]);
-        float ah, bh;
-        h2_to_f32(hh[j], ah, bh);
-        ll[j] = f2h2(lo[j] - ah, hi[j] - bh);
-      }
-      const int off = (it >> 2) * MMA_XSTRIDE + (it & 3) * 4;
-      *(u32x4*)(xh + off) = u32x4{hh[0], hh[1], hh[2], hh[3]};
-      *(u32x4*)(xl + off) = u32x4{ll[0], ll[1], ll[2], ll[3]};
-    }
+    for (int u = 0; u < 4; ++u)
+      if (threadIdx.x + u * nt < items) stage_item(xh, xl, threadIdx.x + u * nt, a[u], b[u], up);
+  } else {
+    for (int it = threadIdx.x; it < items; it += nt) stage_item(xh, xl, it, ld_cg4(x4 + it * 2), ld_cg4(x4 + it * 2 + 1), up);
   }
   __syncthreads();
   return ldexpf(1.0f, 14 - s);
@@ -421,9 +439,11 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xh, const u32* xl, const u8* wr
 }
 
 // grid (ceil(I / (16 * warps)), P), block warps*32, smem Dl*5 + warps*S*KBS*(TC_WBYTES+TC_SBYTES).
+// With `ready`, each block counts itself done in ready[dst[p]] once its rows of h are written
+// (the down kernel waits for its pair's count, not for this whole grid).
 template <int S, int KBS>
 SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
-                       float beta, int beta_inf, float lbeta, int has_lin, u8* smem, float* red) {
+                       float beta, int beta_inf, float lbeta, int has_lin, int* ready, u8* smem, float* red) {
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   u32* xh = (u32*)smem;
   u32* xl = xh + (Dl >> 5) * MMA_XSTRIDE;
@@ -434,29 +454,56 @@ SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, floa
   const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
   const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
                     scales_aligned16(gs, us, Dl >> 4)};
-  pdl_launch_dependents();  // the down kernel's blocks may take SM slots this grid's last wave leaves free
   if (r0 < I)  // weights do not depend on x: start the pipeline before staging it
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  pdl_wait();  // z may be the kernel before's output (when this one is launched programmatically)
+  // The down kernel's blocks may now take SM slots this grid's last wave leaves free. Not before
+  // pdl_wait(): they read `ready`, which the kernel before (the last call's sum) zeroes.
+  pdl_launch_dependents();
   const float unscale = stage_x_f16(xh, xl, z + (long long)tab.row[p] * Dl, Dl, red);
-  if (r0 >= I) return;
-  float acc[4];
-  tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
-  if ((lane & 3) == 0) {
-    const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
-    const float* gg = (const float*)tab.gate_global[p];
-    const float* ug = (const float*)tab.up_global[p];
-    float* hp = h + (long long)tab.dst[p] * I;
-    if (r0 + g < I)
-      hp[r0 + g] = situ(acc[0] * unscale * gg[ra], acc[2] * unscale * ug[ra], beta, beta_inf, lbeta, has_lin);
-    if (r0 + g + 8 < I)
-      hp[r0 + g + 8] = situ(acc[1] * unscale * gg[rc], acc[3] * unscale * ug[rc], beta, beta_inf, lbeta, has_lin);
+  if (r0 < I) {
+    float acc[4];
+    tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
+    if ((lane & 3) == 0) {
+      const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
+      const float* gg = (const float*)tab.gate_global[p];
+      const float* ug = (const float*)tab.up_global[p];
+      float* hp = h + (long long)tab.dst[p] * I;
+      if (r0 + g < I)
+        hp[r0 + g] = situ(acc[0] * unscale * gg[ra], acc[2] * unscale * ug[ra], beta, beta_inf, lbeta, has_lin);
+      if (r0 + g + 8 < I)
+        hp[r0 + g + 8] = situ(acc[1] * unscale * gg[rc], acc[3] * unscale * ug[rc], beta, beta_inf, lbeta, has_lin);
+    }
+  }
+  if (ready != nullptr) {
+    __syncthreads();  // every warp's rows of h are written
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(&ready[tab.dst[p]], 1);
+    }
   }
 }
 
+// Wait until *flag >= target (the flag is written by blocks of another grid that is running).
+SRT_DEV void wait_count(const int* flag, int target) {
+  if (threadIdx.x == 0) {
+    int v;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+      if (v >= target) break;
+      __nanosleep(32);
+    }
+  }
+  __syncthreads();
+}
+
 // grid (ceil(Dl / (32 * warps)), P), block warps*32, smem I*5 + warps*S*KBS*(TC_WBYTES+TC_SBYTES).
+// With `ready`, a block starts on its pair once ready[dst[p]] reaches `target` (every gate+up
+// block of the pair is done) instead of waiting for the whole gate+up grid: the down work of the
+// first experts fills the slots the gate+up grid's last wave leaves free.
 template <int S, int KBS>
-SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I, u8* smem,
-                     float* red) {
+SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
+                     const int* ready, int target, u8* smem, float* red) {
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   u32* xh = (u32*)smem;
   u32* xl = xh + (I >> 5) * MMA_XSTRIDE;
@@ -469,36 +516,39 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
   pdl_launch_dependents();
   if (r0 < Dl)
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
-  pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
+  if (ready != nullptr) wait_count(ready + tab.dst[p], target);
+  else pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
   const float unscale = stage_x_f16(xh, xl, h + (long long)tab.dst[p] * I, I, red);
-  if (r0 >= Dl) return;
-  float acc[4];
-  tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
-  if ((lane & 3) == 0) {
-    const float* dg = (const float*)tab.global[p];
+  if (r0 < Dl) {
+    float acc[4];
+    tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
+    if ((lane & 3) == 0) {
+      const float* dg = (const float*)tab.global[p];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int row = r0 + g + 8 * q;
-      if (row < Dl) y[(long long)tab.dst[p] * Dl + row] = acc[q] * unscale * dg[row];
+      for (int q = 0; q < 4; ++q) {
+        const int row = r0 + g + 8 * q;
+        if (row < Dl) y[(long long)tab.dst[p] * Dl + row] = acc[q] * unscale * dg[row];
+      }
     }
   }
+  if (ready != nullptr) pdl_wait();  // end no earlier than the gate+up grid: the sum waits on this grid only
 }
 
 // Entry points per (stages S, blocks per stage KBS): the benchmark's variants; the backend picks one.
 #define SRT_TC_ENTRY(GU_NAME, DN_NAME, S, KBS)                                                                      \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       GU_NAME(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h, int I,   \
-              int Dl, float beta, int beta_inf, float lbeta, int has_lin) {                                        \
+              int Dl, float beta, int beta_inf, float lbeta, int has_lin, int* ready) {                            \
     extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
     __shared__ float red[32];                                                                                      \
-    gateup_tc<S, KBS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, (u8*)smem_##GU_NAME, red);                 \
+    gateup_tc<S, KBS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, (u8*)smem_##GU_NAME, red);          \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_NAME(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,    \
-              int I) {                                                                                             \
+              int I, const int* ready, int target) {                                                               \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
     __shared__ float red[32];                                                                                      \
-    down_tc<S, KBS>(tab, h, y, Dl, I, (u8*)smem_##DN_NAME, red);                                                   \
+    down_tc<S, KBS>(tab, h, y, Dl, I, ready, target, (u8*)smem_##DN_NAME, red);                                    \
   }
 
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, 2, 2)
