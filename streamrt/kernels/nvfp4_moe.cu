@@ -161,8 +161,18 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
   const long long n = (long long)T * Dl;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     const long long t = i / Dl, d = i - t * Dl;
-    float acc = __fmul_rn(w[t * k], y[(t * k) * Dl + d]);
-    for (int j = 1; j < k; ++j) acc = __fadd_rn(acc, __fmul_rn(w[t * k + j], y[(t * k + j) * Dl + d]));
+    float acc = 0.0f;
+    for (int j0 = 0; j0 < k; j0 += 16) {  // 16 loads in flight, then their products in order
+      float v[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = j0 + j < k ? y[(t * k + j0 + j) * Dl + d] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (j0 + j < k) {
+          const float pj = __fmul_rn(w[t * k + j0 + j], v[j]);
+          acc = j0 + j == 0 ? pj : __fadd_rn(acc, pj);
+        }
+    }
     out[i] = acc;
     if (ready != nullptr && i < T * k) ready[i] = 0;
   }
