@@ -52,8 +52,8 @@ MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 # sessions 4-5, (8, 8, 2, 2) the same or 0.01 lower, (6, 7, 3, 2) 0.71-0.73, (8, 8, 4, 1) 0.55-0.57;
 # same bits. Seven down warps make 16 x 16 = 256 blocks, which fit the 264 two-per-SM slots in one
 # wave (eight warps: 224 blocks, 92 SMs holding two and 40 holding one). Session 6, with the down
-# blocks starting on their pair's count: (8, 7, 2, 2) 0.78, (8, 8, 2, 2) 0.78, (8, 4, 2, 2) 0.77,
-# (8, 7, 3, 2) 0.69; one block per SM (fewer warps, less in flight) 0.71-0.73.
+# blocks starting on their pair's count: (8, 7, 2, 2) 0.81, (8, 8, 2, 2) 0.81, (8, 4, 2, 2) 0.80,
+# (6, 7, 3, 2) 0.77, (8, 7, 3, 2) 0.69; one block per SM (fewer warps in flight) 0.71-0.73.
 TC_SHAPE = (8, 7, 2, 2)
 TC_PIPES = ((2, 2), (3, 2), (4, 1))
 TC_STAGE_SMEM = 32 * 64 + 32 * 8  # TC_WBYTES + TC_SBYTES: one 128-column block of one warp

@@ -209,7 +209,7 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 //    past that, down blocks may take the slots its last wave leaves free and queue their first
 //    weight stages. A down block then waits for its own pair only: each gate+up block adds one
 //    to ready[pair] when its rows of h are written, so the first experts' down work runs while
-//    the last experts' gate+up does (0.75 -> 0.78 of the copy rate). The sum waits for the down
+//    the last experts' gate+up does (0.78 -> 0.81 of the copy rate). The sum waits for the down
 //    grid and zeroes the counts for the next call.
 // Requires in % 128 == 0 and 8-byte aligned scale rows; other shapes use the CUDA-core kernels.
 // Shared memory: xh, xl [in/32 chunks][20] u32 (16 fp16 pairs per chunk, padded; in * 5
