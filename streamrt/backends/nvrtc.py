@@ -23,6 +23,7 @@ import functools
 import math
 import os
 import threading
+import weakref
 from typing import Mapping
 
 import numpy as np
@@ -336,12 +337,26 @@ class NvrtcBackend:
         # runs while the last experts' gate+up does.
         self.pair_ready = True
         self._ready = None
+        self._ptr_cache: dict[int, tuple] = {}  # id(ExpertWeights) -> (weak ref, Dl, pointers)
         self.gemv_plan = gemv_plan(os.environ.get("STREAMRT_GEMV", ""))
         self._gemv_choice: dict[tuple, tuple[str, int]] = {}
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def _k(self, program: str, name: str) -> _Kernel:
         return kernel(program, name, self._dev)
+
+    def _expert_ptrs(self, ew: ExpertWeights, e: int, Dl: int) -> tuple[int, ...]:
+        """An expert's 9 pointers and I, checked once per ExpertWeights object (frozen views: the
+        same object has the same tensors). Checking 9 tensors was most of an expert-FFN call's
+        host time, and a decode step on the NVRTC kernels is bound by host time."""
+        hit = self._ptr_cache.get(id(ew))
+        if hit is not None and hit[0]() is ew and hit[1] == Dl:
+            return hit[2]
+        ptrs = _expert_ptrs(ew, e, Dl, self.device)
+        if len(self._ptr_cache) >= 8192:  # entries of views that are gone
+            self._ptr_cache.clear()
+        self._ptr_cache[id(ew)] = (weakref.ref(ew), Dl, ptrs)
+        return ptrs
 
     def _ready_counts(self, n: int) -> Tensor:
         """Per pair of an expert-FFN call, how many gate+up blocks are done (the down kernel's
@@ -714,7 +729,7 @@ class NvrtcBackend:
                 if not group:
                     continue
                 for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
-                    ptrs[e] = _expert_ptrs(experts[e], e, Dl, dev)
+                    ptrs[e] = self._expert_ptrs(experts[e], e, Dl)
                     if I is None:
                         I = ptrs[e][9]
                     elif ptrs[e][9] != I:
