@@ -34,7 +34,7 @@ class _Recorder:
         self.launches, self.name = launches, name
 
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
-        self.launches.append((self.name, args[0].copy() if "gateup" in self.name else None))
+        self.launches.append((self.name, args[0].copy() if "gateup" in self.name else [int(a.ravel()[0]) for a in args[1:]]))
 
 
 def _backend(launches):
@@ -78,3 +78,19 @@ def test_bad_expert_is_refused_after_good_ones_were_seen():
         nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
     with pytest.raises(ValueError, match=r"expert 1 down\.packed"):  # and again: a refusal is not remembered as a pass
         nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
+
+
+def test_counts_only_where_the_sum_can_zero_them():
+    """The weighted sum zeroes the per-pair counts with its first T * k of T * Dl threads: with
+    more experts per token than Dl, the down blocks wait for the whole gate+up grid instead."""
+    def ready_ptrs(k, dl, i):
+        launches = []
+        nv = _backend(launches)
+        experts = {e: ExpertWeights(_mat(i, dl), _mat(i, dl), _mat(dl, i)) for e in range(k)}
+        nv.expert_ffn(torch.randn(1, dl), torch.arange(k).view(1, k), torch.rand(1, k), experts, 4.0, 25.0)
+        return [args[4] for name, args in launches if "down" in name], [args[5] for name, args in launches if "combine" in name]
+
+    down, combine = ready_ptrs(4, 128, 128)
+    assert all(down) and all(combine)
+    down, combine = ready_ptrs(129, 128, 128)  # 129 pairs: three launches of up to 64
+    assert len(down) == 3 and not any(down) and not any(combine)

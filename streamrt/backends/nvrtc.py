@@ -722,7 +722,8 @@ class NvrtcBackend:
         binf = int(math.isinf(beta))
         act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
         h = y = None
-        ready = self._ready_counts(P) if self.pair_ready else None
+        # (the sum zeroes the counts with its first T * k threads of T * Dl: k <= Dl)
+        ready = self._ready_counts(P) if self.pair_ready and k <= Dl else None
         counted = False  # a tensor-core launch counted into `ready`: the sum must zero it
         try:
             for late_group, group in enumerate(groups):
