@@ -345,7 +345,7 @@ class NvrtcBackend:
     def _k(self, program: str, name: str) -> _Kernel:
         return kernel(program, name, self._dev)
 
-    def _expert_ptrs(self, ew: ExpertWeights, e: int, Dl: int) -> tuple[int, ...]:
+    def _checked_ptrs(self, ew: ExpertWeights, e: int, Dl: int) -> tuple[int, ...]:
         """An expert's 9 pointers and I, checked once per ExpertWeights object (frozen views: the
         same object has the same tensors). Checking 9 tensors was most of an expert-FFN call's
         host time, and a decode step on the NVRTC kernels is bound by host time."""
@@ -730,7 +730,7 @@ class NvrtcBackend:
                 if not group:
                     continue
                 for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
-                    ptrs[e] = self._expert_ptrs(experts[e], e, Dl)
+                    ptrs[e] = self._checked_ptrs(experts[e], e, Dl)
                     if I is None:
                         I = ptrs[e][9]
                     elif ptrs[e][9] != I:
