@@ -94,3 +94,23 @@ def test_counts_only_where_the_sum_can_zero_them():
     assert all(down) and all(combine)
     down, combine = ready_ptrs(129, 128, 128)  # 129 pairs: three launches of up to 64
     assert len(down) == 3 and not any(down) and not any(combine)
+
+
+def test_counts_zeroed_when_a_launch_fails_midway():
+    """A gate+up launch counted into the per-pair counts and the down launch after it failed:
+    the sum that zeroes them will not run, so the call zeroes them before raising."""
+    launches = []
+    nv = _backend(launches)
+
+    class Failing(_Recorder):
+        def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
+            if "gateup" in self.name:
+                nv._ready[:K] += grid[0]  # what the blocks would count
+            elif "down" in self.name:
+                raise nvm.CudaError(f"{self.name}: launch failed")
+
+    nv._k = lambda program, name: Failing(launches, name)
+    experts = {e: _expert() for e in range(K)}
+    with pytest.raises(nvm.CudaError, match="launch failed"):
+        nv.expert_ffn(torch.randn(1, DL), torch.arange(K).view(1, K), torch.rand(1, K), experts, 4.0, 25.0)
+    assert int(nv._ready.abs().sum()) == 0

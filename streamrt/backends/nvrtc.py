@@ -722,9 +722,9 @@ class NvrtcBackend:
         binf = int(math.isinf(beta))
         act = [_f32(0.0 if binf else beta), _i32(binf), _f32(1.0 if linear_beta is None else linear_beta), _i32(linear_beta is not None)]
         h = y = None
-        # (the sum zeroes the counts with its first T * k threads of T * Dl: k <= Dl)
+        # Per-pair gate+up counts for the tensor-core kernels; the sum zeroes them for the next
+        # call with its first T * k threads of T * Dl (k <= Dl).
         ready = self._ready_counts(P) if self.pair_ready and k <= Dl else None
-        counted = False  # a tensor-core launch counted into `ready`: the sum must zero it
         try:
             for late_group, group in enumerate(groups):
                 if not group:
@@ -739,22 +739,22 @@ class NvrtcBackend:
                     h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
                 for c0 in range(0, len(group), MOE_MAXP):
                     chunk = group[c0 : c0 + MOE_MAXP]
-                    counted |= self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup=not late_group)
+                    self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup=not late_group)
         except BaseException:
-            if counted:  # the sum that zeroes the counts will not run
+            if ready is not None:  # the sum that zeroes the counts will not run (queued after any launch made)
                 ready.zero_()
             raise
         n = T * Dl
         self._k("nvfp4_moe", "srt_moe_combine")(
             (min(math.ceil(n / 256), 4096),), (256,),
-            [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl), _p(ready if counted else None)],
+            [_p(y), _p(w), _p(out), _i32(T), _i32(k), _i32(Dl), _p(ready)],
             pdl=self.pdl,  # only y is the kernel before's output: read after pdl_wait()
         )
         return out
 
-    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup) -> bool:
-        """gate+up+SiTU into h and down into y for up to 64 pairs; True if the tensor-core kernels
-        ran with `ready` (their blocks count into it)."""
+    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup) -> None:
+        """gate+up+SiTU into h and down into y for up to 64 pairs (the tensor-core kernels count
+        into `ready`; the CUDA-core ones leave it alone)."""
         gtab, dtab = _tables(chunk, ptrs)
         np_ = len(chunk)
         hp, yp = _p(h), _p(y)
@@ -773,13 +773,12 @@ class NvrtcBackend:
             self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
                 (math.ceil(Dl / (32 * td)), np_), (td * 32,), [dtab, hp, yp, _i32(Dl), _i32(I), _p(ready), _i32(gu_blocks)],
                 smem=tc_smem(I, td, st, kbs), pdl=self.pdl)
-            return ready is not None
+            return
         self._k("nvfp4_moe", "srt_nvfp4_gateup")(
             (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
             [gtab, _p(z), hp, _i32(I), _i32(Dl), *act], smem=Dl * 4)
         self._k("nvfp4_moe", "srt_nvfp4_down")(
             (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, _i32(Dl), _i32(I)], smem=I * 4)
-        return False
 
     # ---- AttnRes -------------------------------------------------------------------------------
 
