@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", action="store_true",
                     help="also time every GEMV variant (rows per warp) and NVFP4 block shape, to check the defaults")
     ap.add_argument("--ffn-only", action="store_true", help="only the NVFP4 expert FFN rows (with --variants: its diagnosis)")
+    ap.add_argument("--no-ffn", action="store_true", help="skip the NVFP4 expert FFN rows (GEMV and the other ops only)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -178,7 +179,16 @@ def main(argv=None) -> int:
         tt = loop_time(tfn, max(1, args.reps // 4), 3) if (args.torch and tfn is not None) else None
         rows.append((name, nb, t, tt))
 
-    # NVFP4 expert FFN, slice geometry, 16 experts in one launch
+    if not args.no_ffn:
+        expert_ffn_rows(args, nv, tb, dev, bench)
+    if not args.ffn_only:
+        other_ops(args, nv, tb, dev, bench)
+    write_table(args, props, copy, copy_kinds, rows)
+    return 0
+
+
+def expert_ffn_rows(args, nv, tb, dev, bench) -> None:
+    """NVFP4 expert FFN at slice geometry, 16 experts in one launch (with --variants every block shape)."""
     Dl, I, k = 3584, 3072, 16
     experts = {e: ExpertWeights(rand_nvfp4(I, Dl), rand_nvfp4(I, Dl), rand_nvfp4(Dl, I)) for e in range(k)}
     ids = torch.arange(k).view(1, k)  # host ids: the graph captures launches, not a sync
@@ -203,11 +213,6 @@ def main(argv=None) -> int:
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
 
-    if not args.ffn_only:
-        other_ops(args, nv, tb, dev, bench)
-    write_table(args, props, copy, copy_kinds, rows)
-    return 0
-
 
 def other_ops(args, nv, tb, dev, bench) -> None:
     """The BF16 GEMV rows (with --variants every variant) and the other decode ops."""
@@ -217,9 +222,11 @@ def other_ops(args, nv, tb, dev, bench) -> None:
         (N, K), T = W.shape, x.shape[0]
         bench(f"bf16 GEMV {N}x{K}, T={T}", W.numel() * 2, lambda: nv.linear(x, W), lambda: tb.linear(x, W))
         for v in GEMV_VARIANTS[("bf16", T)] if args.variants else ():
-            nvv = NvrtcBackend()
-            nvv.gemv_plan = gemv_plan(f"bf16:{T}={v}")
-            bench(f"  variant: bf16 GEMV {N}x{K}, T={T}, {v}", W.numel() * 2, lambda nvv=nvv: nvv.linear(x, W))
+            for ks in (None, 1, 2, 4, 8) if v.startswith("tc") else (None,):
+                nvv = NvrtcBackend()
+                nvv.gemv_plan, nvv.gemv_tc_ks = gemv_plan(f"bf16:{T}={v}"), ks
+                bench(f"  variant: bf16 GEMV {N}x{K}, T={T}, {v}" + (f", K split {ks}" if ks else ""),
+                      W.numel() * 2, lambda nvv=nvv: nvv.linear(x, W))
 
     for N, K in ((7168, 12288), (12288, 7168)):
         bench_gemv(torch.randn(N, K, device=dev).to(torch.bfloat16), torch.randn(1, K, device=dev))

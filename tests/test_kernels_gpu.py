@@ -156,17 +156,17 @@ def test_linear_batch_invariant(gen, wdt):
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
 def test_linear_every_gemv_variant_same_bits(gen):
-    """Every GEMV variant (rows per warp) agrees with the float64
-    reference and gives the same bits for a row as the default plan: batch invariance holds
-    whichever variant a T bucket uses."""
+    """Every GEMV variant agrees with the float64 reference and gives the same bits for a row as
+    the first variant of its family at T=1 (tensor-core "tc<stages>", CUDA-core "r<rows>"):
+    batch invariance holds whichever variant a T bucket uses."""
     from streamrt.backends.nvrtc import GEMV_VARIANTS, gemv_plan
 
     x = randn(gen, 8, 1536)
     for wdt, dname in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         w = randn(gen, 203, 1536, scale=0.03, dtype=wdt)
         ref = x.double() @ w.double().T
-        base = NV.linear(x[:1], w)[0]
-        for (dt, nt), variants in GEMV_VARIANTS.items():
+        base = {}
+        for (dt, nt), variants in sorted(GEMV_VARIANTS.items()):
             if dt != dname:
                 continue
             for v in variants:
@@ -176,7 +176,34 @@ def test_linear_every_gemv_variant_same_bits(gen):
                 finally:
                     NV.gemv_plan = gemv_plan("")
                 assert rel(out, ref[:nt]) < TOL, f"GEMV {dt} T={nt} {v}: rel err {rel(out, ref[:nt]):.3g}"
-                assert torch.equal(out[0], base), f"GEMV {dt} T={nt} {v}: row 0 bits differ from T=1 default"
+                fam = v.rstrip("0123456789")
+                base.setdefault(fam, out[0])
+                assert torch.equal(out[0], base[fam]), f"GEMV {dt} T={nt} {v}: row 0 bits differ from the {fam} family at T=1"
+        if dname == "bf16":
+            assert torch.equal(base["tc"], NV.linear(x[:1], w)[0]), "the default bf16 GEMV is not the tensor-core one"
+
+
+@pytest.mark.skipif(NV is None, reason="kernel property")
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_linear_tensor_core_shapes_and_range(gen, xdt):
+    """The tensor-core GEMV: K not a multiple of its 128-column stage, N not a multiple of its
+    32-row block, x over 40 binary orders of magnitude (the fp32 split into three bf16 pieces
+    must be exact), every K split (1 to 8 warps per block, capped at the number of stages)."""
+    for T, N, K in ((1, 1, 8), (8, 17, 136), (5, 203, 1000), (8, 4100, 2056)):
+        scale = torch.exp2(torch.randint(-20, 20, (T, K), generator=gen, device=DEV).float())
+        x = (randn(gen, T, K) * scale).to(xdt)
+        w = randn(gen, N, K, scale=K**-0.5, dtype=torch.bfloat16)
+        ref = x.double() @ w.double().T
+        for ks in (None, 1, 2, 4, 8):
+            NV.gemv_tc_ks = ks
+            try:
+                check(f"tc GEMV T={T} N={N} K={K} x {xdt} K split {ks}", gen, ref, TB.linear(x.float(), w), lambda: NV.linear(x, w))
+            finally:
+                NV.gemv_tc_ks = None
+    # one-hot rows: out[t, n] is the single product x[t, n] * 1, exact if the split is exact
+    x = (randn(gen, 8, 1024) * torch.exp2(torch.randint(-30, 30, (8, 1024), generator=gen, device=DEV).float())).to(xdt)
+    w = torch.eye(1000, 1024, device=DEV, dtype=torch.bfloat16)
+    assert torch.equal(NV.linear(x, w), x[:, :1000].float()), "x * 1 is not exact: the bf16 pieces lose bits"
 
 
 # ---- norms / activations ------------------------------------------------------------------------

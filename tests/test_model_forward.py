@@ -250,7 +250,10 @@ def test_float_experts_training_mode():
     with torch.no_grad():
         want = model(ids, provider=DictExpertProvider(experts))
     logits = train(ids)  # no provider: float experts never yield
-    assert rel(logits, want) < 1e-5
+    # Two fp32 paths with different summation orders (dense matmul of dequantised experts vs the
+    # expert op) through every layer: 1e-5 per op compounds (1.19e-5 seen on one CPU, below 1e-5
+    # on another); a wrong scale or a missed term is orders of magnitude above this.
+    assert rel(logits, want) < 5e-5
     loss = torch.nn.functional.cross_entropy(logits[:-1], ids[1:])
     loss.backward()
     named = dict(train.named_parameters())

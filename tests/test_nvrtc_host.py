@@ -114,3 +114,89 @@ def test_counts_zeroed_when_a_launch_fails_midway():
     with pytest.raises(nvm.CudaError, match="launch failed"):
         nv.expert_ffn(torch.randn(1, DL), torch.arange(K).view(1, K), torch.rand(1, K), experts, 4.0, 25.0)
     assert int(nv._ready.abs().sum()) == 0
+
+
+# ---- dense GEMV: which kernel, grid, K split and shared memory a call gets -------------------
+
+
+class _GemvRecorder:
+    """Stands in for a GEMV kernel: keeps (name, grid, block, smem, int args). Weights are
+    torch.empty: only shapes and pointers reach the host logic."""
+
+    def __init__(self, launches, name):
+        self.launches, self.name = launches, name
+
+    def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
+        ints = [int(a.ravel()[0]) for a in args if a.dtype == np.int32]
+        self.launches.append((self.name, tuple(grid), tuple(block), smem, ints))
+
+    def blocks_per_sm(self, threads, smem=0):
+        return 16
+
+
+def _gemv_backend(launches, mma=True, smem_optin=227 * 1024):
+    nv = object.__new__(nvm.NvrtcBackend)
+    nv.device, nv._dev, nv.rowwise_max = torch.device("cpu"), 0, 64
+    nv._mma, nv._cc, nv._sms, nv._smem_optin = mma, (9, 0) if mma else (7, 5), 132, smem_optin
+    nv.gemv_plan, nv._gemv_choice, nv.gemv_tc_ks = {}, {}, None
+    nv._k = lambda program, name: _GemvRecorder(launches, name)
+    return nv
+
+
+def test_gemv_tensor_core_launch_shape():
+    launches = []
+    nv = _gemv_backend(launches)
+    w = torch.empty(7168, 12288, dtype=torch.bfloat16)
+    nv.linear(torch.randn(8, 12288), w)
+    (name, grid, block, smem, ints), = launches
+    assert name == "srt_gemv_tc_xf32_s2" and grid == (224,) and block == (128,)
+    assert ints == [8, 7168, 12288, 4]  # T, N, K, K split (N <= 8192: 4 warps per 32 rows)
+    assert smem == 4 * 2 * (32 * 128 * 2 + 8 * 128 * 4) + 3 * 8 * 32 * 4
+    launches.clear()
+    nv.linear(torch.empty(1, 12288, dtype=torch.bfloat16), w)
+    assert launches[0][0] == "srt_gemv_tc_xbf16_s2" and launches[0][3] == 4 * 2 * (32 * 128 * 2 + 128 * 2) + 3 * 8 * 32 * 4
+
+
+def test_gemv_k_split_depends_on_the_matrix_not_on_t():
+    """The K split sets the order of a row's sum: it must be the same for every T (batch
+    invariance), also across the 8-row launches of a longer batch."""
+    launches = []
+    nv = _gemv_backend(launches)
+    for N, K, ks in ((2048, 4096, 8), (7168, 12288, 4), (12288, 7168, 2), (163840, 7168, 1), (4096, 256, 2), (64, 8, 1)):
+        w = torch.empty(N, K, dtype=torch.bfloat16)
+        for T in (1, 3, 8, 11):
+            launches.clear()
+            nv.linear(torch.randn(T, K), w)
+            assert [L[4][-1] for L in launches] == [ks] * len(launches), (N, K, T)
+            assert [L[4][0] for L in launches] == ([8, 3] if T == 11 else [T])
+
+
+def test_gemv_stages_and_split_fit_shared_memory():
+    """Fewer stages where the rings would not fit (same bits); a K split capped by what fits two
+    stages of 8 fp32 x rows, whatever this call's T (the cap must not change a row's bits)."""
+    launches = []
+    nv = _gemv_backend(launches, smem_optin=80 * 1024)
+    nv.gemv_plan = nvm.gemv_plan("bf16:8=tc4,bf16:1=tc4")
+    w = torch.empty(203, 1536, dtype=torch.bfloat16)
+    for T in (8, 1):
+        nv.linear(torch.randn(T, 1536), w)  # K split 8 wanted; 3 fit
+    (n8, _, b8, s8, i8), (n1, _, b1, s1, i1) = launches
+    assert i8[-1] == i1[-1] == 3 and b8 == b1 == (96,)
+    assert n8 == "srt_gemv_tc_xf32_s2" and s8 <= 80 * 1024  # 4 and 3 stages would not fit
+    assert n1 == "srt_gemv_tc_xf32_s3" and s1 <= 80 * 1024  # one x row: 3 stages fit
+    launches.clear()
+    nv.linear(torch.randn(8, 1536), torch.empty(12288, 1536, dtype=torch.bfloat16))  # K split 2: 3 stages fit
+    assert launches[0][0] == "srt_gemv_tc_xf32_s3" and launches[0][4][-1] == 2 and launches[0][3] <= 80 * 1024
+
+
+def test_gemv_without_bf16_mma_uses_cuda_cores():
+    launches = []
+    nv = _gemv_backend(launches, mma=False)
+    w = torch.empty(300, 2048, dtype=torch.bfloat16)
+    nv.linear(torch.randn(8, 2048), w)
+    assert launches[0][0] == "srt_gemv_bf16_t8_r4"
+    nv.gemv_plan = nvm.gemv_plan("bf16:8=tc2")
+    with pytest.raises(ValueError, match="needs bf16 mma"):
+        nv.linear(torch.randn(8, 2048), w)
+    with pytest.raises(ValueError, match="variants for"):
+        nvm.gemv_plan("bf16:8=tc9")

@@ -37,15 +37,20 @@ MOE_MAXP = 64  # SRT_MOE_MAXP in nvfp4_moe.cu: (row, expert) pairs per launch
 KDA_MAXK = 128  # SRT_KDA_MAXK in kda.cu
 ATTNRES_MAXS = 64  # SRT_ATTNRES_MAXS in norms.cu
 MLA_CHUNK, MLA_HG = 64, 8
-GEMV_WARPS = 4  # gemv.cu: warps per block
-# GEMV rows per warp per (weight dtype, T bucket): the candidates, best first where the wave
-# shape does not decide (bench_kernels.py --variants, H200: T=4 r2 0.55 vs r4 0.49 of the copy
-# rate, T=8 r4 0.44 vs r2 0.31). At T=1 the variant whose grid wastes least of its last wave on
-# this GPU wins (12288x7168: r1 0.88 vs r2 0.78; 7168x12288: r2 0.86 vs r1 0.79). Every variant
-# gives the same bits for a row. Override for benchmarks: STREAMRT_GEMV="bf16:1=r4,bf16:8=r2".
-GEMV_VARIANTS = {("bf16", 1): ("r2", "r1", "r4"), ("bf16", 2): ("r2", "r4"), ("bf16", 4): ("r2", "r4"),
-                 ("bf16", 8): ("r4", "r2"), ("f32", 1): ("r2",), ("f32", 2): ("r2",), ("f32", 4): ("r2",),
-                 ("f32", 8): ("r2",)}
+GEMV_WARPS = 4  # gemv.cu: warps per block of the CUDA-core kernels
+# GEMV variants per (weight dtype, T bucket), best first; every variant of one family gives the
+# same bits for a row. bf16 weights: "tc<S>", the tensor-core kernel with an S-stage cp.async
+# ring per warp (sm_80+), then "r<R>", the CUDA-core kernel with R rows per warp (the fallback
+# before sm_80; at T=1 the one whose grid wastes least of its last wave). H200, bench_kernels.py
+# --variants, 7168x12288: tc2 0.90 / 0.89 / 0.83 of the copy rate at T=1 / 4 / 8, tc3 0.88 /
+# 0.73 / 0.75 (its rings allow one block per SM where two are needed for one wave), r2 / r4
+# 0.87 / 0.56 / 0.44 (x read through L1 per weight vector and token). Two stages always fit;
+# more are cut where they would not. Override: STREAMRT_GEMV="bf16:1=tc3,f32:8=r2".
+GEMV_TC_FAMILY = ("tc2", "tc3", "tc4")
+GEMV_VARIANTS = {("bf16", 1): GEMV_TC_FAMILY + ("r2", "r1", "r4"), ("bf16", 2): GEMV_TC_FAMILY + ("r2", "r4"),
+                 ("bf16", 4): GEMV_TC_FAMILY + ("r2", "r4"), ("bf16", 8): GEMV_TC_FAMILY + ("r4", "r2"),
+                 ("f32", 1): ("r2",), ("f32", 2): ("r2",), ("f32", 4): ("r2",), ("f32", 8): ("r2",)}
+GEMV_TC_ROWS = 32  # rows of W per block of the tensor-core kernel (gemv.cu GTC_ROWS)
 MOE_WARPS = 8  # CUDA-core NVFP4 kernels
 # Tensor-core NVFP4 kernels (nvfp4_moe.cu): warps per block (gate+up, down), cp.async stages per
 # warp, 128-column blocks per stage; entry points exist for TC_PIPES. bench_kernels.py
@@ -339,7 +344,11 @@ class NvrtcBackend:
         self._ready = None
         self._ptr_cache: dict[int, tuple] = {}  # id(ExpertWeights) -> (weak ref, Dl, pointers)
         self.gemv_plan = gemv_plan(os.environ.get("STREAMRT_GEMV", ""))
-        self._gemv_choice: dict[tuple, tuple[str, int]] = {}
+        self._gemv_choice: dict[tuple, str] = {}
+        self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split; changes bits)
+        self._cc = torch.cuda.get_device_capability(self.device)
+        self._mma = self._cc >= (8, 0)  # bf16 mma.sync
+        self._smem_optin = getattr(torch.cuda.get_device_properties(self.device), "shared_memory_per_block_optin", SMEM_DEFAULT)
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def _k(self, program: str, name: str) -> _Kernel:
@@ -403,32 +412,61 @@ class NvrtcBackend:
         for t0 in range(0, T, 8):
             xt, ot = x2[t0 : t0 + 8], out[t0 : t0 + 8]
             tn = xt.shape[0]
-            if vec:
-                nt = 1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8
-                name, rows = self._gemv_variant("bf16" if w_bf16 else "f32", nt, N)
-                k = self._k("gemv", name)
-                k((math.ceil(N / rows),), (GEMV_WARPS * 32,),
-                  [_p(xt), _i32(x_bf16), _i32(tn), _p(w), _p(ot), _i32(N), _i32(K)])
-            else:
+            if not vec:
                 k = self._k("gemv", "srt_gemv_scalar")
                 k((math.ceil(N / 8),), (256,), [_p(xt), _i32(x_bf16), _i32(tn), _p(w), _i32(w_bf16), _p(ot), _i32(N), _i32(K)])
+                continue
+            nt = 1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8
+            dt = "bf16" if w_bf16 else "f32"
+            v = self._gemv_variant(dt, nt, N)
+            if v.startswith("tc"):
+                self._gemv_tc(xt, x_bf16, w, ot, int(v[2:]))
+            else:
+                k = self._k("gemv", f"srt_gemv_{dt}_t{nt}_{v}")
+                k((math.ceil(N / (GEMV_WARPS * int(v[1:]))),), (GEMV_WARPS * 32,),
+                  [_p(xt), _i32(x_bf16), _i32(tn), _p(w), _p(ot), _i32(N), _i32(K)])
         return out.view(*lead, N)
 
-    def _gemv_variant(self, dt: str, nt: int, N: int) -> tuple[str, int]:
-        """(kernel name, rows per block) for N rows: the override if any, else at T=1 the
-        candidate with the fullest last wave (blocks / (waves * resident slots)), else the first."""
+    def _gemv_tc(self, x: Tensor, x_bf16: int, w: Tensor, out: Tensor, stages: int) -> None:
+        """The tensor-core GEMV: a block per 32 rows of w, K split among its `gemv_tc_split(N, K)`
+        warps (a function of the matrix only, so a row's bits do not depend on T)."""
+        (T, K), N = x.shape, w.shape[0]
+        ks = self.gemv_tc_ks or gemv_tc_split(N, K)
+        # at most 8 warps, one stage each, and as many as fit shared memory with 2 stages of the
+        # largest x (8 fp32 rows): a cap that does not depend on this call's T
+        fit = (self._smem_optin + 8 * 32 * 4) // (2 * (GEMV_TC_ROWS * 128 * 2 + 8 * 128 * 4) + 8 * 32 * 4)
+        ks = max(1, min(ks, 8, fit, math.ceil(K / 128)))
+        stage = GEMV_TC_ROWS * 128 * 2 + T * 128 * (2 if x_bf16 else 4)
+        # fewer stages where the rings would not fit a block's shared memory (same bits; 2 always fit)
+        while stages > 2 and ks * stages * stage + (ks - 1) * 8 * 32 * 4 > self._smem_optin:
+            stages -= 1
+        smem = ks * stages * stage + (ks - 1) * 8 * 32 * 4
+        k = self._k("gemv", f"srt_gemv_tc_x{'bf16' if x_bf16 else 'f32'}_s{stages}")
+        k((math.ceil(N / GEMV_TC_ROWS),), (32 * ks,), [_p(x), _i32(T), _p(w), _p(out), _i32(N), _i32(K), _i32(ks)], smem=smem)
+
+    def _gemv_variant(self, dt: str, nt: int, N: int) -> str:
+        """The override if any; else for bf16 weights the tensor-core kernel where the device has
+        bf16 mma (sm_80+); else at T=1 the CUDA-core variant with the fullest last wave (blocks /
+        (waves * resident slots)), else the first."""
         forced = self.gemv_plan.get((dt, nt))
         key = (dt, nt, N, forced)
         if key not in self._gemv_choice:
-            cands = (forced,) if forced else GEMV_VARIANTS[(dt, nt)]
+            cands = [v for v in GEMV_VARIANTS[(dt, nt)] if self._mma or not v.startswith("tc")]
+            if forced:
+                if forced.startswith("tc") and not self._mma:
+                    raise ValueError(f"STREAMRT_GEMV: {forced} needs bf16 mma (sm_80+), this GPU has sm_{self._cc[0]}{self._cc[1]}")
+                best = forced
+            elif cands[0].startswith("tc"):
+                best = cands[0]
+            else:
 
-            def fill(v: str) -> float:
-                blocks = math.ceil(N / (GEMV_WARPS * int(v[1:])))
-                slots = self._sms * self._k("gemv", f"srt_gemv_{dt}_t{nt}_{v}").blocks_per_sm(GEMV_WARPS * 32)
-                return blocks / (math.ceil(blocks / slots) * slots)
+                def fill(v: str) -> float:
+                    blocks = math.ceil(N / (GEMV_WARPS * int(v[1:])))
+                    slots = self._sms * self._k("gemv", f"srt_gemv_{dt}_t{nt}_{v}").blocks_per_sm(GEMV_WARPS * 32)
+                    return blocks / (math.ceil(blocks / slots) * slots)
 
-            best = max(cands, key=fill) if nt == 1 and len(cands) > 1 else cands[0]
-            self._gemv_choice[key] = (f"srt_gemv_{dt}_t{nt}_{best}", GEMV_WARPS * int(best[1:]))
+                best = max(cands, key=fill) if nt == 1 and len(cands) > 1 else cands[0]
+            self._gemv_choice[key] = best
         return self._gemv_choice[key]
 
     @staticmethod
@@ -836,8 +874,17 @@ def _expert_ptrs(ew: ExpertWeights, e: int, Dl: int, dev: torch.device) -> tuple
     return (*g, *u, *d, I)
 
 
+def gemv_tc_split(N: int, K: int) -> int:
+    """Warps sharing a 32-row block of the tensor-core GEMV, each a slice of K: enough warps in
+    flight for a matrix of N rows (a warp alone issues too few bytes per cycle to keep up with
+    HBM; H200, 7168x12288: 0.40 of the copy rate with 1, 0.76 with 2, 0.88-0.90 with 4); 1 for
+    big N, where blocks are plenty. A function of the shape only: the split sets the order of
+    the sum, so a row's bits must not depend on T (nor on the GPU)."""
+    return 8 if N <= 2048 else 4 if N <= 8192 else 2 if N <= 32768 else 1
+
+
 def gemv_plan(spec: str) -> dict[tuple[str, int], str]:
-    """Forced GEMV variants from "bf16:8=r4,f32:1=r2" (benchmarks, tests); empty = automatic."""
+    """Forced GEMV variants from "bf16:8=tc3,f32:1=r2" (benchmarks, tests); empty = automatic."""
     plan = {}
     for item in filter(None, (p.strip() for p in spec.split(","))):
         try:
@@ -845,7 +892,7 @@ def gemv_plan(spec: str) -> dict[tuple[str, int], str]:
             dt, nt = key.split(":")
             k = (dt, int(nt))
         except ValueError:
-            raise ValueError(f"STREAMRT_GEMV: cannot parse {item!r} (want e.g. bf16:8=r4)") from None
+            raise ValueError(f"STREAMRT_GEMV: cannot parse {item!r} (want e.g. bf16:8=tc3)") from None
         if variant not in GEMV_VARIANTS.get(k, ()):
             raise ValueError(f"STREAMRT_GEMV: {item!r}: variants for {k} are {GEMV_VARIANTS.get(k, ())}")
         plan[k] = variant

@@ -112,6 +112,38 @@ SRT_DEV void mma16816(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// ---- asynchronous copies and bf16 mma (sm_80+) -------------------------------------------
+
+SRT_DEV u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+  return a;
+}
+// Copy `bytes` (0 or the full size: 0 zero-fills) from global to shared, asynchronously.
+SRT_DEV void cp_async16(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+// The same, allocating in L1 (data that other warps of the SM read soon after).
+SRT_DEV void cp_async16_ca(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+SRT_DEV void cp_async8(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+SRT_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+SRT_DEV void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// D += A(16x16, row) * B(16x8, col), bf16 inputs, fp32 accumulators (sm_80+).
+SRT_DEV void mma16816_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // ---- math ----------------------------------------------------------------------------------
 
 SRT_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,7 +1,9 @@
 // Dense GEMV for decode (1..8 rows): out[t, n] = sum_k x[t, k] * W[n, k], fp32 accumulation.
 // W [N, K] row-major, bf16 or fp32; x [T, K] fp32 or bf16; out [T, N] fp32.
+// bf16 W runs on tensor cores (gemv_tc, the second half of this file; sm_80+). fp32 W, and
+// bf16 W before sm_80, run the CUDA-core kernels (gemv_l1) below.
 //
-// Vector kernels (K % 8 == 0 for bf16, K % 4 == 0 for fp32, W 16-byte aligned): a block of
+// CUDA-core kernels (K % 8 == 0 for bf16, K % 4 == 0 for fp32, W 16-byte aligned): a block of
 // GEMV_WARPS warps owns GEMV_WARPS * RPW consecutive rows; each warp owns RPW rows, each lane
 // streams 16-byte pieces of them (a warp reads 512 contiguous bytes of a row per load).
 // No shared memory and no barriers: x (16-byte aligned rows) is read through L1 (the whole warp
@@ -132,3 +134,201 @@ extern "C" __global__ void srt_gemv_scalar(const void* __restrict__ x, int x_bf1
     if (lane == 0 && t < T) out[(long long)t * N + row] = v;
   }
 }
+
+// ================= bf16 weights on tensor cores (mma.sync m16n8k16, sm_80+) =================
+//
+// out[t, n] = sum_k x[t, k] * W[n, k] for T <= 8 rows of x (fp32 or bf16), W bf16 [N, K].
+// The CUDA-core kernels above read x through L1 once per weight vector and token (T = 8: four
+// bytes of x per byte of weights); here the tensor core applies each x value to 16 rows.
+//  * A block owns 32 rows of W (two 16-row mma tiles) and splits K among its KS warps (KS set by
+//    the host from N and K only): warp w takes the 128-column stages [w*nst/KS, (w+1)*nst/KS).
+//    The 8 columns of the mma's B operand are the 8 token rows (columns >= T are zero).
+//  * x fp32 is split exactly into three bf16 pieces (hi = its top 8 significant bits, mid = the
+//    next 8, lo = the rest); bf16 x is one piece. Products are exact, so the only rounding is
+//    the accumulation: inside a stage 4 chains per tile (k-step kk mod 4) accumulate from zero
+//    on the tensor core, then (c0 + c1) + (c2 + c3) is added to fp32 registers in stage order;
+//    the KS warps' sums are added in warp order. So no long chain accumulates inside the mma,
+//    and the bits depend on neither T nor the pipeline depth: a row's result is the same alone
+//    or in a batch (batch invariance).
+//  * Weights and x travel global -> shared by cp.async through a ring of NS stages per warp
+//    (32 rows x 128 columns of W = 8 KB; T rows x 128 columns of x), NS - 1 in flight while one
+//    is computed; each copy instruction covers 256 contiguous bytes of two rows. 16-byte chunks
+//    are swizzled by row, so the copies, ldmatrix (A, and B for bf16 x) and the 8-byte x reads
+//    are free of bank conflicts.
+//  * Why this shape (H200, profiling/RESULTS.md): the copy pipeline alone, without the math,
+//    runs at 0.97 of the copy rate; a first version (one 16-row tile per warp over all of K, x
+//    split per 16 rows, one mma chain per stage) issued ~550 instructions per 4 KB stage and
+//    ran at 0.50-0.58 whatever the pipeline depth: too few warps per SM to issue that. Two
+//    tiles per warp (x split once per 32 rows), ldmatrix operands (no register shuffling) and
+//    2-8 warps per block over K (the host's gemv_tc_split) give 0.83-0.91.
+// Requires K % 8 == 0, W and x 16-byte aligned (rows too: K % 8 == 0 does it).
+
+#define GTC_COLS 128
+#define GTC_ROWS 32
+#define GTC_WBYTES (GTC_ROWS * GTC_COLS * 2)
+
+// Shared-memory bytes of one stage of a warp's ring (x rows: T).
+SRT_DEV int gtc_stage_bytes(int T, int x_bf16) { return GTC_WBYTES + T * GTC_COLS * (x_bf16 ? 2 : 4); }
+
+SRT_DEV void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+
+// D = A * B (accumulators start from zero).
+SRT_DEV void mma16816_bf16_z(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// Two fp32 values -> their three bf16 pieces, packed in pairs (first value in the low half).
+SRT_DEV void split3_bf16x2(float a, float b, u32& hi, u32& mid, u32& lo) {
+  const u32 ua = __float_as_uint(a), ub = __float_as_uint(b);
+  hi = __byte_perm(ua, ub, 0x7632);
+  const float ra = a - __uint_as_float(ua & 0xffff0000u), rb = b - __uint_as_float(ub & 0xffff0000u);
+  const u32 va = __float_as_uint(ra), vb = __float_as_uint(rb);
+  mid = __byte_perm(va, vb, 0x7632);
+  const float la = ra - __uint_as_float(va & 0xffff0000u), lb = rb - __uint_as_float(vb & 0xffff0000u);
+  lo = __byte_perm(__float_as_uint(la), __float_as_uint(lb), 0x7632);  // <= 8 significant bits: exact
+}
+
+template <int XBF16, int NS>
+SRT_DEV void gemv_tc(const void* __restrict__ xv, int T, const u16* __restrict__ W, float* __restrict__ out,
+                     int N, int K, int ks) {
+#if __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(128) unsigned char gtc_smem[];
+  constexpr int NP = XBF16 ? 1 : 3;   // pieces of x
+  constexpr int XE = XBF16 ? 2 : 4;   // bytes per x element
+  constexpr int XRB = GTC_COLS * XE;  // bytes of one token's row in a stage
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int row0 = blockIdx.x * GTC_ROWS;
+  const int nst = (K + GTC_COLS - 1) / GTC_COLS;
+  const int s0 = warp * nst / ks, s1 = (warp + 1) * nst / ks;
+  const int sbytes = gtc_stage_bytes(T, XBF16);
+  const u32 ring = smem_addr(gtc_smem) + warp * NS * sbytes;
+  const char* Wb = (const char*)W;
+  const char* Xb = (const char*)xv;
+  const long long wrow = (long long)K * 2, xrow = (long long)K * XE;
+
+  auto issue = [&](int s) {
+    if (s < s1) {
+      const u32 dst = ring + ((s - s0) % NS) * sbytes;
+      const int c = lane & 15, col = s * GTC_COLS + c * 8;
+      const bool ok = col < K;  // K % 8 == 0: a 16-byte chunk is all in or all out
+#pragma unroll
+      for (int i = 0; i < GTC_ROWS / 2; ++i) {  // rows 2i, 2i + 1: 16 lanes x 16 bytes each
+        const int r = 2 * i + (lane >> 4);
+        const long long row = min(row0 + r, N - 1);
+        cp_async16(dst + r * 256 + ((c ^ (r & 7)) << 4), Wb + row * wrow + (ok ? col * 2 : 0), ok ? 16 : 0);
+      }
+      const u32 xdst = dst + GTC_WBYTES;
+      if (XBF16) {  // 16 chunks per token row, two rows per instruction
+        for (int t = lane >> 4; t < T; t += 2)
+          cp_async16_ca(xdst + t * XRB + ((c ^ (t & 7)) << 4), Xb + t * xrow + (ok ? col * 2 : 0), ok ? 16 : 0);
+      } else {  // 32 chunks per token row, one row per instruction
+        const int xcol = s * GTC_COLS + lane * 4;
+        const bool xok = xcol < K;
+        for (int t = 0; t < T; ++t)
+          cp_async16_ca(xdst + t * XRB + ((lane ^ ((t & 3) << 1)) << 4), Xb + t * xrow + (xok ? xcol * 4 : 0), xok ? 16 : 0);
+      }
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait count uniform
+  };
+
+#pragma unroll
+  for (int s = 0; s < NS - 1; ++s) issue(s0 + s);
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: this lane's matrix and row
+  for (int s = s0; s < s1; ++s) {
+    issue(s + NS - 1);
+    cp_async_wait<NS - 1>();
+    __syncwarp();
+    const u32 st = ring + ((s - s0) % NS) * sbytes, xs = st + GTC_WBYTES;
+    float d[2][4][4];
+    u32 bnext[2] = {0u, 0u};  // bf16 x: B of the odd k-step, from the even step's ldmatrix
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      u32 a[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {  // matrices: rows 0-7 / 8-15 of the tile x k 0-7 / 8-15
+        const int row = m * 16 + (mi & 1) * 8 + rr, ch = kk * 2 + (mi >> 1);
+        ldsm_x4(st + row * 256 + ((ch ^ rr) << 4), a[m][0], a[m][1], a[m][2], a[m][3]);
+      }
+      u32 b[NP][2];
+      if (XBF16) {
+        if ((kk & 1) == 0) {  // one ldmatrix gives B of k-steps kk and kk + 1
+          u32 r0, r1, r2, r3;
+          const int t = min(rr, T - 1);  // rows >= T: a copy of a real row, for columns never stored
+          ldsm_x4(xs + t * XRB + (((kk * 2 + mi) ^ t) << 4), r0, r1, r2, r3);
+          b[0][0] = r0; b[0][1] = r1;
+          bnext[0] = r2; bnext[1] = r3;
+        } else {
+          b[0][0] = bnext[0]; b[0][1] = bnext[1];
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < NP; ++q) b[q][0] = b[q][1] = 0u;
+        if (g < T) {
+          const u32 xr = xs + g * XRB + (tig & 1) * 8;
+          float2 lo, hi;
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lo.x), "=f"(lo.y)
+                       : "r"(xr + (((kk * 4 + (tig >> 1)) ^ ((g & 3) << 1)) << 4)) : "memory");
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(hi.x), "=f"(hi.y)
+                       : "r"(xr + (((kk * 4 + 2 + (tig >> 1)) ^ ((g & 3) << 1)) << 4)) : "memory");
+          split3_bf16x2(lo.x, lo.y, b[0][0], b[1 % NP][0], b[2 % NP][0]);
+          split3_bf16x2(hi.x, hi.y, b[0][1], b[1 % NP][1], b[2 % NP][1]);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int q = 0; q < NP; ++q) {
+          if (kk < 4 && q == 0) mma16816_bf16_z(d[m][kk], a[m][0], a[m][1], a[m][2], a[m][3], b[q][0], b[q][1]);
+          else mma16816_bf16(d[m][kk & 3], a[m][0], a[m][1], a[m][2], a[m][3], b[q][0], b[q][1]);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][i] += (d[m][0][i] + d[m][1][i]) + (d[m][2][i] + d[m][3][i]);
+    __syncwarp();  // every lane is done with this slot before a later issue() refills it
+  }
+  cp_async_wait<0>();
+  // the KS warps' sums, added in warp order by warp 0
+  float* red = (float*)(gtc_smem + ks * NS * sbytes);
+  if (warp > 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[((warp - 1) * 8 + i) * 32 + lane] = acc[i >> 2][i & 3];
+  }
+  __syncthreads();
+  if (warp > 0) return;
+  for (int w = 1; w < ks; ++w)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i >> 2][i & 3] += red[((w - 1) * 8 + i) * 32 + lane];
+  // acc[m]: (row g, token 2tig), (row g, 2tig + 1), (row g + 8, 2tig), (row g + 8, 2tig + 1) of tile m
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int t = 2 * tig + (i & 1), row = row0 + (i >> 2) * 16 + g + ((i >> 1) & 1) * 8;
+    if (t < T && row < N) out[(long long)t * N + row] = acc[i >> 2][i & 3];
+  }
+#endif
+}
+
+#define SRT_GEMV_TC_ENTRY(NAME, XB, NS)                                                                  \
+  extern "C" __global__ void __launch_bounds__(256)                                                      \
+      NAME(const void* __restrict__ x, int T, const u16* __restrict__ W, float* __restrict__ out, int N, int K, \
+           int ks) {                                                                                     \
+    gemv_tc<XB, NS>(x, T, W, out, N, K, ks);                                                            \
+  }
+
+// srt_gemv_tc_x<x dtype>_s<stages>, blocks of KS <= 8 warps: same bits for a row whichever runs.
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s2, 0, 2)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s3, 0, 3)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s4, 0, 4)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s2, 1, 2)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s3, 1, 3)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s4, 1, 4)

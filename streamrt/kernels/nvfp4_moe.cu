@@ -286,24 +286,6 @@ SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, 
 #define TC_WBYTES (32 * 64)  // one 128-column block of 32 rows: weights
 #define TC_SBYTES (32 * 8)   // ... and its E4M3 scales
 
-SRT_DEV u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
-  return a;
-}
-// Copy `bytes` (0 or the full size: 0 zero-fills) from global to shared, asynchronously.
-SRT_DEV void cp_async16(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-SRT_DEV void cp_async8(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-SRT_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-SRT_DEV void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Two E4M3 bytes (low byte first) -> two floats, exact (sm_89+ conversion).
 SRT_DEV void e4m3x2_to_f32(u32 v, float& lo, float& hi) {
   u32 h;
