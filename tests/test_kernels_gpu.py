@@ -187,19 +187,24 @@ def test_linear_every_gemv_variant_same_bits(gen):
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_linear_tensor_core_shapes_and_range(gen, xdt):
     """The tensor-core GEMV: K not a multiple of its 128-column stage, N not a multiple of its
-    32-row block, x over 40 binary orders of magnitude (the fp32 split into three bf16 pieces
-    must be exact), every K split (1 to 8 warps per block, capped at the number of stages)."""
+    32-row block, x over 40 binary orders of magnitude, every K split (1 to 8 warps per block,
+    capped at the number of stages). With terms this uneven a sum can cancel, so each output is
+    held to 1e-5 of its own sum of |terms| (the error bound of an fp32 dot product), not to
+    max|ref|; then x * 1 must come back exactly (the split into three bf16 pieces loses no bit)."""
     for T, N, K in ((1, 1, 8), (8, 17, 136), (5, 203, 1000), (8, 4100, 2056)):
         scale = torch.exp2(torch.randint(-20, 20, (T, K), generator=gen, device=DEV).float())
         x = (randn(gen, T, K) * scale).to(xdt)
         w = randn(gen, N, K, scale=K**-0.5, dtype=torch.bfloat16)
         ref = x.double() @ w.double().T
+        bound = x.double().abs() @ w.double().abs().T
         for ks in (None, 1, 2, 4, 8):
             NV.gemv_tc_ks = ks
             try:
-                check(f"tc GEMV T={T} N={N} K={K} x {xdt} K split {ks}", gen, ref, TB.linear(x.float(), w), lambda: NV.linear(x, w))
+                out = NV.linear(x, w)
             finally:
                 NV.gemv_tc_ks = None
+            err = float(((out.double() - ref).abs() / bound.clamp_min(1e-300)).max())
+            assert err < TOL, f"tc GEMV T={T} N={N} K={K} x {xdt} K split {ks} (seed {gen.initial_seed()}): error {err:.3g} of the |terms| sum"
     # one-hot rows: out[t, n] is the single product x[t, n] * 1, exact if the split is exact
     x = (randn(gen, 8, 1024) * torch.exp2(torch.randint(-30, 30, (8, 1024), generator=gen, device=DEV).float())).to(xdt)
     w = torch.eye(1000, 1024, device=DEV, dtype=torch.bfloat16)
