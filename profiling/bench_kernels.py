@@ -3,7 +3,8 @@
 1. The HBM copy rate: a large device-to-device copy (bytes read + bytes written per second).
 2. NVFP4 expert FFN at `slice` geometry (Dl=3584, I=3072, 16 experts of one layer, one token):
    effective bytes/s = expert bytes read (nibbles + E4M3 scales + global scales) / time.
-3. BF16 GEMV at T=1 (7168x12288 and 12288x7168) and T=4, 8 (7168x12288): weight bytes / time.
+3. BF16 GEMV at T=1 (7168x12288 and 12288x7168) and T=4, 8 (7168x12288): weight bytes / time
+   (with --variants every stage depth and K split of the tensor-core kernel, and the CUDA-core one).
 4. A few other decode ops, for the record.
 Each timing replays a CUDA graph of `--reps` back-to-back calls (no Python in the loop),
 median of `--trials`. Ratios are against the copy rate of the same run (target >= 0.8).
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
     rows = []  # (name, bytes, seconds, torch seconds or None)
 
     def bench(name, nb, fn, tfn=None):
+        if not rows:  # the first op timed in a process ran up to 12 % slow (seen with --no-ffn): warm it up once
+            graph_time(fn, args.reps, args.trials)
         t = graph_time(fn, args.reps, args.trials)
         tt = loop_time(tfn, max(1, args.reps // 4), 3) if (args.torch and tfn is not None) else None
         rows.append((name, nb, t, tt))
