@@ -24,8 +24,18 @@ from streamrt.errors import ConfigError
 
 K3 = "kimi-k3"
 K31_PRO = "kimi-k3.1-pro"
-K31_WRAPPER_TYPE = "kimi_k31"
+K3_WRAPPER_TYPE, K31_WRAPPER_TYPE = "kimi_k3", "kimi_k31"
 TEXT_MODEL_TYPE = "kimi_linear"
+# The wrapper's `architectures` entry per variant (K3.1 Pro's from llama.cpp b12180).
+ARCHITECTURES = {K3: "KimiK3ForConditionalGeneration", K31_PRO: "KimiK31ForConditionalGeneration"}
+# Routed experts as released: compressed-tensors MXFP4, E8M0 scales per 32 (REAL_RELEASE.md).
+MXFP4_FORMAT, MXFP4_GROUP = "mxfp4-pack-quantized", 32
+
+# Plausibility limits: far above any released geometry (K3: 93 layers, 896 experts, hidden
+# 7168), low enough that a typo is refused before a schedule, a tensor list or a message
+# is built from it.
+MAX_LAYERS, MAX_EXPERTS, MAX_DIM, MAX_VOCAB = 1024, 16384, 1 << 17, 1 << 22
+MAX_MODEL_BYTES = 1 << 50  # 1 PiB: no machine holds more
 BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro", "small-k3.1-pro")
 
 # Tensor-name suffixes of the Lightning Indexer, under `…layers.{i}.self_attn.indexer.`
@@ -42,6 +52,18 @@ class IndexerConfig:
     rope_dim: int
     layers: tuple[int, ...]  # 0-based
     k_norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The wrapper's `vision_config`: streamrt does not run the vision tower; the geometry
+    only sizes the tensors a release carries (checkpoint/names.py `vision_specs`)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    patch_size: int
+    merge_tokens: int  # patches merged into one projector input (2 x 2)
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,9 @@ class ModelConfig:
     dense_layers: tuple[int, ...]
     attnres_block_starts: tuple[int, ...]
 
+    max_position_embeddings: int = 4096
+    architecture: str | None = None
+    vision: VisionConfig | None = None
     indexer: IndexerConfig | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -237,6 +262,12 @@ def tensor_names_of_tree(path: Path) -> set[str] | None:
     return None
 
 
+def _show(v: Any, limit: int = 60) -> str:
+    """A value for a message, cut to `limit` characters (a config can hold anything)."""
+    text = json.dumps(v) if not isinstance(v, int) or abs(v) < 10**limit else f"{str(v)[:20]}...({len(str(v))} digits)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class _Fields:
     """Typed field access that names the field path in every error."""
 
@@ -254,18 +285,20 @@ class _Fields:
     def has(self, key: str) -> bool:
         return key in self.d and self.d[key] is not None
 
-    def int(self, key: str, default: Any = ..., *, min_value: int = 1) -> int:
+    def int(self, key: str, default: Any = ..., *, min_value: int = 1, max_value: int | None = None) -> int:
         v = self._get(key, default)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.err(key, f"expected an integer, got {json.dumps(v)}")
+            raise self.err(key, f"expected an integer, got {_show(v)}")
         if v < min_value:
-            raise self.err(key, f"must be >= {min_value}, got {v}")
+            raise self.err(key, f"must be >= {min_value}, got {_show(v)}")
+        if max_value is not None and v > max_value:
+            raise self.err(key, f"{_show(v)} is implausible (streamrt accepts at most {max_value:,})")
         return v
 
     def float(self, key: str, default: Any = ..., *, positive: bool = False) -> float:
         v = self._get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.err(key, f"expected a number, got {json.dumps(v)}")
+            raise self.err(key, f"expected a number, got {_show(v)}")
         if positive and v <= 0:
             raise self.err(key, f"must be > 0, got {v}")
         return float(v)
@@ -273,13 +306,13 @@ class _Fields:
     def bool(self, key: str, default: Any = ...) -> bool:
         v = self._get(key, default)
         if not isinstance(v, bool):
-            raise self.err(key, f"expected true or false, got {json.dumps(v)}")
+            raise self.err(key, f"expected true or false, got {_show(v)}")
         return v
 
     def str(self, key: str, default: Any = ...) -> str:
         v = self._get(key, default)
         if not isinstance(v, str):
-            raise self.err(key, f"expected a string, got {json.dumps(v)}")
+            raise self.err(key, f"expected a string, got {_show(v)}")
         return v
 
     def int_list(self, key: str) -> list[int]:
@@ -315,17 +348,21 @@ def config_from_dict(
     if text_type != TEXT_MODEL_TYPE:
         raise t.err("model_type", f"expected {TEXT_MODEL_TYPE!r}, got {text_type!r}")
 
+    if wrapper_type not in (K3_WRAPPER_TYPE, K31_WRAPPER_TYPE):
+        raise w.err("model_type", f"{wrapper_type!r}: expected {K3_WRAPPER_TYPE!r} (Kimi K3) or {K31_WRAPPER_TYPE!r} (Kimi K3.1 Pro)")
     names = set(tensor_names) if tensor_names is not None else None
     variant = _gate_variant(w, t, wrapper_type, names)
+    architecture = _check_architecture(w, variant)
+    _check_quantization(w, t)
 
-    hidden = t.int("hidden_size")
-    n_layers = t.int("num_hidden_layers")
+    hidden = t.int("hidden_size", max_value=MAX_DIM)
+    n_layers = t.int("num_hidden_layers", max_value=MAX_LAYERS)
     la = t.sub("linear_attn_config")
     mla, kda = _layer_schedule(la, n_layers)
 
-    kda_heads = la.int("num_heads")
-    kda_hd = la.int("head_dim")
-    n_exp = t.int("num_experts")
+    kda_heads = la.int("num_heads", max_value=MAX_DIM)
+    kda_hd = la.int("head_dim", max_value=MAX_DIM)
+    n_exp = t.int("num_experts", max_value=MAX_EXPERTS)
     topk = t.int("num_experts_per_token")
     if topk > n_exp:
         raise t.err("num_experts_per_token", f"{topk} exceeds num_experts {n_exp}")
@@ -345,13 +382,13 @@ def config_from_dict(
     if topk_group > n_group:
         raise t.err("topk_group", f"{topk_group} exceeds num_expert_group {n_group}")
 
-    routed_hidden = t.int("routed_expert_hidden_size")
-    moe_inter = t.int("moe_intermediate_size")
+    routed_hidden = t.int("routed_expert_hidden_size", max_value=MAX_DIM)
+    moe_inter = t.int("moe_intermediate_size", max_value=MAX_DIM)
     for key, v in (("routed_expert_hidden_size", routed_hidden), ("moe_intermediate_size", moe_inter)):
         if v % 32:
             raise t.err(key, f"{v} is not a multiple of 32 (the MXFP4 block along the reduction dimension)")
 
-    vocab = t.int("vocab_size")
+    vocab = t.int("vocab_size", max_value=MAX_VOCAB)
     ids = {k: t.int(k, min_value=0) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     for k, v in ids.items():
         if v >= vocab:
@@ -363,7 +400,7 @@ def config_from_dict(
     use_nope = t.bool("mla_use_nope", True)
     if not use_nope:
         raise t.err("mla_use_nope", "streamrt implements the NoPE MLA of K3 only; got false")
-    q_lora = t.int("q_lora_rank")
+    q_lora = t.int("q_lora_rank", max_value=MAX_DIM)
 
     indexer = None
     if variant == K31_PRO:
@@ -372,19 +409,19 @@ def config_from_dict(
         _check_one_based(d, "dsa_layers", dsa, n_layers)
         not_full = sorted(set(dsa) - set(i + 1 for i in mla))
         if not_full:
-            raise d.err("dsa_layers", f"layers {not_full} (1-based) are not full-attention layers")
+            raise d.err("dsa_layers", f"layers {_few(not_full)} (1-based) are not full-attention layers")
         rope = d.int("index_rope_dim", 0, min_value=0)
         if rope != 0:
             raise d.err("index_rope_dim", f"streamrt's indexer has no rotary (0); got {rope}")
         indexer = IndexerConfig(
-            n_heads=d.int("index_n_heads"),
-            head_dim=d.int("index_head_dim"),
+            n_heads=d.int("index_n_heads", max_value=MAX_DIM),
+            head_dim=d.int("index_head_dim", max_value=MAX_DIM),
             topk=d.int("index_topk"),
             rope_dim=rope,
             layers=tuple(sorted(i - 1 for i in dsa)),
         )
 
-    return ModelConfig(
+    cfg = ModelConfig(
         name=name,
         variant=variant,
         wrapper_model_type=wrapper_type,
@@ -392,17 +429,17 @@ def config_from_dict(
         num_layers=n_layers,
         vocab_size=vocab,
         rms_norm_eps=t.float("rms_norm_eps", 1e-5, positive=True),
-        intermediate_size=t.int("intermediate_size"),
+        intermediate_size=t.int("intermediate_size", max_value=MAX_DIM),
         hidden_act=act,
         situ_beta=t.float("activation_situ_beta", 1.0, positive=True),
         situ_linear_beta=t.float("activation_situ_linear_beta", positive=True) if t.has("activation_situ_linear_beta") else None,
         tie_word_embeddings=t.bool("tie_word_embeddings", False),
-        num_attention_heads=t.int("num_attention_heads"),
+        num_attention_heads=t.int("num_attention_heads", max_value=MAX_DIM),
         q_lora_rank=q_lora,
-        kv_lora_rank=t.int("kv_lora_rank"),
-        qk_nope_head_dim=t.int("qk_nope_head_dim"),
-        qk_rope_head_dim=t.int("qk_rope_head_dim"),
-        v_head_dim=t.int("v_head_dim"),
+        kv_lora_rank=t.int("kv_lora_rank", max_value=MAX_DIM),
+        qk_nope_head_dim=t.int("qk_nope_head_dim", max_value=MAX_DIM),
+        qk_rope_head_dim=t.int("qk_rope_head_dim", max_value=MAX_DIM),
+        v_head_dim=t.int("v_head_dim", max_value=MAX_DIM),
         mla_use_nope=use_nope,
         mla_use_output_gate=t.bool("mla_use_output_gate", True),
         mla_norm_eps=1e-6,
@@ -429,16 +466,27 @@ def config_from_dict(
         moe_layers=moe,
         dense_layers=dense,
         attnres_block_starts=starts,
+        max_position_embeddings=t.int("max_position_embeddings", max_value=1 << 30),
+        architecture=architecture,
+        vision=_vision_config(w),
         indexer=indexer,
         raw=data,
         **ids,
     )
+    _check_plausible_size(cfg, source)
+    return cfg
+
+
+def _few(values: list[int], n: int = 8) -> str:
+    """A list for a message: at most n entries, then how many more."""
+    head = ", ".join(str(v) for v in values[:n])
+    return f"[{head}{f', ... ({len(values) - n} more)' if len(values) > n else ''}]"
 
 
 def _check_one_based(f: _Fields, key: str, values: list[int], n_layers: int) -> None:
     bad = [v for v in values if not 1 <= v <= n_layers]
     if bad:
-        raise f.err(key, f"entries {bad} are out of range: the list is 1-based over 1..{n_layers}")
+        raise f.err(key, f"entries {_few(bad)} are out of range: the list is 1-based over 1..{n_layers}")
     if len(set(values)) != len(values):
         raise f.err(key, "has duplicate entries")
 
@@ -451,10 +499,10 @@ def _layer_schedule(la: _Fields, n_layers: int) -> tuple[tuple[int, ...], tuple[
     _check_one_based(la, "kda_layers", kda, n_layers)
     both = sorted(set(full) & set(kda))
     if both:
-        raise la.err("full_attn_layers", f"layers {both} (1-based) are also in kda_layers")
+        raise la.err("full_attn_layers", f"layers {_few(both)} (1-based) are also in kda_layers")
     missing = sorted(set(range(1, n_layers + 1)) - set(full) - set(kda))
     if missing:
-        raise la.err("full_attn_layers", f"full_attn_layers and kda_layers must partition 1..{n_layers}; missing {missing}")
+        raise la.err("full_attn_layers", f"full_attn_layers and kda_layers must partition 1..{n_layers}; missing {_few(missing)}")
     return tuple(sorted(i - 1 for i in full)), tuple(sorted(i - 1 for i in kda))
 
 
@@ -482,6 +530,86 @@ def _gate_variant(w: _Fields, t: _Fields, wrapper_type: str, names: set[str] | N
         f"{w.source}: inconsistent variant markers: {', '.join(present)} present but {', '.join(absent)} missing "
         f"(model_type is {wrapper_type!r}); K3.1 Pro needs all of them and K3 none"
     )
+
+
+def _check_architecture(w: _Fields, variant: str) -> str | None:
+    """`architectures` as a consistency check on the variant markers (absent: nothing to check)."""
+    if not w.has("architectures"):
+        return None
+    archs = w.d["architectures"]
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        raise w.err("architectures", f"expected a list of one class name, got {_show(archs)}")
+    arch, want = archs[0], ARCHITECTURES[variant]
+    if arch not in ARCHITECTURES.values():
+        raise w.err("architectures", f"{arch!r} is not a Kimi K3 / K3.1 Pro architecture ({', '.join(ARCHITECTURES.values())})")
+    if arch != want:
+        raise w.err(
+            "architectures",
+            f"{arch!r} disagrees with the variant markers, which say {variant} (model_type {w.d.get('model_type')!r}); "
+            f"{variant} is {want!r}",
+        )
+    return arch
+
+
+def _check_quantization(w: _Fields, t: _Fields) -> None:
+    """The routed experts must be MXFP4 in groups of 32. The release keeps the block inside
+    text_config (ports lift it from there); trees written before that carry it on the wrapper."""
+    where = t if t.has("quantization_config") else w if w.has("quantization_config") else None
+    if where is None:
+        raise t.err("quantization_config", f"missing: streamrt reads releases whose routed experts are {MXFP4_FORMAT}, group {MXFP4_GROUP}")
+    q = where.sub("quantization_config")
+    method = q.str("quant_method")
+    if method != "compressed-tensors":
+        raise q.err("quant_method", f"{method!r}: streamrt reads compressed-tensors {MXFP4_FORMAT} experts only")
+    if q.has("config_groups"):
+        groups = q.sub("config_groups")
+        if not groups.d:
+            raise groups.err("", "empty: no quantization group describes the experts")
+        for name in groups.d:
+            g = groups.sub(name)
+            fmt = g.str("format", q.d.get("format", ...))
+            wt = g.sub("weights")
+            _expect(g, "format", fmt, MXFP4_FORMAT)
+            _expect(wt, "num_bits", wt.int("num_bits"), 4)
+            _expect(wt, "group_size", wt.int("group_size"), MXFP4_GROUP)
+            _expect(wt, "type", wt.str("type"), "float")
+    else:  # the flat form of trees written before the release layout was known
+        _expect(q, "format", q.str("format"), MXFP4_FORMAT)
+        _expect(q, "bits", q.int("bits"), 4)
+        _expect(q, "group_size", q.int("group_size"), MXFP4_GROUP)
+
+
+def _expect(f: _Fields, key: str, got: Any, want: Any) -> None:
+    if got != want:
+        raise f.err(key, f"{_show(got)}: streamrt reads {MXFP4_FORMAT} experts in groups of {MXFP4_GROUP} (expected {_show(want)})")
+
+
+def _vision_config(w: _Fields) -> VisionConfig | None:
+    if not w.has("vision_config"):
+        return None
+    v = w.sub("vision_config")
+    merge = v.d.get("merge_kernel_size", [2, 2])
+    if not (isinstance(merge, list) and len(merge) == 2 and all(isinstance(m, int) and not isinstance(m, bool) and 0 < m <= 64 for m in merge)):
+        raise v.err("merge_kernel_size", f"expected two positive integers, got {_show(merge)}")
+    return VisionConfig(
+        hidden_size=v.int("hidden_size", max_value=MAX_DIM),
+        intermediate_size=v.int("intermediate_size", max_value=MAX_DIM),
+        num_hidden_layers=v.int("num_hidden_layers", max_value=MAX_LAYERS),
+        patch_size=v.int("patch_size", max_value=1024),
+        merge_tokens=merge[0] * merge[1],
+    )
+
+
+def _check_plausible_size(cfg: ModelConfig, source: str) -> None:
+    """Refuse a geometry no machine holds before anything is sized from it (a rough count:
+    MXFP4 experts, embeddings and lm_head, and a generous bound for each layer's dense weights)."""
+    experts = len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 17 // 32
+    dense = 4 * cfg.vocab_size * cfg.hidden_size + cfg.num_layers * 64 * cfg.hidden_size * max(cfg.hidden_size, cfg.intermediate_size)
+    if experts + dense > MAX_MODEL_BYTES:
+        raise ConfigError(
+            f"{source}: the geometry implies about {(experts + dense) / 2**50:,.1f} PiB of weights "
+            f"({cfg.num_layers} layers, {cfg.num_experts} experts, hidden {cfg.hidden_size}); no machine holds that"
+        )
 
 
 def expected_indexer_tensors(cfg: ModelConfig, prefix: str = "language_model.model.") -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from streamrt.config import BUNDLED, load_config
 from streamrt.plan import GIB, MIB, budget, link_floor_s_per_token
@@ -23,12 +24,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _tensor_count(cfg) -> int | None:
-    try:
-        from streamrt.checkpoint.names import tensor_specs
-    except ImportError:  # the checkpoint package is optional for a bare config read
-        return None
-    return len(tensor_specs(cfg))
+def _tensor_counts(cfg, path: Path) -> dict:
+    """Tensors of the release: text (what streamrt runs) and vision (tower + projector), as the
+    config implies them, or as a release tree's index lists them."""
+    from streamrt.checkpoint.names import is_text_tensor, tensor_count, vision_specs
+
+    index = path / "model.safetensors.index.json" if path.is_dir() else None
+    if index is not None and index.is_file():
+        from streamrt.checkpoint.release import read_index
+
+        names = read_index(path)
+        text = sum(1 for n in names if is_text_tensor(n))
+        return {"tensor_count": len(names), "text_tensor_count": text, "vision_tensor_count": len(names) - text, "counted_from": "index"}
+    text, vision = tensor_count(cfg), len(vision_specs(cfg))
+    return {"tensor_count": text + vision, "text_tensor_count": text, "vision_tensor_count": vision, "counted_from": "config"}
 
 
 def _ranges(xs: list[int]) -> str:
@@ -49,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise StreamrtError(f"--link-gbps must be > 0, got {args.link_gbps}")
     cfg = load_config(args.model)
-    b = budget(cfg, _tensor_count(cfg))
+    b = budget(cfg)
+    b.update(_tensor_counts(cfg, Path(args.model)))
     if args.json:
         print(json.dumps(b, indent=2))
         return 0
@@ -74,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
         ("routed params / layer", f"{b['routed_params_per_layer'] / 1e9:.2f} B ({b['active_routed_params_per_token_per_layer'] / 1e6:.0f} M active per token)"),
         (f"link floor @ {args.link_gbps:g} GB/s", f"{link_floor_s_per_token(cfg, args.link_gbps):.3f} s/token if every expert misses"),
     ]
-    if "tensor_count" in b:
-        rows.append(("tensors (release)", f"{b['tensor_count']:,}"))
+    rows.append((
+        "tensors (release)",
+        f"{b['tensor_count']:,} = {b['text_tensor_count']:,} text + {b['vision_tensor_count']:,} vision tower and projector "
+        f"(from the {b['counted_from']})",
+    ))
     width = max(len(k) for k, _ in rows)
     print(f"{cfg.name}")
     for k, v in rows:

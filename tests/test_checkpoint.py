@@ -72,7 +72,7 @@ def releases(tmp_path_factory):
     out = {}
     for name in ("tiny-k3.1-pro", "tiny-k3"):
         # small shards so the index really spans several files
-        synth(name, root / name, seed=7, shard_bytes=400_000, progress=False)
+        synth(name, root / name, seed=7, shards=4, progress=False)
         out[name] = root / name
     return out
 
@@ -238,13 +238,13 @@ def test_quantize_mxfp4_torch_matches_numpy():
 def test_synth_is_deterministic_and_realistic(releases, tmp_path):
     src = releases["tiny-k3.1-pro"]
     again = tmp_path / "again"
-    synth("tiny-k3.1-pro", again, seed=7, shard_bytes=400_000, progress=False)
+    synth("tiny-k3.1-pro", again, seed=7, shards=4, progress=False)
     shards = sorted(p.name for p in src.glob("*.safetensors"))
     assert len(shards) > 1 and shards == sorted(p.name for p in again.glob("*.safetensors"))
     for n in shards:
         assert (src / n).read_bytes() == (again / n).read_bytes(), n
     other = tmp_path / "other"
-    synth("tiny-k3.1-pro", other, seed=8, shard_bytes=400_000, progress=False)
+    synth("tiny-k3.1-pro", other, seed=8, shards=4, progress=False)
     assert (src / shards[0]).read_bytes() != (other / shards[0]).read_bytes()
 
     rt = open_release(src)  # the synthetic tree passes full validation
@@ -255,7 +255,10 @@ def test_synth_is_deterministic_and_realistic(releases, tmp_path):
     H = cfg.kda_num_heads
     assert a_log.shape == (cfg.a_log_stored_len,) and (a_log[H:] == 0).all()
     assert (a_log[:H] >= 0).all() and (a_log[:H] <= np.log(16)).all() and a_log[:H].std() > 0
-    assert torch.equal(bf16("language_model.model.norm.weight"), torch.ones(cfg.hidden_size))
+    g = bf16("language_model.model.norm.weight")  # random gains: a dropped gain must show
+    assert 0.5 <= g.min() and g.max() <= 2.0 and g.std() > 0.2 and not (g == 1).any()
+    p = bf16("language_model.model.layers.1.self_attention_res_proj.weight")  # depth logits spread ~2
+    assert 1.0 < p.std().item() * cfg.hidden_size**0.5 < 3.0
     w = bf16("language_model.model.layers.1.self_attn.q_proj.weight")
     assert 0.015 < w.std().item() < 0.025
     # experts: E8M0 exponents over several octaves, all repackable with one scale
@@ -266,7 +269,7 @@ def test_synth_is_deterministic_and_realistic(releases, tmp_path):
             spans.append(int(live.max()) - int(live.min()))
             assert 100 < live.min() and live.max() < 135
     assert 3 <= max(spans) <= fp4.MAX_SPAN
-    b = bf16("language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias")
+    b = f32("language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias")
     assert b.std() > 0.01
     rt.close()
 
@@ -277,7 +280,7 @@ def test_synth_skew_zero_gives_flat_router_bias():
     flat = np.concatenate(list(Generator(cfg, 0, skew=0.0, device="cpu").dense_chunks(spec)))
     one = np.concatenate(list(Generator(cfg, 0, skew=1.0, device="cpu").dense_chunks(spec)))
     two = np.concatenate(list(Generator(cfg, 0, skew=2.0, device="cpu").dense_chunks(spec)))
-    as_f = lambda a: torch.frombuffer(bytearray(a.tobytes()), dtype=torch.bfloat16).float()  # noqa: E731
+    as_f = lambda a: torch.frombuffer(bytearray(a.tobytes()), dtype=torch.float32)  # noqa: E731  (F32 as released)
     assert as_f(flat).abs().max() == 0
     assert torch.allclose(as_f(two), 2 * as_f(one), rtol=1e-2)
 
@@ -285,7 +288,10 @@ def test_synth_skew_zero_gives_flat_router_bias():
 def test_synth_dry_run_full_geometry(tmp_path, capsys):
     assert cli_main(["synth", "--config", "kimi-k3.1-pro", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "497,172 tensors" in out and "1,560,302,127,872 bytes" in out
+    # 497,172 text tensors + 165 vision tower + 3 projector (the seed's 497,340); bytes: the text
+    # plane with the released F32 tensors (1,560,322,659,328) + the stand-in vision tower (941,589,504)
+    assert "497,340 tensors" in out and "(497,172 text)" in out and "1,561,264,248,832 bytes" in out
+    assert "in 96 shards" in out
     assert not any(tmp_path.iterdir())
 
 
@@ -491,7 +497,7 @@ def test_dtype_or_shape_disagrees_with_config(rel_copy, what):
     _rewrite_header(shard, edit)
     with pytest.raises(CheckpointError) as ei:
         open_release(rel_copy)
-    one_line_error(ei, shard.name, T_DENSE, what, "config")
+    one_line_error(ei, shard.name, T_DENSE, what, *(("F16, expected BF16",) if what == "dtype" else ("config",)))
 
 
 def test_missing_tensor(rel_copy):
@@ -501,7 +507,14 @@ def test_missing_tensor(rel_copy):
     idx.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as ei:
         open_release(rel_copy)
+    one_line_error(ei, T_EXP, shard, "in the shard but not in model.safetensors.index.json")
+    # gone from the shard too: the config implies it
+    original = (rel_copy / shard).read_bytes()
+    _rewrite_header(rel_copy / shard, lambda h: h.pop(T_EXP))
+    with pytest.raises(CheckpointError) as ei:
+        open_release(rel_copy)
     one_line_error(ei, T_EXP, "missing from the release")
+    (rel_copy / shard).write_bytes(original)
     # listed in the index, but the shard it names does not hold it
     data["weight_map"][T_EXP] = next(v for v in data["weight_map"].values() if v != shard)
     idx.write_text(json.dumps(data))

@@ -35,7 +35,7 @@ def ref_digest(data: bytes, chunk: int) -> str:
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("rel") / "tiny"
-    synth("tiny-k3.1-pro", root, seed=5, shard_bytes=400_000, progress=False, device="cpu")
+    synth("tiny-k3.1-pro", root, seed=5, shards=4, progress=False, device="cpu")
     return root
 
 

@@ -34,10 +34,12 @@ from starting and is raised once everything in flight has settled.
 from __future__ import annotations
 
 import bisect
+import fcntl
 import json
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -57,8 +59,8 @@ from streamrt.checkpoint.fileio import (
     rule_name,
     write_bytes_atomic,
 )
-from streamrt.checkpoint.names import TensorSpec, dense_group, dense_specs, expert_prefix, expert_relpath, strip_prefix
-from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint
+from streamrt.checkpoint.names import TensorSpec, dense_group, expert_prefix, expert_relpath, is_expert_tensor, strip_prefix
+from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint, shard_fingerprints
 from streamrt.checkpoint.safetensors_io import build_header, order_for_alignment
 from streamrt.config import ModelConfig
 from streamrt.errors import CheckpointError
@@ -67,6 +69,7 @@ FORMAT, FORMAT_VERSION = "streamrt", 2
 READ_VERSIONS = (1, 2)  # 1: whole-file blake2b (fileio.LEGACY_RULE); 2: top-level "checksum" names the rule
 MANIFEST = "manifest.json"
 STATE_DIR = ".convert"
+LOCK = "lock"  # STATE_DIR/lock, held (flock) for the whole run: one converter per DST
 KILL_ENV = "STREAMRT_TEST_KILL_AFTER_BYTES"  # test hook: SIGKILL self once this many bytes are written
 PIECE_BYTES = 4 << 20  # dense bytes per pread/hash/pwrite step: the buffer stays in the CPU cache
 COMMIT_BACKLOG = 4  # finished-but-uncommitted files allowed per worker (4 x 16 x 18.6 MB ~ 1.2 GB dirty)
@@ -142,6 +145,7 @@ class Task:
     # on_bytes -> (finished, uncommitted AtomicWriter, global_mode)
     run: Callable[[Callable[[int], None]], tuple[AtomicWriter, int]] | None = None
     fill: Callable[[int, memoryview], None] | None = None  # (offset, buf): the file's bytes there into buf
+    sources: frozenset[str] = frozenset()  # source shards the file is made from
 
 
 def _check_paths(src: Path, dst: Path) -> None:
@@ -152,23 +156,40 @@ def _check_paths(src: Path, dst: Path) -> None:
         raise CheckpointError(f"{dst}: DST contains SRC {src}; choose a separate output directory")
 
 
-def _prepare_dst(src: Path, dst: Path, fingerprint: str) -> dict[str, dict]:
-    """Create or recognise DST; return the already-complete files a previous run recorded."""
+def _changed_shards(theirs: dict | None, ours: dict[str, dict]) -> set[str]:
+    """Shards whose size, mtime or header differ from the run that recorded `theirs`, or whose
+    bytes differ where both runs hashed them (--verify-source). No record: all of them."""
+    if not isinstance(theirs, dict):
+        return set(ours)
+    changed = set()
+    for name, rec in ours.items():
+        old = theirs.get(name)
+        if not isinstance(old, dict) or any(old.get(k) != rec[k] for k in ("size", "mtime_ns", "header")):
+            changed.add(name)
+        elif "blake2b" in rec and old.get("blake2b") not in (None, rec["blake2b"]):
+            changed.add(name)
+    return changed
+
+
+def _prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict]) -> tuple[dict[str, dict], set[str]]:
+    """Create or recognise DST; return the already-complete files a previous run recorded and
+    the source shards that changed since (files made from those are redone)."""
     state_dir = dst / STATE_DIR
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"{dst}: exists and is not a directory")
     prior: dict[str, dict] = {}
+    changed: set[str] = set()
     rule = rule_name()
-    if dst.is_dir() and any(dst.iterdir()):
+    if any(p.name != STATE_DIR for p in dst.iterdir()) or any(p.name != LOCK for p in state_dir.iterdir()):
         state, manifest = state_dir / "state.json", dst / MANIFEST
-        theirs, their_rule = None, None
+        theirs, their_rule, their_shards = None, None, None
         try:
             if state.is_file():
                 st = json.loads(state.read_text())
                 theirs, their_rule = st.get("fingerprint"), st.get("checksum", LEGACY_RULE)  # older runs: no key
+                their_shards = st.get("shards")
             elif manifest.is_file():
                 m = json.loads(manifest.read_text())
-                theirs, their_rule = (m.get("source") or {}).get("fingerprint"), manifest_rule(m)
+                src_rec = m.get("source") or {}
+                theirs, their_rule, their_shards = src_rec.get("fingerprint"), manifest_rule(m), src_rec.get("shards")
                 prior = m.get("files") or {}
         except (OSError, ValueError, AttributeError):
             theirs = None
@@ -188,10 +209,57 @@ def _prepare_dst(src: Path, dst: Path, fingerprint: str) -> dict[str, dict]:
                     prior[e["path"]] = {"size": int(e["size"]), "blake2b": str(e["blake2b"])}
                 except (ValueError, KeyError, TypeError):
                     continue
+        changed = _changed_shards(their_shards, shards)
+        for name, rec in shards.items():  # an unchanged shard keeps the content hash a --verify-source run made
+            old = their_shards.get(name) if isinstance(their_shards, dict) else None
+            if name not in changed and "blake2b" not in rec and isinstance(old, dict) and isinstance(old.get("blake2b"), str):
+                rec["blake2b"] = old["blake2b"]
         remove_stale_tmp(dst)
     state_dir.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(state_dir / "state.json", json.dumps({"source": str(src.resolve()), "fingerprint": fingerprint, "checksum": rule}).encode())
-    return prior
+    state = {"source": str(src.resolve()), "fingerprint": fingerprint, "checksum": rule, "shards": shards}
+    write_bytes_atomic(state_dir / "state.json", json.dumps(state).encode())
+    return prior, changed
+
+
+class _DstLock:
+    """An exclusive flock on DST/.convert/lock for the whole run; a second converter is told
+    who holds it instead of racing the first one's files."""
+
+    def __init__(self, dst: Path):
+        self.path = dst / STATE_DIR / LOCK
+        self.fd = -1
+
+    def __enter__(self) -> "_DstLock":
+        while True:
+            try:
+                self.path.parent.mkdir(exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise CheckpointError(f"{self.path.parent}: cannot write DST: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise CheckpointError(f"{self.path.parent}: DST is being converted by {holder}; wait for it or choose another DST") from None
+            try:  # the holder may have removed the file between our open and flock: lock the live one
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"streamrt convert pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)  # while still held, so no second run can slip in between
+        os.close(self.fd)
+        try:
+            self.path.parent.rmdir()  # only if nothing else is in it (a refused run leaves nothing)
+        except OSError:
+            pass
 
 
 def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
@@ -199,15 +267,19 @@ def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
     tasks: list[Task] = []
     for f in [rt.root / "config.json", *rt.tokenizer_files()]:
         tasks.append(Task(f.name, f.stat().st_size, _copy_task(f, dst / f.name)))
-    for rel, specs in dense_files(dense_specs(cfg)).items():
+    dense = [s for s in rt.specs if not is_expert_tensor(s.name)]  # with the dtypes as stored
+    for rel, specs in dense_files(dense).items():
         renamed = [TensorSpec(strip_prefix(s.name), s.shape, s.dtype) for s in specs]
         hdr, offs = build_header(renamed)
-        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), fill=_dense_fill(rt, hdr, specs)))
+        sources = frozenset(rt.weight_map[s.name] for s in specs)
+        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), fill=_dense_fill(rt, hdr, specs), sources=sources))
     layout = ExpertLayout.for_config(cfg)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
             rel = expert_relpath(layer, e)
-            tasks.append(Task(rel, layout.file_bytes, _expert_task(rt, dst / rel, layer, e, layout, allow_per_row)))
+            p = expert_prefix(layer, e)
+            sources = frozenset(rt.weight_map[f"{p}{w}.weight_{k}"] for w in ("w1", "w2", "w3") for k in ("packed", "scale"))
+            tasks.append(Task(rel, layout.file_bytes, _expert_task(rt, dst / rel, layer, e, layout, allow_per_row), sources=sources))
     return tasks
 
 
@@ -296,10 +368,12 @@ def convert(
     check_resumed: bool = True,
     log: Callable[[str], None] | None = None,
     commit_threads: int | None = None,
+    verify_source: bool = False,
 ) -> dict:
     """Convert; returns a summary dict. Raises CheckpointError / ConfigError on bad input.
     `commit_threads`: committer threads (fsync, rename, journal); default `workers`, 0 commits
-    inside the writing job."""
+    inside the writing job. `verify_source`: hash every source shard's bytes, so a re-run
+    also catches a shard rewritten in place with its mtime restored."""
     src, dst = Path(src), Path(dst)
     if workers is not None and workers < 0:
         raise CheckpointError(f"--workers must be >= 0 (0: the default, min(16, cores)), got {workers}")
@@ -309,9 +383,36 @@ def convert(
         raise CheckpointError(f"{src}: no such release directory")
     _check_paths(src, dst)
     rt = open_release(src)  # config gating + headers + every tensor's dtype/shape
+    if rt.skipped and log:
+        log(f"convert: skipping {len(rt.skipped)} tensors outside the language model (vision tower, projector): "
+            f"{rt.skipped_bytes / 2**20:,.1f} MiB")
     fingerprint = release_fingerprint(src)
-    prior = _prepare_dst(src, dst, fingerprint)
+    shards = shard_fingerprints(src, content=verify_source)
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"{dst}: exists and is not a directory")
+    created = not dst.exists()
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{dst}: cannot create DST: {e.strerror or e}") from None
+    try:
+        with _DstLock(dst):
+            return _convert_locked(rt, src, dst, fingerprint, shards, workers, allow_per_row, progress, check_resumed, log, commit_threads)
+    except CheckpointError:
+        if created and not any(dst.iterdir()):
+            dst.rmdir()  # refused before writing anything: leave no empty DST behind
+        raise
+
+
+def _convert_locked(rt: ReleaseTree, src: Path, dst: Path, fingerprint: str, shards: dict, workers, allow_per_row, progress,
+                    check_resumed, log, commit_threads) -> dict:
+    prior, changed = _prepare_dst(src, dst, fingerprint, shards)
     tasks = _plan(rt, dst, allow_per_row)
+    if changed and prior:
+        stale = {t.rel for t in tasks if t.sources & changed}
+        prior = {k: v for k, v in prior.items() if k not in stale}
+        if log and stale:
+            log(f"convert: {len(changed)} source shard(s) changed since the last run; redoing the {len(stale)} files made from them")
     todo_bytes = sum(t.size for t in tasks if not (dst / t.rel).is_file() or (dst / t.rel).stat().st_size != t.size)
     free = shutil.disk_usage(dst).free
     if free < todo_bytes:
@@ -458,7 +559,7 @@ def convert(
 
     for d in {(dst / t.rel).parent for t in tasks}:
         fsync_dir(d)
-    source = {"path": str(src.resolve()), "fingerprint": fingerprint}
+    source = {"path": str(src.resolve()), "fingerprint": fingerprint, "shards": shards}
     write_manifest(dst, rt.config, files, [s.name for s in rt.specs], source=source, modes=modes)
     fsync_dir(dst)
     shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
@@ -469,6 +570,8 @@ def convert(
         "files": len(files),
         "written": counters["written"],
         "skipped": counters["skipped"],
+        "tensors_not_converted": len(rt.skipped),
+        "bytes_not_converted": rt.skipped_bytes,
         "bytes_written": counters["bytes_written"],
         "seconds": seconds,
         "expert_files_per_matrix_global": modes.get(0, 0),

@@ -1,8 +1,12 @@
-"""The release tensor layout a config implies (spec/MODEL.md §9.1, spec/K31_INDEXER.md).
+"""The release tensor layout a config implies (spec/MODEL.md §9.1, spec/K31_INDEXER.md,
+spec/REAL_RELEASE.md "Tensors").
 
-Names carry the `language_model.` prefix. Dense tensors are BF16 except A_log and dt_bias
-(FP32); routed experts are MXFP4 `weight_packed` / `weight_scale` uint8; the K3.1 Pro
-indexer adds five BF16 tensors per indexer layer. Vision tensors are out of scope.
+Text tensors carry the `language_model.` prefix. Dense tensors are BF16 except the ones the
+release stores as F32 (`RELEASED_F32`: KDA convs, A_log, dt_bias, o_norm and the router's
+correction bias, as read from a live shard header [K3X] and kept in fp32 modules by NeMo);
+routed experts are MXFP4 `weight_packed` / `weight_scale` uint8; the K3.1 Pro indexer adds
+five BF16 tensors per indexer layer. The vision tower and projector (`vision_specs`) are
+carried by the release but not run by streamrt: convert skips them.
 
 At full geometry this is ~500k specs, so the expert block is built with plain tuples.
 """
@@ -15,6 +19,17 @@ from streamrt.config import INDEXER_TENSORS, ModelConfig
 
 PREFIX = "language_model."
 BF16, F32, U8 = "BF16", "F32", "U8"
+# Leaf names (after `self_attn.` / `block_sparse_moe.`) stored as F32 in the release.
+RELEASED_F32 = (
+    "q_conv1d.weight",
+    "k_conv1d.weight",
+    "v_conv1d.weight",
+    "A_log",
+    "dt_bias",
+    "o_norm.weight",
+    "gate.e_score_correction_bias",
+)
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "F64": 8, "I32": 4, "I64": 8, "I16": 2, "BOOL": 1}
 
 
@@ -33,6 +48,25 @@ class TensorSpec(NamedTuple):
 
 def layer_prefix(i: int) -> str:
     return f"{PREFIX}model.layers.{i}."
+
+
+# Released dtypes no public source pins down (REAL_RELEASE.md: UNKNOWN): the indexer's key
+# norm and head weights are 16-bit per seed 000, while ports run such norms in fp32. Both
+# are accepted, explicitly, and converted as stored.
+DTYPE_ALTERNATIVES = {
+    "indexer.k_norm.weight": (BF16, F32),
+    "indexer.k_norm.bias": (BF16, F32),
+    "indexer.weights_proj.weight": (BF16, F32),
+}
+
+
+def accepted_dtypes(spec: TensorSpec) -> tuple[str, ...]:
+    """The dtypes a release may store this tensor in: the released one, or the documented
+    alternatives where the sources leave it open."""
+    for leaf, alts in DTYPE_ALTERNATIVES.items():
+        if spec.name.endswith(leaf):
+            return alts
+    return (spec.dtype,)
 
 
 def expert_prefix(layer: int, expert: int) -> str:
@@ -79,10 +113,10 @@ def dense_layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         add(f"{a}f_b_proj.weight", (P, K))
         add(f"{a}b_proj.weight", (H, D))
         for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            add(f"{a}{n}.weight", (P, 1, W))
+            add(f"{a}{n}.weight", (P, 1, W), F32)
         add(f"{a}A_log", (cfg.a_log_stored_len,), F32)  # first H entries live, rest zero padding
         add(f"{a}dt_bias", (P,), F32)
-        add(f"{a}o_norm.weight", (K,))
+        add(f"{a}o_norm.weight", (K,), F32)
     else:
         nh = cfg.num_attention_heads
         add(f"{a}q_a_proj.weight", (cfg.q_lora_rank, D))
@@ -110,7 +144,7 @@ def dense_layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         m = "block_sparse_moe."
         E, Dl, Is = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.shared_intermediate_size
         add(f"{m}gate.weight", (E, D))
-        add(f"{m}gate.e_score_correction_bias", (E,))
+        add(f"{m}gate.e_score_correction_bias", (E,), F32)
         add(f"{m}routed_expert_down_proj.weight", (Dl, D))
         if cfg.latent_moe_use_norm:
             add(f"{m}routed_expert_norm.weight", (Dl,))
@@ -163,6 +197,53 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
                 new(TensorSpec, (f"{p}{e}{suffix}", shape, U8)) for e in range(cfg.num_experts) for suffix, shape in parts
             )
     return out
+
+
+def tensor_count(cfg: ModelConfig) -> int:
+    """len(tensor_specs(cfg)) without building the list (a config can imply millions)."""
+    dense = len(global_specs(cfg)) + sum(len(dense_layer_specs(cfg, i)) for i in range(cfg.num_layers))
+    return dense + len(cfg.moe_layers) * cfg.num_experts * 2 * len(expert_matrix_shapes(cfg))
+
+
+def is_text_tensor(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def vision_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Vision tower and projector tensors as synth writes them, sized by `vision_config`.
+
+    Only the prefixes (the release's quantization `ignore` list names both) and the counts are
+    the release's: 165 tower + 3 projector tensors at full geometry [WASTE], which this layout
+    meets with 27 blocks of six. The names below the prefixes are a stand-in (no public source
+    lists them), so nothing but synth and the tensor count relies on them: the release check
+    and convert treat every tensor outside `language_model.` as not ours to run.
+    """
+    v = cfg.vision
+    if v is None:
+        return []
+    h, inter, p = v.hidden_size, v.intermediate_size, v.patch_size
+    merged = h * v.merge_tokens
+    s = [
+        TensorSpec("vision_tower.patch_embed.proj.weight", (h, 3, p, p), BF16),
+        TensorSpec("vision_tower.patch_embed.proj.bias", (h,), BF16),
+        TensorSpec("vision_tower.patch_embed.pos_emb.weight", (64, 64, h), BF16),
+    ]
+    for b in range(v.num_hidden_layers):
+        q = f"vision_tower.encoder.blocks.{b}."
+        s += [
+            TensorSpec(q + "norm0.weight", (h,), BF16),
+            TensorSpec(q + "norm1.weight", (h,), BF16),
+            TensorSpec(q + "wqkv.weight", (3 * h, h), BF16),
+            TensorSpec(q + "wo.weight", (h, h), BF16),
+            TensorSpec(q + "mlp.fc0.weight", (inter, h), BF16),
+            TensorSpec(q + "mlp.fc1.weight", (h, inter), BF16),
+        ]
+    s += [
+        TensorSpec("mm_projector.pre_norm.weight", (h,), BF16),
+        TensorSpec("mm_projector.proj.0.weight", (merged, merged), BF16),
+        TensorSpec("mm_projector.proj.2.weight", (cfg.hidden_size, merged), BF16),
+    ]
+    return s
 
 
 # ---- the converted tree's dense grouping ------------------------------------------------

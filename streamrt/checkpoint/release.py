@@ -2,10 +2,14 @@
 
 `open_release(dir)` checks, in order: the config and its variant gating (which also checks
 the indexer tensors against the index), the index json, every shard's safetensors header
-(our own parser: truncation, offsets overlapping or running past the file), then every
-tensor the config implies: present, in the shard the index names, with the dtype and
-shape the config implies. Each failure is one `CheckpointError` naming file and tensor.
-Tensor bytes are then served zero-copy from read-only mappings.
+(our own parser: truncation, offsets overlapping or running past the file), that index and
+headers agree (each tensor in exactly the shard the index names, no shard outside the index),
+then every text tensor the config implies: present, with the shape the config implies and
+the dtype the release stores (names.accepted_dtypes), and no text tensor the config does
+not imply. Tensors outside `language_model.` (the vision tower and projector) are headers
+checked and otherwise left alone: `ReleaseTree.skipped` lists them for convert to report.
+Each failure is one `CheckpointError` naming file and tensor. Tensor bytes are then served
+zero-copy from read-only mappings.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamrt.checkpoint.names import TensorSpec, expert_prefix, tensor_specs
+from streamrt.checkpoint.names import TensorSpec, accepted_dtypes, expert_prefix, is_text_tensor, tensor_specs
 from streamrt.checkpoint.safetensors_io import STEntry, STHeader, read_header
 from streamrt.config import ModelConfig, load_config
 from streamrt.errors import CheckpointError
@@ -27,6 +31,7 @@ from streamrt.fp4 import E8M0_NAN
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+SHARD_GLOB = "model-*-of-*.safetensors"
 TOKENIZER_FILES = (
     "tiktoken.model",
     "tokenizer_config.json",
@@ -44,7 +49,8 @@ class ReleaseTree:
     config: ModelConfig
     weight_map: dict[str, str]  # name -> shard file name
     headers: dict[str, STHeader]  # shard file name -> parsed header
-    specs: list[TensorSpec]
+    specs: list[TensorSpec]  # text tensors, with the dtype each is stored in
+    skipped: list[str] = field(default_factory=list)  # tensors outside language_model. (vision, projector)
     _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
     _fds: dict[str, int] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -52,6 +58,10 @@ class ReleaseTree:
     @property
     def shards(self) -> list[str]:
         return sorted(self.headers)
+
+    @property
+    def skipped_bytes(self) -> int:
+        return sum(e.end - e.begin for e in (self.entry(n)[1] for n in self.skipped))
 
     def entry(self, name: str) -> tuple[str, STEntry]:
         shard = self.weight_map[name]
@@ -144,7 +154,7 @@ class ReleaseTree:
         self._maps.clear()
 
 
-def _read_index(root: Path) -> dict[str, str]:
+def read_index(root: Path) -> dict[str, str]:
     idx = root / INDEX
     if not idx.is_file():
         if (root / SINGLE).is_file():
@@ -166,12 +176,12 @@ def _read_index(root: Path) -> dict[str, str]:
 
 def open_release(path: str | Path, *, check_tensors: bool = True) -> ReleaseTree:
     """Open and validate a release tree. `check_tensors=False` skips the per-tensor
-    dtype/shape comparison (headers are still parsed and bounds-checked)."""
+    dtype/shape comparison (headers are still parsed, bounds-checked and held to the index)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such release directory")
     cfg = load_config(root)  # variant gating against the index's names, both directions
-    wm = _read_index(root)
+    wm = read_index(root)
     headers: dict[str, STHeader] = {}
     for shard in sorted(set(wm.values())):
         f = root / shard
@@ -179,33 +189,83 @@ def open_release(path: str | Path, *, check_tensors: bool = True) -> ReleaseTree
             first = next(n for n, s in wm.items() if s == shard)
             raise CheckpointError(f"{f}: shard missing (index maps tensor {first} and others to it)")
         headers[shard] = read_header(f)
+    _check_index_agrees(root, wm, headers)
+    specs = tensor_specs(cfg)
+    if check_tensors:
+        specs = _check_specs(root, cfg, specs, wm, headers)
+    skipped = [n for n in wm if not is_text_tensor(n)]
+    return ReleaseTree(root, cfg, wm, headers, specs, skipped)
+
+
+def _check_index_agrees(root: Path, wm: dict[str, str], headers: dict[str, STHeader]) -> None:
+    """Every tensor lives in exactly the shard the index names, and every shard is indexed."""
     for name, shard in wm.items():
         if name not in headers[shard].entries:
             raise CheckpointError(f"{root / shard}: tensor {name} is listed in {INDEX} but missing from the shard")
-    specs = tensor_specs(cfg)
-    if check_tensors:
-        _check_specs(root, cfg, specs, wm, headers)
-    return ReleaseTree(root, cfg, wm, headers, specs)
+    for shard, hdr in headers.items():
+        for name in hdr.entries:
+            owner = wm.get(name)
+            if owner is None:
+                raise CheckpointError(f"{root / shard}: tensor {name} is in the shard but not in {INDEX}")
+            if owner != shard:
+                raise CheckpointError(f"{root / shard}: tensor {name} is also stored here; {INDEX} maps it to {owner}")
+    if (root / INDEX).is_file():
+        for f in sorted(root.glob(SHARD_GLOB)):
+            if f.name not in headers:
+                raise CheckpointError(f"{f}: shard is not named by {INDEX} (a partial download, or an index from another release?)")
 
 
-def _check_specs(root: Path, cfg: ModelConfig, specs: list[TensorSpec], wm: dict, headers: dict) -> None:
+def _check_specs(root: Path, cfg: ModelConfig, specs: list[TensorSpec], wm: dict, headers: dict) -> list[TensorSpec]:
+    """The config's text tensors against the headers; returns them with their stored dtypes."""
     missing = [s.name for s in specs if s.name not in wm]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{root}: tensor {missing[0]} missing from the release{more}; the {cfg.variant} config implies it")
+    implied = {s.name for s in specs}
+    extra = [n for n in wm if is_text_tensor(n) and n not in implied]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"{root / wm[extra[0]]}: tensor {extra[0]}{more} is not part of the {cfg.variant} layout the config implies")
+    out = []
     for s in specs:
         shard = wm[s.name]
         e = headers[shard].entries[s.name]
-        if e.dtype != s.dtype or e.shape != s.shape:
-            what = "dtype" if e.dtype != s.dtype else "shape"
+        if e.shape != s.shape:
             raise CheckpointError(
-                f"{root / shard}: tensor {s.name}: {what} {e.dtype} {list(e.shape)} disagrees with the config "
-                f"({s.dtype} {list(s.shape)})"
+                f"{root / shard}: tensor {s.name}: shape {list(e.shape)} disagrees with the config ({list(s.shape)})"
             )
+        ok = accepted_dtypes(s)
+        if e.dtype not in ok:
+            raise CheckpointError(f"{root / shard}: tensor {s.name}: dtype {e.dtype}, expected {' or '.join(ok)} (as released)")
+        out.append(s if e.dtype == s.dtype else TensorSpec(s.name, s.shape, e.dtype))
+    return out
+
+
+def shard_fingerprints(root: Path, *, content: bool = False) -> dict[str, dict]:
+    """Per shard: size, mtime and a digest of its header; with `content`, of all its bytes too
+    (`convert --verify-source`). A rewritten shard changes its mtime even when its size and
+    header stay the same."""
+    from streamrt.checkpoint.fileio import file_digest, new_hash
+
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        st = f.stat()
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h = new_hash()
+            h.update(head + fh.read(min(n, st.st_size)))
+        rec = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header": h.hexdigest()}
+        if content:
+            rec["blake2b"] = file_digest(f)
+        out[f.name] = rec
+    return out
 
 
 def release_fingerprint(root: Path) -> str:
-    """Identifies a source tree cheaply: config + index bytes and every shard's name and size."""
+    """Identifies a source tree: config and index bytes and every shard's name. What each
+    shard holds is tracked apart, per shard (`shard_fingerprints`), so a changed shard
+    re-converts only the files made from it."""
     from streamrt.checkpoint.fileio import new_hash
 
     h = new_hash()
@@ -214,8 +274,8 @@ def release_fingerprint(root: Path) -> str:
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes())
     for f in sorted(root.glob("*.safetensors")):
-        h.update(f"{f.name}\0{os.path.getsize(f)}\0".encode())
+        h.update(f"{f.name}\0".encode())
     return h.hexdigest()
 
 
-__all__ = ["ReleaseTree", "open_release", "release_fingerprint", "INDEX", "TOKENIZER_FILES"]
+__all__ = ["ReleaseTree", "open_release", "release_fingerprint", "shard_fingerprints", "INDEX", "TOKENIZER_FILES"]

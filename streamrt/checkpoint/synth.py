@@ -1,10 +1,17 @@
 """`streamrt synth`: a seeded random checkpoint in the real layout, at any geometry.
 
-Weights have realistic scale and make a stable model: linear weights N(0, 0.02), norms 1,
+Weights have realistic scale and make a stable model: linear weights N(0, 0.02), norm gains
+U(0.5, 2) (never exactly 1, so a norm whose gain is dropped changes the logits), AttnRes
+projections of N(0, 2/sqrt(D)) (the depth softmax is far from uniform, so a wrong mix shows),
 A_log = log U(1, 16) on the live heads and zero padding, small dt_bias, routed experts
 drawn as floats (rows scaled over a few octaves, as trained weights are) and quantised to
 MXFP4 so E8M0 exponents span a realistic range. Router `e_score_correction_bias` is skewed
 (`--skew`) so expert popularity is uneven and caching behaves as on a real model.
+
+The release layout is the real one (spec/REAL_RELEASE.md): `model-000NN-of-0000NN`
+shards (96 at full geometry), an index with `metadata.total_size`, F32 where the release
+stores F32, each layer's experts written in a seeded order that is not id order, the vision
+tower and projector last, `tiktoken.model` and `tokenizer_config.json` beside them.
 
 Every tensor (and every row chunk of a large one) draws from its own generator seeded by
 (seed, name, chunk), so output is independent of threading and chunking: the same seed
@@ -35,13 +42,16 @@ from streamrt.checkpoint.names import (
     is_expert_tensor,
     strip_prefix,
     tensor_specs,
+    vision_specs,
 )
 from streamrt.checkpoint.safetensors_io import build_header, order_for_alignment, write_stream
 from streamrt.config import ModelConfig, load_config
 from streamrt.errors import CheckpointError, StreamrtError
 
 CHUNK_ELEMS = 16 << 20  # floats generated at once per worker (64 MiB fp32)
-DEFAULT_SHARD_BYTES = 4 << 30
+RELEASE_SHARDS = 96  # the release's shard count at full geometry
+MIN_SHARD_BYTES = 4 << 30  # smaller geometries: fewer shards, none under this (but at least one)
+NORM_GAIN = (0.5, 2.0)  # U(lo, hi) norm gains
 WEIGHT_STD = 0.02
 CONV_STD = 0.3  # depthwise conv over 4 taps: kaiming-like scale
 ROW_OCTAVES_STD, ROW_OCTAVES_MAX = 0.7, 3.0  # expert rows scaled by 2^clip(N(0, .7), ±3)
@@ -95,12 +105,15 @@ class Generator:
             # that size times `skew` makes popularity clearly uneven without freezing it.
             spread = 0.25 * WEIGHT_STD * math.sqrt(self.cfg.hidden_size)
             yield self._bytes(self.skew * spread * self._randn(shape, name), dt)
-        elif name.endswith("norm.weight") or "layernorm" in name:
-            yield self._bytes(torch.ones(shape, device=self.device), dt)
+        elif name.endswith("norm.weight") or "layernorm" in name or name.endswith(("norm0.weight", "norm1.weight")):
+            lo, hi = NORM_GAIN
+            yield self._bytes(lo + (hi - lo) * self._rand(shape, name), dt)
         elif name.endswith(".bias"):
-            yield self._bytes(torch.zeros(shape, device=self.device), dt)
+            yield self._bytes(WEIGHT_STD * self._randn(shape, name), dt)
         else:
             std = CONV_STD if leaf[-2].endswith("_conv1d") else WEIGHT_STD
+            if name.endswith("_res_proj.weight"):
+                std = 2.0 / math.sqrt(self.cfg.hidden_size)  # depth logits of spread ~2 over the sources
             row = math.prod(shape[1:]) if len(shape) > 1 else n
             rows = shape[0] if len(shape) > 1 else 1
             per = max(1, CHUNK_ELEMS // max(row, 1))
@@ -156,24 +169,52 @@ def quantize_mxfp4_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- planning ------------------------------------------------------------------------
 
 
-def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
-    """Greedy in file order; an expert's six tensors never straddle a shard boundary
-    (matters for nothing but tidiness: they are generated together)."""
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for s in specs:
-        b = s.nbytes if s.dtype != "U8" else s.shape[0] * s.shape[1]  # fast path for the ~500k expert tensors
+def release_order(cfg: ModelConfig, seed: int) -> list[TensorSpec]:
+    """Every tensor in file order as the release has it: per layer its dense tensors, then its
+    experts in a seeded order that is not id order (six tensors each, together), then the
+    vision tower and projector."""
+    specs = tensor_specs(cfg)
+    out, i = [], 0
+    per_expert = 2 * len(expert_matrix_shapes(cfg))
+    while i < len(specs):
+        s = specs[i]
+        if not is_expert_tensor(s.name):
+            out.append(s)
+            i += 1
+            continue
+        layer = int(s.name.split(".layers.", 1)[1].split(".", 1)[0])
+        block = specs[i : i + cfg.num_experts * per_expert]
+        g = np.random.default_rng(_tensor_seed(seed, f"expert order {layer}"))
+        for e in g.permutation(cfg.num_experts):
+            out.extend(block[e * per_expert : (e + 1) * per_expert])
+        i += len(block)
+    return out + vision_specs(cfg)
+
+
+def default_shard_count(total_bytes: int) -> int:
+    return max(1, min(RELEASE_SHARDS, total_bytes // MIN_SHARD_BYTES))
+
+
+def plan_shards(specs: list[TensorSpec], shards: int) -> list[list[TensorSpec]]:
+    """`shards` shards of about equal bytes, in file order; an expert's six tensors never
+    straddle a boundary (the release keeps them together). Fewer only if there are fewer
+    places to cut."""
+    sizes = [s.nbytes if s.dtype != "U8" else s.shape[0] * s.shape[1] for s in specs]  # fast path for ~500k U8s
+    total = sum(sizes)
+    out: list[list[TensorSpec]] = [[]]
+    done = 0
+    for s, b in zip(specs, sizes):
         boundary_ok = not is_expert_tensor(s.name) or s.name.endswith(".w1.weight_packed")
-        if shards[-1] and size + b > shard_bytes and boundary_ok:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += b
-    return shards
+        if out[-1] and boundary_ok and len(out) < shards and done >= total * len(out) / shards:
+            out.append([])
+        out[-1].append(s)
+        done += b
+    return out
 
 
 def shard_name(i: int, n: int) -> str:
-    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    """The release's rule: five digits for the shard, six for the count."""
+    return f"model-{i + 1:05d}-of-{n:06d}.safetensors"
 
 
 def _shard_chunks(gen: Generator, specs: list[TensorSpec]) -> Iterator[np.ndarray]:
@@ -205,12 +246,12 @@ def _config_json(cfg: ModelConfig) -> bytes:
     return (json.dumps(cfg.raw, indent=2) + "\n").encode()
 
 
-def synth_release(cfg: ModelConfig, out: Path, gen: Generator, *, shard_bytes: int, workers: int, bar) -> dict:
+def synth_release(cfg: ModelConfig, out: Path, gen: Generator, *, shards: int, workers: int, bar) -> dict:
     from streamrt.checkpoint.fileio import write_bytes_atomic
     from streamrt.checkpoint.release import INDEX
 
-    shards = plan_shards(tensor_specs(cfg), shard_bytes)
-    names = [shard_name(i, len(shards)) for i in range(len(shards))]
+    planned = plan_shards(release_order(cfg, gen.seed), shards)
+    names = [shard_name(i, len(planned)) for i in range(len(planned))]
     lock = threading.Lock()
 
     def tick(n):
@@ -218,16 +259,52 @@ def synth_release(cfg: ModelConfig, out: Path, gen: Generator, *, shard_bytes: i
             bar.update(n)
 
     def one(i):
-        specs = order_for_alignment(shards[i])
+        specs = order_for_alignment(planned[i])
         write_stream(out / names[i], specs, _shard_chunks(gen, specs), metadata={"format": "pt"}, on_bytes=tick)
 
-    _run_pool(one, range(len(shards)), workers)
-    wm = {s.name: names[i] for i, sh in enumerate(shards) for s in sh}
-    total = sum(s.nbytes for sh in shards for s in sh)
+    _run_pool(one, range(len(planned)), workers)
+    wm = {s.name: names[i] for i, sh in enumerate(planned) for s in sh}
+    total = sum(s.nbytes for sh in planned for s in sh)
     write_bytes_atomic(out / "config.json", _config_json(cfg))
+    write_bytes_atomic(out / "tiktoken.model", synthetic_bpe(cfg.vocab_size, gen.seed))
+    write_bytes_atomic(out / "tokenizer_config.json", tokenizer_config_json())
     index = {"metadata": {"total_size": total}, "weight_map": wm}
     write_bytes_atomic(out / INDEX, json.dumps(index, indent=1).encode())
-    return {"shards": len(shards), "tensors": len(wm), "bytes": total}
+    return {"shards": len(planned), "tensors": len(wm), "bytes": total}
+
+
+def synthetic_bpe(vocab_size: int, seed: int) -> bytes:
+    """A `tiktoken.model` for the regular ids below the 256 specials: the 256 bytes at their
+    own ranks (so short vocabularies encode as the byte tokenizer does), then seeded merges of
+    two earlier tokens, each reachable by BPE because both halves rank below it."""
+    import base64
+
+    regular = vocab_size - 256
+    tokens = [bytes((b,)) for b in range(min(256, regular))]
+    seen = set(tokens)
+    g = np.random.default_rng(_tensor_seed(seed, "bpe"))
+    while len(tokens) < regular:
+        a, b = g.integers(0, len(tokens), 2)
+        t = tokens[a] + tokens[b]
+        if len(t) <= 16 and t not in seen:
+            seen.add(t)
+            tokens.append(t)
+    return b"".join(base64.b64encode(t) + b" %d\n" % r for r, t in enumerate(tokens))
+
+
+def tokenizer_config_json() -> bytes:
+    """`tokenizer_config.json` naming the 256 reserved ids from 163584, as the release's does."""
+    from streamrt.tokenizer import K3_NAMED_SPECIALS, K3_SPECIAL_BASE, NUM_SPECIALS
+
+    names = {v: k for k, v in K3_NAMED_SPECIALS.items()}
+    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    decoder = {
+        str(i): {"content": names.get(i, f"<|reserved_token_{i - K3_SPECIAL_BASE}|>"), **entry}
+        for i in range(K3_SPECIAL_BASE, K3_SPECIAL_BASE + NUM_SPECIALS)
+    }
+    cfg = {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]",
+           "unk_token": "[UNK]", "tokenizer_class": "TikTokenTokenizer"}
+    return (json.dumps(cfg, indent=2) + "\n").encode()
 
 
 def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int, bar, allow_per_row: bool = False) -> dict:
@@ -275,8 +352,10 @@ def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int,
         (expert_task, (l, e)) for l in cfg.moe_layers for e in range(cfg.num_experts)
     ]
     _run_pool(lambda t: t[0](t[1]), tasks, workers)
-    size, d = write_bytes_atomic(out / "config.json", _config_json(cfg))
-    files["config.json"] = {"size": size, "blake2b": d}
+    for name, data in (("config.json", _config_json(cfg)), ("tiktoken.model", synthetic_bpe(cfg.vocab_size, gen.seed)),
+                       ("tokenizer_config.json", tokenizer_config_json())):
+        size, d = write_bytes_atomic(out / name, data)
+        files[name] = {"size": size, "blake2b": d}
     write_manifest(out, cfg, files, [s.name for s in tensor_specs(cfg)], source={"synth": True, "seed": gen.seed}, modes=modes)
     return {"files": len(files), "tensors": len(tensor_specs(cfg)), "bytes": sum(f["size"] for f in files.values())}
 
@@ -311,7 +390,7 @@ def synth(
     skew: float = 1.0,
     fmt: str = "release",
     dry_run: bool = False,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    shards: int | None = None,
     workers: int | None = None,
     device: str | None = None,
     progress: bool | None = None,
@@ -322,11 +401,15 @@ def synth(
         raise StreamrtError(f"--format must be 'release' or 'streamrt', got {fmt!r}")
     if skew < 0 or not math.isfinite(skew):
         raise StreamrtError(f"--skew must be a finite number >= 0, got {skew}")
-    specs = tensor_specs(cfg)
+    if shards is not None and shards < 1:
+        raise StreamrtError(f"--shards must be >= 1, got {shards}")
+    specs = tensor_specs(cfg) + (vision_specs(cfg) if fmt == "release" else [])
     nbytes = sum(s.nbytes if s.dtype != "U8" else s.shape[0] * s.shape[1] for s in specs) if fmt == "release" else streamrt_bytes(cfg)
     summary = {"config": cfg.name, "variant": cfg.variant, "format": fmt, "tensors": len(specs), "bytes": nbytes}
     if fmt == "release":
-        summary["shards"] = len(plan_shards(specs, shard_bytes))
+        shards = shards or default_shard_count(nbytes)
+        summary["shards"] = len(plan_shards(release_order(cfg, seed), shards))
+        summary["text_tensors"] = len(tensor_specs(cfg))
     else:
         summary["expert_files"] = cfg.expert_files
     if dry_run:
@@ -346,7 +429,7 @@ def synth(
     t0 = time.perf_counter()
     with tqdm(total=nbytes, unit="B", unit_scale=True, desc=f"synth {cfg.name}", disable=_disable(progress)) as bar:
         if fmt == "release":
-            summary.update(synth_release(cfg, out, gen, shard_bytes=shard_bytes, workers=workers, bar=bar))
+            summary.update(synth_release(cfg, out, gen, shards=shards, workers=workers, bar=bar))
         else:
             summary.update(synth_streamrt(cfg, out, gen, workers=workers, bar=bar, allow_per_row=allow_per_row))
     summary.update(seconds=time.perf_counter() - t0, device=str(gen.device), out=str(out))

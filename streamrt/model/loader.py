@@ -18,7 +18,10 @@ from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 from streamrt.model.model import KimiLinearForCausalLM
 from streamrt.model.moe import ExpertRequest
 
-FP32_TENSORS = ("self_attn.A_log", "self_attn.dt_bias", "gate.e_score_correction_bias")
+# The tensors the release stores as F32 (checkpoint/names.py RELEASED_F32) stay fp32 whatever
+# `dtype` asks: the reference ports run them in fp32 modules.
+FP32_TENSORS = ("self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
+                "self_attn.v_conv1d.weight", "self_attn.o_norm.weight", "gate.e_score_correction_bias")
 
 
 def check_state_dict(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], source: str = "checkpoint") -> None:
@@ -51,7 +54,7 @@ def check_state_dict(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], sou
 def load_weights(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], *, dtype: torch.dtype | None = None, source: str = "checkpoint") -> KimiLinearForCausalLM:
     """Check and assign a dense state dict (tree names minus `language_model.`).
 
-    dtype: cast floating tensors (not A_log / dt_bias / router bias, which stay fp32); None keeps them.
+    dtype: cast floating tensors (not FP32_TENSORS, which stay fp32); None keeps them.
     """
     check_state_dict(model, sd, source)
     cast = {}
