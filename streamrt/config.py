@@ -36,7 +36,7 @@ MXFP4_FORMAT, MXFP4_GROUP = "mxfp4-pack-quantized", 32
 # is built from it.
 MAX_LAYERS, MAX_EXPERTS, MAX_DIM, MAX_VOCAB = 1024, 16384, 1 << 17, 1 << 22
 MAX_MODEL_BYTES = 1 << 50  # 1 PiB: no machine holds more
-BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro", "small-k3.1-pro")
+BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro", "deep-k3.1-pro", "small-k3.1-pro")
 
 # Tensor-name suffixes of the Lightning Indexer, under `…layers.{i}.self_attn.indexer.`
 INDEXER_TENSORS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
