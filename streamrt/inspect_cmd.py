@@ -21,6 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="NAME|PATH")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU link for the projection (default 55)")
+    p.add_argument("--gpu-mem", default=None, metavar="BYTES[,BYTES...]",
+                   help="print the placement plan for a card with this much free memory (e.g. 80G); several "
+                   "sizes (24G,48G,80G) print one row each")
+    p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache the plan reserves (default 4096)")
+    p.add_argument("--hbm-gbps", type=float, default=3350.0,
+                   help="GPU memory bandwidth for the compute floor of the projection (default 3350, an H100 SXM)")
     p.set_defaults(func=run)
 
 
@@ -58,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise StreamrtError(f"--link-gbps must be > 0, got {args.link_gbps}")
     cfg = load_config(args.model)
+    if args.gpu_mem is not None:
+        return _placement(cfg, args)
     b = budget(cfg)
     b.update(_tensor_counts(cfg, Path(args.model)))
     if args.json:
@@ -93,4 +101,44 @@ def run(args: argparse.Namespace) -> int:
     print(f"{cfg.name}")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    return 0
+
+
+def _placement(cfg, args: argparse.Namespace) -> int:
+    """`--gpu-mem`: the placement plan (placement.py) for one card, or a row per card size."""
+    from streamrt.errors import StreamrtError
+    from streamrt.placement import describe, plan_placement
+    from streamrt.runtime.options import parse_bytes
+
+    if args.hbm_gbps <= 0 or args.context < 1:
+        raise StreamrtError(f"--hbm-gbps must be > 0 and --context >= 1, got {args.hbm_gbps} and {args.context}")
+    sizes = [parse_bytes(x, "--gpu-mem") for x in str(args.gpu_mem).split(",")]
+    if len(sizes) == 1:
+        p = plan_placement(cfg, sizes[0], context=args.context)
+        rows = describe(cfg, p, args.link_gbps, args.hbm_gbps)
+        if args.json:
+            proj = p.projected_s_per_token(cfg, args.link_gbps, args.hbm_gbps)
+            print(json.dumps({"resident_layers": list(p.resident_layers), "streamed_layers": list(p.streamed_layers),
+                              "expert_slots": p.expert_slots, "fixed_bytes": p.fixed_bytes, "host_bytes": p.host_bytes,
+                              "streamed_bytes_per_token": p.streamed_bytes_per_token,
+                              "link_bytes_per_token": p.link_bytes_per_token(cfg), **proj}, indent=2))
+            return 0
+        width = max(len(k) for k, _ in rows)
+        print(f"{cfg.name}: placement")
+        for k, v in rows:
+            print(f"  {k:<{width}}  {v}")
+        return 0
+    print(f"{cfg.name}: placement per card (context {args.context:,}, link {args.link_gbps:g} GB/s, "
+          f"HBM {args.hbm_gbps:g} GB/s, uniform expert hits)")
+    print("| card | resident layers | streamed dense / token | expert slots | link bytes / token | projected s/token |")
+    print("|---|---|---|---|---|---|")
+    for size in sizes:
+        try:
+            p = plan_placement(cfg, size, context=args.context)
+        except StreamrtError as e:
+            print(f"| {size / GIB:g} GiB | does not fit: {str(e).split(': it needs ')[-1]} | | | | |")
+            continue
+        proj = p.projected_s_per_token(cfg, args.link_gbps, args.hbm_gbps)
+        print(f"| {size / GIB:g} GiB | {len(p.resident_layers)} of {cfg.num_layers} | {p.streamed_bytes_per_token / GIB:.1f} GiB "
+              f"| {p.expert_slots:,} | {p.link_bytes_per_token(cfg) / GIB:.1f} GiB | {proj['s_per_token']:.2f} |")
     return 0
