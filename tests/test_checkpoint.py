@@ -116,7 +116,7 @@ def test_tensor_specs_full_geometry_delta_is_the_indexer():
     k3, k31 = load_config("kimi-k3"), load_config("kimi-k3.1-pro")
     t0 = time.perf_counter()
     a, b = tensor_specs(k3), tensor_specs(k31)
-    assert time.perf_counter() - t0 < 4.0  # < 2 s each on an idle core
+    assert time.perf_counter() - t0 < 30.0  # a gross-regression guard only (< 2 s each on an idle core)
     assert len(b) - len(a) == 120
     extra = {s.name for s in b} - {s.name for s in a}
     assert extra == set(expected_indexer_tensors(k31)) and len(extra) == 120

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from streamrt.checkpoint import convert as conv
+from streamrt.checkpoint.dst import STATE_DIR
 from streamrt.checkpoint import fileio
 from streamrt.checkpoint.names import expert_relpath
 from streamrt.checkpoint.synth import synth
@@ -54,7 +55,7 @@ def test_same_bytes_and_manifest_wherever_commits_run(release, clean, tmp_path, 
     s = conv.convert(release, dst, workers=3, commit_threads=commit_threads, progress=False)
     assert s["commit_threads"] == (3 if commit_threads is None else commit_threads)
     assert _tree(dst) == _tree(ref)  # every file, manifest included
-    assert not _tmps(dst) and not (dst / conv.STATE_DIR).exists()
+    assert not _tmps(dst) and not (dst / STATE_DIR).exists()
     assert verify_tree(dst, full=True, progress=False)[0] == []
 
 
@@ -122,7 +123,7 @@ def test_enospc_at_fsync_names_the_file_and_leaves_nothing(release, clean, tmp_p
     msg = str(ei.value)
     assert "\n" not in msg and "disk full" in msg and str(dst / VICTIM) in msg
     assert not (dst / VICTIM).exists() and not _tmps(dst) and not (dst / "manifest.json").exists()
-    journal = (dst / conv.STATE_DIR / "journal.jsonl").read_text().splitlines()
+    journal = (dst / STATE_DIR / "journal.jsonl").read_text().splitlines()
     journaled = {json.loads(line)["path"] for line in journal}
     assert VICTIM not in journaled
     for rel in journaled:  # whatever was committed is complete

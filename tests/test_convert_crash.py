@@ -1,7 +1,7 @@
 """kill -9 in the middle of `streamrt convert`, then re-run: the tree must verify and equal a
-clean conversion file for file. The kill is made deterministic by a test hook
-(STREAMRT_TEST_KILL_AFTER_BYTES: the process SIGKILLs itself once that many bytes are
-written) with one worker, placed mid-way through an expert file. Both commit paths are
+clean conversion file for file. The kill is made deterministic with one worker: the converter
+runs in a child process whose `on_written` callback SIGKILLs it once that many bytes are
+written, placed mid-way through an expert file. Both commit paths are
 covered: inline (--commit-threads 0) and the deferred commit stage, where finished files may
 still sit under their temp names waiting for fsync + rename when the kill lands.
 """
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from streamrt.checkpoint.convert import KILL_ENV, convert
+from streamrt.checkpoint.convert import convert
 from streamrt.checkpoint.expert_file import ExpertLayout
 from streamrt.checkpoint.fileio import is_tmp
 from streamrt.checkpoint.synth import synth
@@ -24,13 +24,18 @@ from streamrt.checkpoint.verify import verify_tree
 from streamrt.config import load_config
 
 
-def _convert_cli(src, dst, env_extra=None, extra_args=()):
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "streamrt", "convert", str(src), str(dst), "--workers", "1", "--no-progress",
-         *extra_args],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
+# The child converts and SIGKILLs itself from the progress callback at argv[3] bytes (0: never).
+KILLING_CONVERT = (
+    "import os, signal, sys; from streamrt.checkpoint.convert import convert; kill_at = int(sys.argv[3]); "
+    "convert(sys.argv[1], sys.argv[2], workers=1, progress=False, commit_threads=int(sys.argv[4]) if sys.argv[4] else None, "
+    "on_written=lambda n: kill_at and n >= kill_at and os.kill(os.getpid(), signal.SIGKILL), log=print)"
+)
+
+
+def _convert_cli(src, dst, kill_at=0, commit_args=(), prelude=""):
+    commit = commit_args[1] if commit_args else ""
+    return subprocess.run([sys.executable, "-c", prelude + KILLING_CONVERT, str(src), str(dst), str(kill_at), commit],
+                          capture_output=True, text=True, timeout=120)
 
 
 def _tmps(dst):
@@ -66,7 +71,7 @@ def _release_and_clean(tmp_path):
 def test_kill_9_mid_file_then_resume(tmp_path, commit_args):
     src, clean, dst, files, lay, kill_at = _release_and_clean(tmp_path)
 
-    r = _convert_cli(src, dst, {KILL_ENV: str(kill_at)}, commit_args)
+    r = _convert_cli(src, dst, kill_at, commit_args)
     assert r.returncode == -signal.SIGKILL, r.stderr
     finals = _check_killed_tree(dst, clean)
     tmps = _tmps(dst)
@@ -77,7 +82,7 @@ def test_kill_9_mid_file_then_resume(tmp_path, commit_args):
         assert len(tmps) >= 1 and len(final_experts) + len([p for p in tmps if ".nvfp4" in p.name]) == 11
     assert all(p.stat().st_size == lay.file_bytes for p in final_experts)
 
-    r = _convert_cli(src, dst, extra_args=commit_args)
+    r = _convert_cli(src, dst, commit_args=commit_args)
     assert r.returncode == 0, r.stderr
     assert "already complete" in r.stdout
     assert not _tmps(dst)
@@ -89,13 +94,8 @@ def test_kill_9_with_commit_backlog_then_resume(tmp_path):
     """Slow fsync, one committer: several finished files wait in the backlog under temp names
     when the kill lands. None of them may count; the re-run redoes them."""
     src, clean, dst, files, lay, kill_at = _release_and_clean(tmp_path)
-    code = (
-        "import os, sys, time; from streamrt.checkpoint import convert as c; real = os.fsync; "
-        "os.fsync = lambda fd: (time.sleep(0.2), real(fd))[1]; "
-        "c.convert(sys.argv[1], sys.argv[2], workers=1, commit_threads=1, progress=False)"
-    )
-    r = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, KILL_ENV: str(kill_at)})
+    slow_fsync = "import os, time; real = os.fsync; os.fsync = lambda fd: (time.sleep(0.2), real(fd))[1]; "
+    r = _convert_cli(src, dst, kill_at, ("--commit-threads", "1"), prelude=slow_fsync)
     assert r.returncode == -signal.SIGKILL, r.stderr
     finals = _check_killed_tree(dst, clean)
     expert_tmps = [p for p in _tmps(dst) if ".nvfp4" in p.name]

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from streamrt.checkpoint import convert as conv
+from streamrt.checkpoint.manifest import dense_files
 from streamrt.checkpoint import fileio
 from streamrt.checkpoint.names import TensorSpec, dense_specs, strip_prefix
 from streamrt.checkpoint.release import open_release
@@ -56,7 +57,7 @@ def test_chunked_dense_equals_serial_write(release, tmp_path, monkeypatch, chunk
     conv.convert(release, dst, workers=3, progress=False)
     files = _files(dst)
     rt = open_release(release)
-    dense = conv.dense_files(dense_specs(rt.config))
+    dense = dense_files(dense_specs(rt.config))
     assert chunk is None or files[RESIDENT]["size"] > 20 * chunk
     for rel, specs in dense.items():  # the pre-parallel path: one thread streams the tensors in order
         renamed = [TensorSpec(strip_prefix(s.name), s.shape, s.dtype) for s in specs]
@@ -105,12 +106,12 @@ def test_kill_9_mid_chunked_file_then_resume(release, tmp_path, small_chunks):
     before = sum(v["size"] for k, v in files.items() if not k.endswith(".nvfp4") and k != RESIDENT)
     kill_at = before + files[RESIDENT]["size"] // 2
     code = (
-        "import sys; from streamrt.checkpoint import fileio, convert as c; "
+        "import os, signal, sys; from streamrt.checkpoint import fileio, convert as c; "
         f"fileio.CHUNK_BYTES = {SMALL}; c.PIECE_BYTES = 1000; "
-        "c.convert(sys.argv[1], sys.argv[2], workers=2, progress=False)"
+        f"c.convert(sys.argv[1], sys.argv[2], workers=2, progress=False, "
+        f"on_written=lambda n: n >= {kill_at} and os.kill(os.getpid(), signal.SIGKILL))"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(release), str(dst)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, conv.KILL_ENV: str(kill_at)})
+    r = subprocess.run([sys.executable, "-c", code, str(release), str(dst)], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert not (dst / RESIDENT).exists() and not (dst / "manifest.json").exists()
     assert any(p.name.startswith(f"{fileio.TMP_PREFIX}resident.") for p in _tmps(dst))

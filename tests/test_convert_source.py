@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrt.checkpoint.convert import _DstLock, convert
+from streamrt.checkpoint.convert import convert
+from streamrt.checkpoint.dst import DstLock
 from streamrt.checkpoint.synth import synth
 from streamrt.errors import CheckpointError
 
@@ -83,7 +84,7 @@ def test_verify_source_catches_a_rewrite_that_kept_its_mtime(src, tmp_path):
 def test_a_second_converter_is_told_who_holds_dst(src, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
-    with _DstLock(dst):
+    with DstLock(dst):
         r = subprocess.run([sys.executable, "-m", "streamrt", "convert", str(src), str(dst), "--no-progress"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from streamrt.checkpoint.convert import FORMAT, MANIFEST, READ_VERSIONS, geometry, manifest_rule
+from streamrt.checkpoint.manifest import FORMAT, MANIFEST, READ_VERSIONS, geometry, manifest_rule
 from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert
 from streamrt.checkpoint.fileio import buffer_digest, file_digest, rule_chunk
 from streamrt.checkpoint.names import expert_relpath

@@ -309,7 +309,7 @@ def tokenizer_config_json() -> bytes:
 
 def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int, bar, allow_per_row: bool = False) -> dict:
     """Write a converted tree directly (no release on disk): dense files, expert files, manifest."""
-    from streamrt.checkpoint.convert import dense_files, write_manifest
+    from streamrt.checkpoint.manifest import dense_files, write_manifest
     from streamrt.checkpoint.expert_file import ExpertLayout, write_expert_file
     from streamrt.checkpoint.fileio import write_bytes_atomic
     from streamrt.checkpoint.names import expert_relpath
@@ -372,7 +372,7 @@ def _run_pool(fn, items, workers: int) -> None:
 
 
 def streamrt_bytes(cfg: ModelConfig) -> int:
-    from streamrt.checkpoint.convert import dense_files
+    from streamrt.checkpoint.manifest import dense_files
     from streamrt.checkpoint.expert_file import ExpertLayout
 
     dense = 0

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from streamrt.checkpoint.convert import dense_files
+from streamrt.checkpoint.manifest import dense_files
 from streamrt.checkpoint.expert_file import HEADER_BYTES, parse_header
 from streamrt.checkpoint.names import dense_specs, expert_relpath
 from streamrt.checkpoint.reader import open_tree
