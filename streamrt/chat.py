@@ -4,7 +4,8 @@ A frame is `<|open|>tag attrs<|sep|> … <|close|>tag<|sep|>`; every message end
 `<|end_of_msg|>`. Only the markers are special ids. Tag names, attributes and all user, tool
 and model text are ordinary tokens, encoded segment by segment the way the reference
 encoder splits them (BPE merges never cross a segment boundary, so the split is part of
-the format).
+the format). The rules follow Moonshot's encoding helpers (`encoding.py`, `tokenization.py`, as
+carried by NeMo Automodel's `kimi_k3` package); `tests/test_chat_reference.py` spells them out.
 
 The parser is incremental over token ids and total: any id sequence yields events, and a
 malformed or truncated frame yields `ParseError` events, never an exception.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from streamrt.errors import StreamrtError
+from streamrt.jsonio import load_json
 from streamrt.tokenizer import Tokenizer
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -76,9 +78,9 @@ def _close(out: list[Segment], tag: str) -> None:
     out.append(Segment(SEP, True))
 
 
-def _message(out: list[Segment], attrs: list[tuple[str, Any]], body: str) -> None:
+def _message(out: list[Segment], attrs: list[tuple[str, Any]], body: Any, where: str = "") -> None:
     _open(out, "message", attrs)
-    _text(out, body)
+    _content(out, body, where)
     _close(out, "message")
     out.append(Segment(END_OF_MSG, True))
 
@@ -112,24 +114,33 @@ TOOL_DECLARE_HEAD = "# Tools\nHere are the available tools, described in JSONSch
 TOOL_DECLARE_TAIL = "\n```"
 
 
-def tool_declare_body(tools: list) -> str:
-    return f"{TOOL_DECLARE_HEAD}{compact_json(tools)}{TOOL_DECLARE_TAIL}"
+# A system message carrying `tools` extends the toolset mid-conversation (the reference's
+# "dynamic" declaration); its content, if any, is not rendered.
+DYNAMIC_TOOLS_HEAD = (
+    "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n```json\n"
+)
 
 
-def _content_text(content: Any, where: str) -> str:
+def tool_declare_body(tools: list, *, dynamic: bool = False) -> str:
+    return f"{DYNAMIC_TOOLS_HEAD if dynamic else TOOL_DECLARE_HEAD}{compact_json(tools)}{TOOL_DECLARE_TAIL}"
+
+
+def _content(out: list[Segment], content: Any, where: str) -> None:
+    """A message body: a string is one segment; a list of text parts is one segment per part, as
+    the reference encodes it (BPE merges stop at each part's edge, so joining would change ids)."""
     if content is None:
-        return ""
+        return
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                raise ChatFormatError(f"{where}: content part {j} is not a text part (only text is supported)")
-        return "".join(parts)
-    raise ChatFormatError(f"{where}: content must be a string, a list of text parts or null")
+        _text(out, content)
+        return
+    if not isinstance(content, list):
+        raise ChatFormatError(f"{where}: content must be a string, a list of text parts or null")
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatFormatError(f"{where}: content[{j}] is not a text part (type {kind!r}; only text is supported)")
+        _text(out, part["text"])
 
 
 def _call_parts(call: Any, where: str) -> tuple[str, dict | None, str | None]:
@@ -167,7 +178,7 @@ def _assistant(out: list[Segment], msg: dict, where: str, thinking: bool) -> Non
             _text(out, reasoning)
         _close(out, "think")
     _open(out, "response")
-    _text(out, _content_text(msg.get("content"), where))
+    _content(out, msg.get("content"), where)
     _close(out, "response")
     calls = msg.get("tool_calls") or []
     if not calls:
@@ -193,6 +204,37 @@ def _internal_system(out: list[Segment], kind: str, body: str) -> None:
     _message(out, [("role", "system"), ("type", kind)], body.strip())
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_RAW_JSON = (
+    "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+)
+
+
+def _response_format(out: list[Segment], response_format: Any) -> None:
+    """The response-format system message (OpenAI `response_format`: a type name or {"type": ...})."""
+    if response_format is None:
+        return
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if kind not in RESPONSE_FORMATS:
+        raise ChatFormatError(f"response_format type {kind!r} is not one of {', '.join(RESPONSE_FORMATS)}")
+    if kind == "text":
+        return  # plain text is the default: nothing to say
+    head = f"The system is invoked with `response_format={kind}`.\n{_RAW_JSON}"
+    if kind == "json_object":
+        _internal_system(out, "response-format", head)
+        return
+    spec = response_format.get("json_schema") if isinstance(response_format, dict) else None
+    if not isinstance(spec, dict):
+        raise ChatFormatError("response_format json_schema: json_schema must be an object (with a schema)")
+    # The reference takes json_schema.schema, else json_schema.json_schema, else json_schema itself.
+    schema = spec.get("schema", spec.get("json_schema", spec))
+    _internal_system(
+        out,
+        "response-format",
+        f"{head}\nThe JSON data must match the following schema:\n```json\n{compact_json(schema)}\n```",
+    )
+
+
 def render(
     messages: list[dict],
     tools: list | None = None,
@@ -201,8 +243,13 @@ def render(
     thinking: bool = True,
     thinking_effort: str | None = None,
     tool_choice: str | None = None,
+    response_format: Any = None,
 ) -> list[Segment]:
-    """The XTML segments of a conversation, ending with the generation prompt."""
+    """The XTML segments of a conversation, ending with the generation prompt.
+
+    thinking_effort defaults to none here, as in the reference's segment builder; its
+    `apply_chat_template` passes "max" unless told otherwise, which callers get from
+    `ChatProfile` (what the model's tree says it was trained with)."""
     out: list[Segment] = []
     if tools:
         if not isinstance(tools, list):
@@ -219,17 +266,17 @@ def render(
             f"Now the system is invoked with `thinking_effort={thinking_effort}`.",
         )
     last_calls: list = []
-    tool_index = 0
-    for i, msg in enumerate(messages):
+    tool_index = 0  # tool results since the last assistant message: the rendered `index`
+    for i, msg, call_name in _in_render_order(messages):
         where = f"message {i}"
-        if not isinstance(msg, dict):
-            raise ChatFormatError(f"{where}: must be an object")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise ChatFormatError(f"{where}: role {role!r} is not one of {', '.join(ROLES)}")
-        if role in ("system", "user"):
+        role = msg["role"]
+        if role == "system" and msg.get("tools"):
+            if not isinstance(msg["tools"], list):
+                raise ChatFormatError(f"{where}: tools must be a list")
+            _message(out, [("role", "system"), ("type", "tool-declare")], tool_declare_body(msg["tools"], dynamic=True))
+        elif role in ("system", "user"):
             attrs = [("role", role)] + ([("name", msg["name"])] if msg.get("name") else [])
-            _message(out, attrs, _content_text(msg.get("content"), where))
+            _message(out, attrs, msg.get("content"), where)
         elif role == "assistant":
             last_calls, tool_index = list(msg.get("tool_calls") or []), 0
             attrs = [("role", "assistant")] + ([("name", msg["name"])] if msg.get("name") else [])
@@ -239,8 +286,8 @@ def render(
             out.append(Segment(END_OF_MSG, True))
         else:
             tool_index += 1
-            name, index = _tool_result_target(msg, last_calls, tool_index, where)
-            _message(out, [("role", "tool"), ("tool", name), ("index", index)], _content_text(msg.get("content"), where))
+            name = call_name or _tool_result_name(msg, last_calls, tool_index, where)
+            _message(out, [("role", "tool"), ("tool", name), ("index", tool_index)], msg.get("content"), where)
     if tool_choice in ("required", "none"):
         verb = "MUST" if tool_choice == "required" else "MUST NOT"
         _internal_system(
@@ -251,31 +298,76 @@ def render(
         )
     elif tool_choice not in (None, "auto"):
         raise ChatFormatError(f"tool_choice {tool_choice!r} is not one of auto, required, none")
+    _response_format(out, response_format)
     if add_generation_prompt:
         _open(out, "message", [("role", "assistant")])
         _open(out, "think" if thinking else "response")
     return out
 
 
-def _tool_result_target(msg: dict, calls: list, running: int, where: str) -> tuple[str, int]:
-    """A tool result's (tool name, 1-based index): by tool_call_id, else by position."""
-    call_id = msg.get("tool_call_id")
-    index = running
-    matched = None
-    if call_id is not None:
-        for pos, call in enumerate(calls, start=1):
-            if isinstance(call, dict) and call.get("id") == call_id:
-                index, matched = pos, call
-                break
-    if matched is None and 0 < index <= len(calls):
-        matched = calls[index - 1]
+def _call_names_by_id(calls: Any) -> dict[str, tuple[int, str | None]]:
+    """An assistant's tool calls: id -> (1-based position, function name); the first of a repeated id wins."""
+    by_id: dict[str, tuple[int, str | None]] = {}
+    for pos, call in enumerate(calls if isinstance(calls, list) else [], start=1):
+        if isinstance(call, dict) and call.get("id") is not None:
+            fn = call.get("function", call)
+            by_id.setdefault(str(call["id"]), (pos, fn.get("name") if isinstance(fn, dict) else None))
+    return by_id
+
+
+def _in_render_order(messages: list) -> list[tuple[int, dict, str | None]]:
+    """(index, message, tool name of its matched call) in render order.
+
+    Each run of tool results is sorted into the preceding assistant's tool_calls order by
+    tool_call_id, and the matched call names the tool (a stale `name` on the result must not
+    disagree with the position it is rendered at). A run where some result carries no id stays
+    in arrival order, named by `tool`/`name` or by position, as the reference leaves it."""
+    if not isinstance(messages, list):
+        raise ChatFormatError("messages must be a list")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ChatFormatError(f"message {i}: must be an object")
+        if msg.get("role") not in ROLES:
+            raise ChatFormatError(f"message {i}: role {msg.get('role')!r} is not one of {', '.join(ROLES)}")
+    out: list[tuple[int, dict, str | None]] = []
+    by_id: dict[str, tuple[int, str | None]] = {}
+    i = 0
+    while i < len(messages):
+        if messages[i]["role"] != "tool":
+            if messages[i]["role"] == "assistant":
+                by_id = _call_names_by_id(messages[i].get("tool_calls"))
+            out.append((i, messages[i], None))
+            i += 1
+            continue
+        j = i
+        while j < len(messages) and messages[j]["role"] == "tool":
+            j += 1
+        run = list(range(i, j))
+        ids = [messages[k].get("tool_call_id", messages[k].get("id")) for k in run]
+        for k, cid in zip(run, ids):
+            if cid is not None and str(cid) not in by_id:
+                field_name = "tool_call_id" if "tool_call_id" in messages[k] else "id"
+                raise ChatFormatError(
+                    f"message {k}: {field_name} {cid!r} matches no tool call of the preceding assistant message"
+                )
+        if any(cid is None for cid in ids):
+            out += [(k, messages[k], None) for k in run]
+        else:
+            ordered = sorted(zip(run, ids), key=lambda kc: by_id[str(kc[1])][0])  # stable: ties keep arrival order
+            out += [(k, messages[k], by_id[str(cid)][1]) for k, cid in ordered]
+        i = j
+    return out
+
+
+def _tool_result_name(msg: dict, calls: list, index: int, where: str) -> str:
+    """A result without a matched call: its own `tool`/`name`, else the call at its position."""
     name = msg.get("tool") or msg.get("name")
-    if not name and isinstance(matched, dict):
-        fn = matched.get("function", matched)
+    if not name and 0 < index <= len(calls) and isinstance(calls[index - 1], dict):
+        fn = calls[index - 1].get("function", calls[index - 1])
         name = fn.get("name") if isinstance(fn, dict) else None
     if not name:
         raise ChatFormatError(f"{where}: tool result without a tool name (give `name` or a matching tool_call_id)")
-    return str(name), index
+    return str(name)
 
 
 def render_text(segments: Iterable[Segment]) -> str:
@@ -291,6 +383,49 @@ def encode_segments(tok: Tokenizer, segments: Iterable[Segment]) -> list[int]:
 
 def encode_chat(tok: Tokenizer, messages: list[dict], tools: list | None = None, **kw: Any) -> list[int]:
     return encode_segments(tok, render(messages, tools, **kw))
+
+
+# ---- what a model's tree says about its chat framing ----------------------------------------
+
+PROFILE_FILE = "tokenizer_config.json"
+PROFILE_KEY = "streamrt_chat"
+
+
+@dataclass(frozen=True)
+class ChatProfile:
+    """The framing defaults a model was trained with, from its tree's `tokenizer_config.json`.
+
+    Without a `streamrt_chat` key (a real K3 tree) they are the reference's: Moonshot's
+    `apply_chat_template` renders a `thinking_effort=max` message, and conversations have any
+    number of turns. A tree says otherwise with `"streamrt_chat": {"thinking_effort": null,
+    "multi_turn": false}` (the embedded model: trained without the message, on one exchange
+    per conversation)."""
+
+    thinking_effort: str | None = "max"
+    multi_turn: bool = True
+
+    @classmethod
+    def from_tree(cls, root: str | Path) -> "ChatProfile":
+        path = Path(root) / PROFILE_FILE
+        if not path.is_file():
+            return cls()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ChatFormatError(f"{path}: not a JSON file ({exc})") from None
+        spec = data.get(PROFILE_KEY, {}) if isinstance(data, dict) else {}
+        if not isinstance(spec, dict):
+            raise ChatFormatError(f"{path}: {PROFILE_KEY} must be an object")
+        unknown = sorted(set(spec) - {"thinking_effort", "multi_turn"})
+        if unknown:
+            raise ChatFormatError(f"{path}: {PROFILE_KEY}.{unknown[0]} is not a known key (thinking_effort, multi_turn)")
+        effort = spec.get("thinking_effort", cls.thinking_effort)
+        if effort is not None and effort not in THINKING_EFFORTS:
+            raise ChatFormatError(f"{path}: {PROFILE_KEY}.thinking_effort {effort!r} is not null or one of {', '.join(THINKING_EFFORTS)}")
+        multi = spec.get("multi_turn", cls.multi_turn)
+        if not isinstance(multi, bool):
+            raise ChatFormatError(f"{path}: {PROFILE_KEY}.multi_turn must be true or false")
+        return cls(effort, multi)
 
 
 # ---- parsing ------------------------------------------------------------------------------
@@ -684,11 +819,27 @@ def parse_conversation(tok: Tokenizer, ids: Iterable[int]) -> tuple[list[dict], 
         elif isinstance(e, EndOfMessage):
             if cur.get("type") == "tool-declare":
                 body = cur.get("content", "")
-                if body.startswith(TOOL_DECLARE_HEAD) and body.endswith(TOOL_DECLARE_TAIL):
-                    tools = json.loads(body[len(TOOL_DECLARE_HEAD) : -len(TOOL_DECLARE_TAIL)])
-                    messages.remove(cur)
+                for head, dynamic in ((TOOL_DECLARE_HEAD, False), (DYNAMIC_TOOLS_HEAD, True)):
+                    if body.startswith(head) and body.endswith(TOOL_DECLARE_TAIL):
+                        declared = _json_or_none(body[len(head) : -len(TOOL_DECLARE_TAIL)])
+                        if declared is None:
+                            errors.append("tool-declare message whose JSON does not parse")
+                        elif dynamic:  # back to the system message it came from
+                            cur.clear()
+                            cur.update({"role": "system", "tools": declared})
+                        else:
+                            tools = declared
+                            messages.remove(cur)
+                        break
             cur = None
     return messages, tools, errors
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 # ---- OpenAI-style input ---------------------------------------------------------------------
@@ -697,12 +848,9 @@ def parse_conversation(tok: Tokenizer, ids: Iterable[int]) -> tuple[list[dict], 
 def load_messages_file(path: str | Path) -> tuple[list[dict], list | None]:
     """`--messages FILE.json`: a list of messages, or {"messages": [...], "tools": [...]}."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ChatFormatError(f"{p}: no such messages file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ChatFormatError(f"{p}: not a JSON file ({exc})") from None
+    if not p.is_file():
+        raise ChatFormatError(f"{p}: no such messages file")
+    data = load_json(p, what="messages file", expect=(list, dict), max_bytes=64 << 20, error=ChatFormatError)
     tools = None
     if isinstance(data, dict):
         messages, tools = data.get("messages"), data.get("tools")
