@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from streamrt.errors import ConfigError
+from streamrt.jsonio import load_json
 
 K3 = "kimi-k3"
 K31_PRO = "kimi-k3.1-pro"
@@ -36,6 +37,8 @@ MXFP4_FORMAT, MXFP4_GROUP = "mxfp4-pack-quantized", 32
 # is built from it.
 MAX_LAYERS, MAX_EXPERTS, MAX_DIM, MAX_VOCAB = 1024, 16384, 1 << 17, 1 << 22
 MAX_MODEL_BYTES = 1 << 50  # 1 PiB: no machine holds more
+MAX_CONFIG_BYTES = 16 << 20  # a release config.json is ~10 KB
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own header limit
 BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro", "deep-k3.1-pro", "small-k3.1-pro")
 
 # Tensor-name suffixes of the Lightning Indexer, under `…layers.{i}.self_attn.indexer.`
@@ -202,33 +205,23 @@ def load_config(source: str | Path, *, check_tensors: bool = True) -> ModelConfi
     path = Path(source)
     tensor_names: set[str] | None = None
     if str(source) in BUNDLED and not path.exists():
-        text = resources.files("streamrt").joinpath("configs", f"{source}.json").read_text()
+        raw: Path | bytes = resources.files("streamrt").joinpath("configs", f"{source}.json").read_bytes()
         cfg_path = f"<bundled {source}>"
         name = str(source)
     elif path.is_dir():
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
+        raw = path / "config.json"
+        if not raw.is_file():
             raise ConfigError(f"{path}: not a checkpoint directory (no config.json)")
-        text, cfg_path, name = _read(cfg_file), str(cfg_file), path.name
+        cfg_path, name = str(raw), path.name
         if check_tensors:
             tensor_names = tensor_names_of_tree(path)
     elif path.is_file():
-        text, cfg_path, name = _read(path), str(path), path.stem
+        raw, cfg_path, name = path, str(path), path.stem
     else:
         hint = f" (bundled configs: {', '.join(BUNDLED)})" if "/" not in str(source) else ""
         raise ConfigError(f"{source}: no such config file or checkpoint directory{hint}")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    data = load_json(raw, what="config", name=cfg_path, expect=dict, max_bytes=MAX_CONFIG_BYTES, error=ConfigError)
     return config_from_dict(data, name=name, source=cfg_path, tensor_names=tensor_names)
-
-
-def _read(p: Path) -> str:
-    try:
-        return p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read: {e}") from None
 
 
 def tensor_names_of_tree(path: Path) -> set[str] | None:
@@ -237,34 +230,42 @@ def tensor_names_of_tree(path: Path) -> set[str] | None:
         f = path / index_name
         if not f.is_file():
             continue
-        try:
-            idx = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{f}: cannot read tensor index: {e}") from None
-        if index_name == "model.safetensors.index.json":
-            wm = idx.get("weight_map")
-            if not isinstance(wm, dict):
-                raise ConfigError(f"{f}: field 'weight_map' missing or not an object")
-            return set(wm)
-        names = idx.get("tensor_names")
-        if isinstance(names, list):
-            return set(names)
-        raise ConfigError(f"{f}: field 'tensor_names' missing or not a list")
+        idx = load_json(f, what="tensor index", expect=dict, error=ConfigError)
+        key, kind = ("weight_map", dict) if index_name == "model.safetensors.index.json" else ("tensor_names", list)
+        names = idx.get(key)
+        if not isinstance(names, kind) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"{f}: field {key!r} missing or not {'an object' if kind is dict else 'a list'} of tensor names")
+        return set(names)
     single = path / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(single), "np") as fh:
-                return set(fh.keys())
-        except Exception as e:  # safetensors raises several types for a bad header
-            raise ConfigError(f"{single}: cannot read safetensors header: {e}") from None
+        return _safetensors_names(single)
     return None
+
+
+def _safetensors_names(path: Path) -> set[str]:
+    """The tensor names in a single-file checkpoint's header (8-byte length, then JSON)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            raw = f.read(n) if 0 <= n <= MAX_HEADER_BYTES else b""
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    if n < 0 or len(raw) != n:
+        raise ConfigError(f"{path}: truncated safetensors header")
+    hdr = load_json(raw, what="safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER_BYTES, error=ConfigError)
+    return {k for k in hdr if k != "__metadata__"}
 
 
 def _show(v: Any, limit: int = 60) -> str:
     """A value for a message, cut to `limit` characters (a config can hold anything)."""
-    text = json.dumps(v) if not isinstance(v, int) or abs(v) < 10**limit else f"{str(v)[:20]}...({len(str(v))} digits)"
+    if isinstance(v, int) and not isinstance(v, bool):
+        digits = len(str(abs(v))) if abs(v) < 10**limit else limit + 1
+        text = str(v) if digits <= limit else f"an integer of more than {limit} digits"
+    elif isinstance(v, (dict, list)):
+        text = f"a JSON {'object' if isinstance(v, dict) else 'array'} of {len(v)} entries"
+    else:
+        text = json.dumps(v)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -18,3 +18,8 @@ class ConfigError(StreamrtError):
 
 class CheckpointError(StreamrtError):
     """A checkpoint file or tree is missing, truncated, corrupt or disagrees with its config."""
+
+
+def clip(text: str, limit: int = 160) -> str:
+    """A name or value from a file, cut for a one-line message (a file can hold anything)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"

@@ -14,31 +14,45 @@ Groups of points (one knob moved at a time from the defaults, `--groups` picks):
 
 Each point runs `streamrt run --model DIR --prompt P --greedy --max-new-tokens N --json
 --stats-json F <flags>` in its own process (no cache or page-locking carried over), and
-its stats JSON and log land in OUT/points/. Writes OUT/sweep.csv and OUT/sweep.png, prints
-the table, and checks that the logits hash is the same at every point: window, cache,
-policy and staging change timing, never arithmetic. Exit 1 if any point failed or any
-hash differs.
+its stats JSON and log land in OUT/points/. Every point is measured `--repeats` times
+(default 3), each in a fresh process, in rounds (every point once, then again), so a load
+spike on the machine hits one sample of several points rather than every sample of one:
+the CSV, table and plot give the median with its spread (min and max: error bars), and a
+point whose spread is wide says so instead of drawing a crossover. Writes OUT/sweep.csv and
+OUT/sweep.png (atomically: temp name + rename), prints the table, and checks that the
+logits hash is the same at every point and every repeat: window, cache, policy and staging
+change timing, never arithmetic. Exit 1 if any point failed or any hash differs; OUT is
+checked before the first point (exit 2 if it cannot be written).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
-import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamrt.checkpoint.fileio import atomic_write, check_output_path
+from streamrt.errors import StreamrtError
+
 STATS_KEYS = ("tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses",
               "bytes_h2d", "bytes_disk", "evictions", "retired", "released", "full_synchronizes",
               "stall_s", "predicted_recall", "effective_gbps")
 POINT_COLUMNS = ("point", "group", "label", "window", "window_frac", "gpu_experts", "gpu_policy", "flags")
 DERIVED_COLUMNS = ("host_hit_rate", "device_hit_rate", "logits_hash", "wall_s", "rc")
-COLUMNS = POINT_COLUMNS + STATS_KEYS + DERIVED_COLUMNS
+# Timed values vary run to run: the row holds their median over the repeats (under the plain
+# key) and the extremes; counters come from the first repeat (the same in every repeat).
+TIMED_KEYS = ("s_per_token", "effective_gbps", "stall_s", "wall_s")
+SPREAD_COLUMNS = ("repeats", *(f"{k}_{w}" for k in TIMED_KEYS for w in ("min", "max")))
+COLUMNS = POINT_COLUMNS + STATS_KEYS + DERIVED_COLUMNS + SPREAD_COLUMNS
+DEFAULT_REPEATS, MAX_REPEATS = 3, 100
 GROUPS = ("window", "device", "staging", "failure")
 LARGE_WINDOW = 65536  # the seed's shipped window
 DEFAULT_PROMPT = "What's the weather in Paris?"
@@ -152,8 +166,9 @@ def _rate(hits, misses) -> float | str:
     return float(hits) / total if total else ""
 
 
-def run_point(i: int, p: Point, args: argparse.Namespace, pts_dir: Path) -> dict:
-    stem = f"{i:02d}-{p.group}"
+def run_once(i: int, k: int, p: Point, args: argparse.Namespace, pts_dir: Path) -> dict:
+    """Repeat k of point i in a fresh process: its stats, hash, wall time, rc and error."""
+    stem = f"{i:02d}-{p.group}.r{k}"
     stats_path, log_path = pts_dir / f"{stem}.stats.json", pts_dir / f"{stem}.log"
     stats_path.unlink(missing_ok=True)
     cmd = [*args.streamrt, "run", "--model", str(args.model), "--prompt", args.prompt, "--greedy",
@@ -172,27 +187,44 @@ def run_point(i: int, p: Point, args: argparse.Namespace, pts_dir: Path) -> dict
     if rc == 0:
         try:
             stats = json.loads(stats_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:
             rc, err = 3, f"no readable stats JSON at {stats_path}: {e}"
+        if not isinstance(stats, dict):
+            rc, err, stats = 3, f"stats JSON at {stats_path} is not an object", {}
+    return {"stats": stats, "hash": find_logits_hash(stats, out) or "", "wall_s": round(wall, 3), "rc": rc,
+            "error": "" if rc == 0 else (err.strip().splitlines() or ["(no output)"])[-1]}
+
+
+def point_row(i: int, p: Point, runs: list[dict]) -> dict:
+    """One CSV row from a point's repeats: medians and extremes of the timed values, counters
+    of the first repeat, the hash every repeat agreed on (or each distinct one, '|'-joined, so
+    the identity check fails), the first failure's rc and error."""
     row = {"point": i, "group": p.group, "label": p.label, "window": p.window,
            "window_frac": "" if p.window_frac is None else p.window_frac,
            "gpu_experts": "" if p.gpu_experts is None else p.gpu_experts,
-           "gpu_policy": p.gpu_policy or "", "flags": " ".join(p.flags)}
-    row.update({k: stats.get(k, "") for k in STATS_KEYS})
-    row.update(host_hit_rate=_rate(stats.get("host_hits"), stats.get("host_misses")),
-               device_hit_rate=_rate(stats.get("device_hits"), stats.get("device_misses")),
-               logits_hash=find_logits_hash(stats, out) or "", wall_s=round(wall, 3), rc=rc)
-    row["_error"] = "" if rc == 0 else (err.strip().splitlines() or ["(no output)"])[-1]
+           "gpu_policy": p.gpu_policy or "", "flags": " ".join(p.flags), "repeats": len(runs)}
+    failed = [r for r in runs if r["rc"] != 0]
+    first = runs[0]["stats"] if not failed else {}
+    row.update({k: first.get(k, "") for k in STATS_KEYS})
+    row.update(host_hit_rate=_rate(first.get("host_hits"), first.get("host_misses")),
+               device_hit_rate=_rate(first.get("device_hits"), first.get("device_misses")))
+    for key in TIMED_KEYS:
+        vals = [] if failed else [_num(r["wall_s"] if key == "wall_s" else r["stats"].get(key)) for r in runs]
+        vals = [v for v in vals if v is not None]
+        row[key] = statistics.median(vals) if vals else ("" if key != "wall_s" else runs[-1]["wall_s"])
+        row[f"{key}_min"], row[f"{key}_max"] = (min(vals), max(vals)) if vals else ("", "")
+    row["logits_hash"] = "|".join(dict.fromkeys(r["hash"] for r in runs)) if not failed else ""
+    row["rc"] = failed[0]["rc"] if failed else 0
+    row["_error"] = failed[0]["error"] if failed else ""
     return row
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue().encode())
 
 
 def _num(v) -> float | None:
@@ -203,9 +235,17 @@ def _num(v) -> float | None:
 
 
 def _line(ax, rows: list[dict], xkey: str, ykey: str, label: str | None = None, scale: float = 1.0) -> None:
-    pts = sorted((_num(r[xkey]), _num(r[ykey])) for r in rows if _num(r[ykey]) is not None and r[ykey] != "")
-    if pts:
-        ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], "o-", label=label)
+    """Median against x; where the row has a spread (min / max over repeats), error bars."""
+    pts = sorted((_num(r[xkey]), _num(r[ykey]), _num(r.get(f"{ykey}_min")), _num(r.get(f"{ykey}_max")))
+                 for r in rows if _num(r[ykey]) is not None and r[ykey] != "")
+    if not pts:
+        return
+    x, y = [p[0] for p in pts], [scale * p[1] for p in pts]
+    if all(p[2] is not None and p[3] is not None for p in pts):
+        err = [[scale * (p[1] - p[2]) for p in pts], [scale * (p[3] - p[1]) for p in pts]]
+        ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=label)
+    else:
+        ax.plot(x, y, "o-", label=label)
 
 
 def plot(path: Path, rows: list[dict], title: str) -> None:
@@ -240,15 +280,19 @@ def plot(path: Path, rows: list[dict], title: str) -> None:
         if a.get_legend_handles_labels()[0]:
             a.legend()
     bars = [r for r in ok if _num(r["s_per_token"]) is not None and r["s_per_token"] != ""]
-    ax[1, 2].barh([r["label"] for r in bars], [_num(r["s_per_token"]) for r in bars])
+    med = [_num(r["s_per_token"]) for r in bars]
+    lo = [m - (_num(r.get("s_per_token_min")) if _num(r.get("s_per_token_min")) is not None else m) for m, r in zip(med, bars)]
+    hi = [(_num(r.get("s_per_token_max")) if _num(r.get("s_per_token_max")) is not None else m) - m for m, r in zip(med, bars)]
+    ax[1, 2].barh([r["label"] for r in bars], med, xerr=[lo, hi], capsize=2)
     ax[1, 2].invert_yaxis()
-    ax[1, 2].set(xlabel="s / token", title="every point")
+    n = max((int(_num(r.get("repeats")) or 1) for r in bars), default=1)
+    ax[1, 2].set(xlabel="s / token", title=f"every point: median of {n} runs, bars min-max")
     ax[1, 2].tick_params(axis="y", labelsize=7)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic_write(path, buf.getvalue())
 
 
 def _fmt(v, spec: str) -> str:
@@ -257,7 +301,7 @@ def _fmt(v, spec: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'#':>2} {'point':<34} {'s/token':>9} {'GB/s':>7} {'host hit':>8} {'dev hit':>8} "
+    head = (f"{'#':>2} {'point':<34} {'s/token':>9} {'min-max':>15} {'GB/s':>7} {'host hit':>8} {'dev hit':>8} "
             f"{'evict':>7} {'syncs':>5} {'stall s':>8} {'hash':<18}")
     lines = [head]
     for r in rows:
@@ -265,7 +309,8 @@ def format_table(rows: list[dict]) -> str:
         if r["rc"] != 0:
             lines.append(f"{r['point']:>2} {r['label']:<34} FAILED rc {r['rc']}: {r.get('_error', '')}")
             continue
-        lines.append(f"{r['point']:>2} {r['label']:<34} {_fmt(r['s_per_token'], '.4f'):>9} "
+        spread = f"{_fmt(r.get('s_per_token_min'), '.4f')}-{_fmt(r.get('s_per_token_max'), '.4f')}"
+        lines.append(f"{r['point']:>2} {r['label']:<34} {_fmt(r['s_per_token'], '.4f'):>9} {spread:>15} "
                      f"{_fmt(r['effective_gbps'], '.2f'):>7} {pct(r['host_hit_rate']):>8} "
                      f"{pct(r['device_hit_rate']):>8} {_fmt(r['evictions'], '.0f'):>7} "
                      f"{_fmt(r['full_synchronizes'], '.0f'):>5} {_fmt(r['stall_s'], '.3f'):>8} "
@@ -301,7 +346,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=8, help="new tokens per point (default 8)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--out", type=Path, default=None, help="output folder (default sweep-results/<model>)")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds per point")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per run of a point")
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                    help=f"runs per point, each in a fresh process (default {DEFAULT_REPEATS}): the CSV and "
+                         "plot give the median and the min-max spread")
     ap.add_argument("--streamrt", type=shlex.split, default=[sys.executable, "-m", "streamrt"],
                     help="command that runs streamrt (default: this Python's -m streamrt)")
     args = ap.parse_args(argv)
@@ -310,8 +358,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
           [p for p in args.points if p != "large" and _num(p) is None]
     if bad:
         ap.error(f"unknown group or point: {', '.join(bad)}")
-    if args.tokens < 1:
-        ap.error("--tokens must be >= 1")
+    if not 1 <= args.tokens <= 1 << 20:
+        ap.error(f"--tokens must be between 1 and {1 << 20}")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        ap.error(f"--repeats must be between 1 and {MAX_REPEATS}")
+    if not 0 < args.timeout < float("inf"):
+        ap.error("--timeout must be a positive number of seconds")
     return args
 
 
@@ -334,7 +386,6 @@ def register(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from streamrt.config import load_config
-    from streamrt.errors import StreamrtError
 
     try:
         cfg = load_config(args.model, check_tensors=False)
@@ -343,25 +394,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or Path("sweep-results") / args.model.name
     pts_dir = out / "points"
-    pts_dir.mkdir(parents=True, exist_ok=True)
+    try:  # before any point runs: a sweep that cannot write its results must not start
+        for f in (out / "sweep.csv", out / "sweep.png"):
+            check_output_path(f, "--out")
+        pts_dir.mkdir(parents=True, exist_ok=True)
+    except StreamrtError as e:
+        print(f"streamrt: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"streamrt: --out {out}: cannot create {pts_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
     points = plan_points(cfg.working_set_experts, cfg.expert_files, args.points, args.cache_points, args.groups)
     missing = missing_flags(args.streamrt, points)
     if missing:
         print(f"streamrt: `{shlex.join(args.streamrt)} run` has no {', '.join(missing)}; the sweep needs "
               "the runtime flags (streamrt/runtime/options.py)", file=sys.stderr)
         return 2
+    n_runs = len(points) * args.repeats
     print(f"sweep: {cfg.name} ({cfg.variant}), working set {cfg.working_set_experts} experts/token, "
-          f"{cfg.expert_files} expert files; {len(points)} points x {args.tokens} tokens -> {out}", flush=True)
+          f"{cfg.expert_files} expert files; {len(points)} points x {args.repeats} repeats x {args.tokens} tokens "
+          f"-> {out}", flush=True)
 
+    runs: list[list[dict]] = [[] for _ in points]
     rows: list[dict] = []
     t_start = time.perf_counter()
-    for i, p in enumerate(points):
-        print(f"[{i + 1}/{len(points)}] {p.label} ...", end=" ", flush=True)
-        row = run_point(i, p, args, pts_dir)
-        rows.append(row)
-        status = (f"{_fmt(row['s_per_token'], '.4f')} s/token" if row["rc"] == 0
-                  else f"FAILED rc {row['rc']}: {row['_error']}")
-        print(f"{status} ({row['wall_s']:.1f} s; {time.perf_counter() - t_start:.0f} s total)", flush=True)
+    done = 0
+    for k in range(args.repeats):  # rounds: every point once, then again (a load spike hits one sample)
+        for i, p in enumerate(points):
+            done += 1
+            rep = f" (repeat {k + 1}/{args.repeats})" if args.repeats > 1 else ""
+            print(f"[{done}/{n_runs}] {p.label}{rep} ...", end=" ", flush=True)
+            r = run_once(i, k, p, args, pts_dir)
+            runs[i].append(r)
+            status = (f"{_fmt(r['stats'].get('s_per_token'), '.4f')} s/token" if r["rc"] == 0
+                      else f"FAILED rc {r['rc']}: {r['error']}")
+            print(f"{status} ({r['wall_s']:.1f} s; {time.perf_counter() - t_start:.0f} s total)", flush=True)
+        rows = [point_row(i, p, runs[i]) for i, p in enumerate(points)]
         write_csv(out / "sweep.csv", rows)  # kept current: an interrupted sweep still leaves a table
 
     plot(out / "sweep.png", rows, f"streamrt sweep: {cfg.name}, {args.tokens} tokens, "

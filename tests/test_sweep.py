@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -39,7 +40,14 @@ if fail and fail in sys.argv:
     print("streamrt: simulated failure", file=sys.stderr); sys.exit(2)
 ws, n = 32, a.max_new_tokens
 hits = 0 if a.window < ws else ws * (n - 1)
-st = {"tokens": n, "s_per_token": 0.5 if a.window < ws else 0.1, "host_hits": hits,
+spt = 0.5 if a.window < ws else 0.1
+spread = os.environ.get("FAKE_SPREAD_DIR")  # repeats of a point take 1x, 4x, 2x its time, in that order
+if spread:
+    cnt = os.path.join(spread, f"calls-{a.window}-{a.gpu_experts}-{' '.join(sys.argv[-2:])}")
+    k = len(open(cnt).read()) if os.path.exists(cnt) else 0
+    open(cnt, "a").write("x")
+    spt *= (1, 4, 2)[k % 3]
+st = {"tokens": n, "s_per_token": spt, "host_hits": hits,
       "host_misses": ws * n - hits, "device_hits": 0, "device_misses": ws * n, "bytes_h2d": 1e6 * n,
       "bytes_disk": 0, "evictions": 0, "retired": 0, "released": 0, "full_synchronizes": 0,
       "stall_s": 0.0, "predicted_recall": 0.5, "effective_gbps": 2.0 if a.window < ws else 10.0}
@@ -92,7 +100,7 @@ def test_find_logits_hash():
 def test_sweep_with_stand_in_run(tmp_path, tiny_model, fake_streamrt, capsys, monkeypatch):
     out = tmp_path / "out"
     rc = sweep.main(["--model", str(tiny_model), "--tokens", "3", "--out", str(out),
-                     "--streamrt", fake_streamrt, "--cache-points", "0.5"])
+                     "--streamrt", fake_streamrt, "--cache-points", "0.5", "--repeats", "1"])
     text = capsys.readouterr().out
     assert rc == 0, text
     with (out / "sweep.csv").open() as f:
@@ -113,13 +121,66 @@ def test_sweep_with_stand_in_run(tmp_path, tiny_model, fake_streamrt, capsys, mo
     monkeypatch.setenv("FAKE_HASH_AT", "32")
     monkeypatch.setenv("FAKE_FAIL", "--preparse")
     rc = sweep.main(["--model", str(tiny_model), "--tokens", "2", "--out", str(out), "--groups", "window,failure",
-                     "--streamrt", fake_streamrt])
+                     "--streamrt", fake_streamrt, "--repeats", "1"])
     text = capsys.readouterr().out
     assert rc == 1
     assert "DIFFER" in text and "bad0: window 32" in text
     assert "FAILED rc 2: streamrt: simulated failure" in text
     rows = list(csv.DictReader((out / "sweep.csv").open()))
     assert [r["rc"] for r in rows if r["label"] == "preparse"] == ["2"]
+
+
+def test_repeats_give_median_and_spread_in_rounds(tmp_path, tiny_model, fake_streamrt, capsys, monkeypatch):
+    """Issue 26 finding 9: each point runs 3 times (fresh processes, in rounds); the CSV holds
+    the median and min / max, the plot draws error bars, the table prints the spread."""
+    monkeypatch.setenv("FAKE_SPREAD_DIR", str(tmp_path))
+    out = tmp_path / "out"
+    rc = sweep.main(["--model", str(tiny_model), "--tokens", "3", "--out", str(out), "--groups", "window",
+                     "--points", "0.35", "large", "--streamrt", fake_streamrt])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    assert len(rows) == 2
+    small, large = sorted(rows, key=lambda r: int(r["window"]))
+    assert small["repeats"] == "3"
+    assert float(small["s_per_token"]) == pytest.approx(1.0)  # median of 0.5, 2.0, 1.0
+    assert float(small["s_per_token_min"]) == pytest.approx(0.5)
+    assert float(small["s_per_token_max"]) == pytest.approx(2.0)
+    assert float(large["s_per_token"]) == pytest.approx(0.2)
+    assert float(large["wall_s_min"]) <= float(large["wall_s"]) <= float(large["wall_s_max"])
+    # rounds: every point once, then again (a load spike lands on one sample of several points)
+    order = [line.split("] ", 1)[1].split(" ...")[0] for line in text.splitlines() if line.startswith("[")]
+    assert order == ["window 11 (0.35 ws) (repeat 1/3)", "window 65536 (large) (repeat 1/3)",
+                     "window 11 (0.35 ws) (repeat 2/3)", "window 65536 (large) (repeat 2/3)",
+                     "window 11 (0.35 ws) (repeat 3/3)", "window 65536 (large) (repeat 3/3)"]
+    assert "0.5000-2.0000" in text  # the table's min-max column
+    assert len(list((out / "points").glob("*.stats.json"))) == 6
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_point_row_flags_differing_hashes_across_repeats():
+    p = sweep.Point("window", "w", 8, None)
+    runs = [{"stats": {"s_per_token": 0.1}, "hash": h, "wall_s": 1.0, "rc": 0, "error": ""} for h in ("aa", "bb", "aa")]
+    row = sweep.point_row(0, p, runs)
+    assert row["logits_hash"] == "aa|bb"
+    ok, verdict = sweep.identity_verdict([row, {**row, "logits_hash": "aa", "label": "x"}])
+    assert not ok and "DIFFER" in verdict
+    failed = sweep.point_row(0, p, runs[:1] + [{**runs[0], "rc": 2, "error": "boom"}])
+    assert failed["rc"] == 2 and failed["_error"] == "boom" and failed["s_per_token"] == ""
+
+
+def test_unwritable_out_fails_before_the_first_point(tiny_model, tmp_path, fake_streamrt, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_SPREAD_DIR", str(tmp_path))
+    (tmp_path / "file").write_text("x")
+    for out, fragment in ((tmp_path / "file", "is not a directory"), (Path("/proc/streamrt-sweep"), "cannot write in /proc")):
+        rc = sweep.main(["--model", str(tiny_model), "--out", str(out), "--groups", "window", "--streamrt", fake_streamrt])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("streamrt: --out") and fragment in err and err.count("\n") == 1, err
+    assert not list(tmp_path.glob("calls-*"))  # no point ran
+    with pytest.raises(SystemExit):
+        sweep.main(["--model", str(tiny_model), "--repeats", "0"])
+    assert "--repeats must be between 1 and 100" in capsys.readouterr().err
 
 
 def test_bad_args(tiny_model, tmp_path, capsys):
@@ -170,7 +231,7 @@ def test_real_sweep_at_tiny(tmp_path):
     t0 = time.perf_counter()
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "sweep.py"), "--model", str(tree), "--tokens", "3",
-                        "--points", "0.35", "large", "--groups", "window,staging", "--out", str(out)],
+                        "--points", "0.35", "large", "--groups", "window,staging", "--out", str(out), "--repeats", "1"],
                        capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout + r.stderr
@@ -179,5 +240,5 @@ def test_real_sweep_at_tiny(tmp_path):
     assert tuple(rows[0].keys()) == sweep.COLUMNS and len(rows) == 4
     small = [row for row in rows if row["window_frac"] == "0.35"][0]
     assert int(small["host_hits"]) == 0  # below the working set: the cyclic scan, no host hits
-    assert json.loads((out / "points" / "00-window.stats.json").read_text())["tokens"] >= 1
+    assert json.loads((out / "points" / "00-window.r0.stats.json").read_text())["tokens"] >= 1
     assert elapsed < 60, f"tiny sweep took {elapsed:.0f} s"

@@ -3,9 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
 from streamrt.errors import StreamrtError
+
+MAX_WORKERS = 1024  # threads; far above any machine's cores
+MAX_SEED = 2**63 - 1  # torch.Generator's range
+
+
+def _check_int(value: int | None, flag: str, lo: int, hi: int) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise StreamrtError(f"{flag} must be between {lo} and {hi}, got {value}")
+
+
+def _check_dst(dst: str) -> None:
+    """DST must be a directory we can create files in (or creatable): one line, before any work."""
+    from streamrt.checkpoint.fileio import writable_dir_error
+
+    path = Path(dst)
+    if path.exists() and not path.is_dir():
+        raise StreamrtError(f"{dst}: DST exists and is not a directory")
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise StreamrtError(f"{dst}: DST cannot be created: {parent} is not a directory")
+    why = writable_dir_error(parent)
+    if why:
+        where = "DST" if parent == path else f"its parent {parent}"
+        raise StreamrtError(f"{dst}: cannot write in {where}: {why}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print tensor count and bytes, write nothing")
     p.add_argument("--format", choices=("release", "streamrt"), default="release",
                    help="release tree (default) or a converted streamrt tree directly")
-    p.add_argument("--shard-gib", type=float, default=4.0, help="release shard size (default 4 GiB)")
+    p.add_argument("--shards", type=int, default=None, metavar="N",
+                   help="release shards (default: 96 as released at full geometry; smaller geometries one per 4 GiB)")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--device", default=None, help="torch device for generation (default: cuda if available)")
     p.set_defaults(func=_synth)
@@ -43,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-per-row", action="store_true",
                    help="when a matrix's exponent span exceeds 17 octaves, keep one global scale per row (still exact) "
                    "instead of failing")
+    p.add_argument("--verify-source", action="store_true",
+                   help="hash every source shard's bytes (reads the whole release once more); a re-run then also "
+                   "re-converts files of a shard rewritten in place with its size, header and mtime unchanged")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_convert)
 
@@ -61,14 +93,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _synth(args: argparse.Namespace) -> int:
     from streamrt.checkpoint.synth import synth
 
-    if args.shard_gib <= 0:
-        raise StreamrtError(f"--shard-gib must be > 0, got {args.shard_gib}")
+    _check_int(args.shards, "--shards", 1, 100_000)
+    _check_int(args.workers, "--workers", 1, MAX_WORKERS)
+    _check_int(args.seed, "--seed", 0, MAX_SEED)
+    if not math.isfinite(args.skew):
+        raise StreamrtError(f"--skew must be finite, got {args.skew}")
     s = synth(
         args.config, args.out, seed=args.seed, skew=args.skew, fmt=args.format, dry_run=args.dry_run,
-        shard_bytes=int(args.shard_gib * 2**30), workers=args.workers, device=args.device,
+        shards=args.shards, workers=args.workers, device=args.device,
     )
     where = "would write" if args.dry_run else "wrote"
-    extra = f" in {s['shards']} shards" if "shards" in s else f" ({s['expert_files']:,} expert files)"
+    extra = f" ({s['text_tensors']:,} text) in {s['shards']} shards" if "shards" in s else f" ({s['expert_files']:,} expert files)"
     line = f"{s['config']} ({s['variant']}, {s['format']}): {s['tensors']:,} tensors, {s['bytes']:,} bytes ({s['bytes'] / 2**30:,.2f} GiB){extra}"
     print(f"{line}; {where}" + (f" {s['out']} in {s['seconds']:.1f} s on {s['device']}" if not args.dry_run else ""))
     return 0
@@ -77,14 +112,19 @@ def _synth(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from streamrt.checkpoint.convert import convert
 
+    _check_int(args.workers, "--workers", 1, MAX_WORKERS)
+    _check_int(args.commit_threads, "--commit-threads", 0, MAX_WORKERS)
+    _check_dst(args.dst)
     convert(args.src, args.dst, workers=args.workers, allow_per_row=args.allow_per_row,
-            progress=False if args.no_progress else None, log=print, commit_threads=args.commit_threads)
+            progress=False if args.no_progress else None, log=print, commit_threads=args.commit_threads,
+            verify_source=args.verify_source)
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from streamrt.checkpoint.verify import verify_tree
 
+    _check_int(args.workers, "--workers", 1, MAX_WORKERS)
     bad, n = verify_tree(args.dir, full=args.full, workers=args.workers, progress=False if args.no_progress else None)
     mode = "sizes, headers and checksums" if args.full else "sizes and headers"
     for rel, reason in bad:

@@ -16,10 +16,12 @@ before this rule) use `LEGACY_RULE`: blake2b-64 of the whole file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import re
+import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -393,9 +395,58 @@ class RangeWriter:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> tuple[int, str]:
-    with AtomicWriter(path) as w:
-        w.write(data)
+    """Write data to path atomically (temp name, fsync, rename); (size, checksum). An OSError
+    (the temp file cannot be created, a full disk, ...) is one CheckpointError naming path."""
+    try:
+        with AtomicWriter(path) as w:
+            w.write(data)
+    except OSError as e:  # from creating the directory or the temp file
+        raise write_error(Path(path), e) from None
     return w.size, w.digest  # type: ignore[return-value]
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """A user-facing output file (stats JSON, trace, sweep CSV / PNG) written atomically: the
+    path holds the old file or the complete new one, never a torn one. str is UTF-8."""
+    path = Path(path)
+    write_bytes_atomic(path, data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def writable_dir_error(directory: Path) -> str | None:
+    """Why files cannot be created in an existing directory (None if they can). Probed by
+    creating and removing a temp file: permission bits say nothing for root, a read-only
+    mount or /proc."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + "probe-", suffix=TMP_SUFFIX, dir=directory)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    return None
+
+
+def check_output_path(path: str | os.PathLike, flag: str) -> Path:
+    """Before any work: StreamrtError (one line, naming `flag` and the path) unless `path` can
+    be written: not a directory, and the nearest existing parent a directory where files can
+    be created (missing parents are created at write time). Returns the path."""
+    from streamrt.errors import StreamrtError
+
+    path = Path(path).expanduser()
+    if path.name in ("", ".", ".."):
+        raise StreamrtError(f"{flag} {path}: not a file name")
+    if path.is_dir():
+        raise StreamrtError(f"{flag} {path}: is a directory; give a file name")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise StreamrtError(f"{flag} {path}: {parent} is not a directory")
+    why = writable_dir_error(parent)
+    if why:
+        raise StreamrtError(f"{flag} {path}: cannot write in {parent}: {why}")
+    return path
 
 
 def fsync_dir(path: Path) -> None:

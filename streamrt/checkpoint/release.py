@@ -14,7 +14,6 @@ zero-copy from read-only mappings.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import threading
@@ -26,8 +25,9 @@ import numpy as np
 from streamrt.checkpoint.names import TensorSpec, accepted_dtypes, expert_prefix, is_text_tensor, tensor_specs
 from streamrt.checkpoint.safetensors_io import STEntry, STHeader, read_header
 from streamrt.config import ModelConfig, load_config
-from streamrt.errors import CheckpointError
+from streamrt.errors import CheckpointError, clip
 from streamrt.fp4 import E8M0_NAN
+from streamrt.jsonio import load_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -161,16 +161,13 @@ def read_index(root: Path) -> dict[str, str]:
             hdr = read_header(root / SINGLE)
             return {n: SINGLE for n in hdr.entries}
         raise CheckpointError(f"{root}: not a release tree (no {INDEX} or {SINGLE})")
-    try:
-        data = json.loads(idx.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{idx}: cannot read index: {e}") from None
-    wm = data.get("weight_map") if isinstance(data, dict) else None
+    data = load_json(idx, what="index", expect=dict)
+    wm = data.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CheckpointError(f"{idx}: field 'weight_map' missing or not an object of name -> shard file")
     for shard in set(wm.values()):
-        if "/" in shard or shard.startswith("."):
-            raise CheckpointError(f"{idx}: shard name {shard!r} is not a plain file name")
+        if "/" in shard or shard.startswith(".") or not shard:
+            raise CheckpointError(f"{idx}: shard name {clip(repr(shard))} is not a plain file name")
     return wm
 
 
@@ -187,7 +184,7 @@ def open_release(path: str | Path, *, check_tensors: bool = True) -> ReleaseTree
         f = root / shard
         if not f.is_file():
             first = next(n for n, s in wm.items() if s == shard)
-            raise CheckpointError(f"{f}: shard missing (index maps tensor {first} and others to it)")
+            raise CheckpointError(f"{f}: shard missing (index maps tensor {clip(first)} and others to it)")
         headers[shard] = read_header(f)
     _check_index_agrees(root, wm, headers)
     specs = tensor_specs(cfg)
@@ -201,14 +198,14 @@ def _check_index_agrees(root: Path, wm: dict[str, str], headers: dict[str, STHea
     """Every tensor lives in exactly the shard the index names, and every shard is indexed."""
     for name, shard in wm.items():
         if name not in headers[shard].entries:
-            raise CheckpointError(f"{root / shard}: tensor {name} is listed in {INDEX} but missing from the shard")
+            raise CheckpointError(f"{root / shard}: tensor {clip(name)} is listed in {INDEX} but missing from the shard")
     for shard, hdr in headers.items():
         for name in hdr.entries:
             owner = wm.get(name)
             if owner is None:
-                raise CheckpointError(f"{root / shard}: tensor {name} is in the shard but not in {INDEX}")
+                raise CheckpointError(f"{root / shard}: tensor {clip(name)} is in the shard but not in {INDEX}")
             if owner != shard:
-                raise CheckpointError(f"{root / shard}: tensor {name} is also stored here; {INDEX} maps it to {owner}")
+                raise CheckpointError(f"{root / shard}: tensor {clip(name)} is also stored here; {INDEX} maps it to {clip(owner)}")
     if (root / INDEX).is_file():
         for f in sorted(root.glob(SHARD_GLOB)):
             if f.name not in headers:
@@ -225,14 +222,14 @@ def _check_specs(root: Path, cfg: ModelConfig, specs: list[TensorSpec], wm: dict
     extra = [n for n in wm if is_text_tensor(n) and n not in implied]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(f"{root / wm[extra[0]]}: tensor {extra[0]}{more} is not part of the {cfg.variant} layout the config implies")
+        raise CheckpointError(f"{root / wm[extra[0]]}: tensor {clip(extra[0])}{more} is not part of the {cfg.variant} layout the config implies")
     out = []
     for s in specs:
         shard = wm[s.name]
         e = headers[shard].entries[s.name]
         if e.shape != s.shape:
             raise CheckpointError(
-                f"{root / shard}: tensor {s.name}: shape {list(e.shape)} disagrees with the config ({list(s.shape)})"
+                f"{root / shard}: tensor {s.name}: shape {clip(str(list(e.shape)))} disagrees with the config ({list(s.shape)})"
             )
         ok = accepted_dtypes(s)
         if e.dtype not in ok:

@@ -19,7 +19,8 @@ from typing import Callable, Iterable, NamedTuple
 from streamrt.checkpoint import fileio
 from streamrt.checkpoint.fileio import AtomicWriter
 from streamrt.checkpoint.names import DTYPE_BYTES
-from streamrt.errors import CheckpointError
+from streamrt.errors import CheckpointError, clip
+from streamrt.jsonio import load_json
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 ALIGN = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
@@ -64,27 +65,22 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
         )
     if len(raw) != n:
         raise CheckpointError(f"{path}: truncated safetensors header ({len(raw)} of {n} bytes)")
-    try:
-        hdr = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header: invalid JSON ({e})") from None
-    if not isinstance(hdr, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
+    hdr = load_json(raw, what="corrupt safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER)
     data_start = 8 + n
     data_len = size - data_start
     meta = hdr.pop("__metadata__", None) or {}
     entries: dict[str, STEntry] = {}
     for name, e in hdr.items():
-        bad = lambda msg: CheckpointError(f"{path}: tensor {name}: {msg}")  # noqa: E731
+        bad = lambda msg: CheckpointError(f"{path}: tensor {clip(name)}: {msg}")  # noqa: E731
         if not isinstance(e, dict):
             raise bad("header entry is not an object")
         dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if dtype not in DTYPE_BYTES:
-            raise bad(f"unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise bad(f"invalid shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
-            raise bad(f"invalid data_offsets {offs!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise bad(f"unknown dtype {clip(repr(dtype))}")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"invalid shape {clip(repr(shape))}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
+            raise bad(f"invalid data_offsets {clip(repr(offs))}")
         b, en = offs
         need = DTYPE_BYTES[dtype]
         for d in shape:
@@ -95,7 +91,7 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
             raise bad(f"data_offsets [{b}, {en}] span {en - b} bytes but {dtype} {shape} needs {need}")
         if en > data_len:
             raise CheckpointError(
-                f"{path}: truncated safetensors: tensor {name} ends at data byte {en} but the file holds only "
+                f"{path}: truncated safetensors: tensor {clip(name)} ends at data byte {en} but the file holds only "
                 f"{max(data_len, 0)} data bytes"
             )
         entries[name] = STEntry(name, dtype, tuple(shape), data_start + b, data_start + en)
@@ -103,8 +99,8 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
     for prev, cur in zip(ordered, ordered[1:]):
         if cur.begin < prev.end and cur.end > cur.begin and prev.end > prev.begin:
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {cur.name} (bytes {cur.begin - data_start}.."
-                f"{cur.end - data_start}) overlaps tensor {prev.name} (bytes {prev.begin - data_start}..{prev.end - data_start})"
+                f"{path}: corrupt safetensors header: tensor {clip(cur.name)} (bytes {cur.begin - data_start}.."
+                f"{cur.end - data_start}) overlaps tensor {clip(prev.name)} (bytes {prev.begin - data_start}..{prev.end - data_start})"
             )
     return STHeader(path, size, data_start, entries, meta if isinstance(meta, dict) else {})
 

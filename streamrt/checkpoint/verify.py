@@ -2,7 +2,8 @@
 
 Fast mode checks that every file the config implies is in the manifest and on disk with
 the recorded size, and parses every header (expert headers against the layout and their
-own (layer, expert); safetensors headers bounds-checked). `--full` also re-hashes every
+own (layer, expert); dense safetensors headers bounds-checked and held against the config:
+every tensor name, dtype and shape, `reader.check_dense_header`). `--full` also re-hashes every
 file against its checksum in the manifest, under the manifest's rule (`tree.digest`): files
 hash in parallel, and so do the 64 MiB chunks of a big file (format_version 2), so one
 multi-GB file no longer runs on one core. Every bad file is listed by path.
@@ -11,6 +12,7 @@ multi-GB file no longer runs on one core. Every bad file is listed by path.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,13 +20,19 @@ from pathlib import Path
 from streamrt.checkpoint.manifest import dense_files
 from streamrt.checkpoint.expert_file import HEADER_BYTES, parse_header
 from streamrt.checkpoint.names import dense_specs, expert_relpath
-from streamrt.checkpoint.reader import open_tree
+from streamrt.checkpoint.reader import check_dense_header, open_tree
 from streamrt.checkpoint.safetensors_io import read_header
 from streamrt.errors import StreamrtError
 
 
+MAX_WORKERS = 1024
+_EXPERT_REL = re.compile(r"experts/L(\d{3,})/E(\d{4,})\.nvfp4")
+
+
 def verify_tree(root: str | Path, *, full: bool = False, workers: int | None = None, progress: bool | None = None) -> tuple[list[tuple[str, str]], int]:
     """Returns ([(relpath, reason)] for every bad file, number of files checked)."""
+    if workers is not None and not 1 <= workers <= MAX_WORKERS:
+        raise StreamrtError(f"--workers must be between 1 and {MAX_WORKERS}, got {workers}")
     tree = open_tree(root)  # manifest + config gating; a broken manifest is one error
     root = tree.root
     cfg, files = tree.config, tree.manifest["files"]
@@ -66,13 +74,17 @@ def _check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | No
         return f"size {size}, manifest says {entry.get('size')}"
     try:
         if rel.endswith(".nvfp4"):
+            want = _ids_of(rel)
+            if want is None:
+                return "not an expert file name this tree uses (experts/LNNN/ENNNN.nvfp4)"
             with open(path, "rb") as f:
                 h = parse_header(f.read(HEADER_BYTES), tree.layout, name=rel, file_size=size)
-            want = _ids_of(rel)
             if (h.layer, h.expert) != want:
                 return f"header says layer {h.layer} expert {h.expert}, path implies layer {want[0]} expert {want[1]}"
         elif rel.endswith(".safetensors"):
-            read_header(path)
+            hdr = read_header(path)
+            if rel.startswith("dense/"):
+                check_dense_header(tree, rel, hdr)
         if full:
             got = tree.digest(path)
             if got != entry.get("blake2b"):
@@ -84,7 +96,7 @@ def _check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | No
     return None
 
 
-def _ids_of(rel: str) -> tuple[int, int]:
-    # experts/L{layer:03d}/E{expert:04d}.nvfp4
-    parts = rel.split("/")
-    return int(parts[1][1:]), int(parts[2][1:].split(".")[0])
+def _ids_of(rel: str) -> tuple[int, int] | None:
+    """(layer, expert) of experts/L{layer:03d}/E{expert:04d}.nvfp4; None for any other name."""
+    m = _EXPERT_REL.fullmatch(rel)
+    return (int(m.group(1)), int(m.group(2))) if m else None

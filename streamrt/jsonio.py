@@ -1,0 +1,124 @@
+"""Reading JSON a user or a disk handed us: one helper, one-line errors, bounded work.
+
+    from streamrt.jsonio import load_json
+    data = load_json(path, what="manifest", expect=dict)                       # CheckpointError
+    data = load_json(raw_bytes, what="safetensors header", name=str(path))     # bytes already read
+    data = load_json(cfg_file, what="config", error=ConfigError, max_bytes=1 << 20)
+
+Every problem is one `error` (a StreamrtError subclass, CheckpointError by default) whose
+message starts with the file name and says what was wrong: too large, not UTF-8 (with the
+byte offset), nested deeper than `max_depth` (checked on the bytes BEFORE `json.loads`
+recurses, so 1,000 nested brackets are an error, not a RecursionError), invalid JSON (line
+and column), a non-standard constant (NaN, Infinity), a number too long to convert, or the
+wrong top-level type (`expect`). A file that cannot be read is the same one-line error;
+nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from streamrt.errors import CheckpointError, StreamrtError
+
+DEFAULT_MAX_DEPTH = 64  # our formats nest at most ~4 levels; 64 leaves room and stays far from recursion
+DEFAULT_MAX_BYTES = 100 << 20  # the safetensors header limit; callers reading small files pass less
+
+_KEEP = b'"[]{}'
+_DROP = bytes(b for b in range(256) if b not in _KEEP)
+
+
+def json_depth(data: bytes, limit: int | None = None) -> int:
+    """Maximum bracket nesting of JSON text, counting only brackets outside strings.
+
+    Linear C-speed passes, no recursion: drop escaped backslashes and quotes, keep only quotes
+    and brackets, drop what lies between quotes, then peel innermost bracket pairs one level
+    per pass. Unclosed openers count as levels (such text is invalid JSON anyway). With
+    `limit`, stops once the depth passes it (returns limit + 1): never more than limit + 1 passes."""
+    bare = bytes(data).replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _DROP)
+    outside = b"".join(bare.split(b'"')[::2])
+    skeleton = outside.replace(b"{", b"[").replace(b"}", b"]")
+    depth = 0
+    while True:
+        peeled = skeleton.replace(b"[]", b"")
+        if len(peeled) == len(skeleton):
+            return depth + skeleton.count(b"[")
+        skeleton, depth = peeled, depth + 1
+        if limit is not None and depth > limit:
+            return depth
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def load_json(
+    source: str | os.PathLike | bytes | bytearray | memoryview,
+    *,
+    what: str,
+    name: str | None = None,
+    expect: type | tuple[type, ...] | None = None,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    error: type[StreamrtError] = CheckpointError,
+):
+    """Parse JSON from a path or from bytes already read.
+
+    source: a path (read here) or the bytes themselves.
+    what:   what the JSON is, for the message ("manifest", "config", "safetensors header").
+    name:   the file the message names (default: the path; for bytes give the file they came from).
+    expect: required type of the top-level value (e.g. dict), or None for any.
+    max_depth, max_bytes: limits, checked before parsing.
+    error:  the StreamrtError subclass raised (ConfigError for configs).
+
+    Returns the parsed value; raises `error("<name>: <what>: <reason>")`, always one line."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        label = name or "<bytes>"
+    else:
+        path = Path(source)
+        label = name or str(path)
+        try:
+            size = path.stat().st_size
+            if size > max_bytes:
+                raise error(f"{label}: {what}: {size:,} bytes, over the {max_bytes:,}-byte limit for this file")
+            with open(path, "rb") as f:
+                data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise error(f"{label}: cannot read {what}: {e.strerror or e}") from None
+    fail = lambda reason: error(f"{label}: {what}: {reason}")  # noqa: E731
+    if len(data) > max_bytes:
+        raise fail(f"{len(data):,} bytes, over the {max_bytes:,}-byte limit for this file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(f"not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); the file is corrupt") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    depth = json_depth(data, max_depth)
+    if depth > max_depth:
+        raise fail(f"nested more than {max_depth} levels deep; the file is corrupt")
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise fail(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (ValueError, RecursionError) as e:  # a constant we reject, an int past Python's digit limit
+        reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+        raise fail(f"invalid JSON: {reason[:120]}") from None
+    if expect is not None and not isinstance(value, expect):
+        want = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,)))
+        raise fail(f"expected a JSON {want}, got {_TYPE_NAMES.get(type(value), type(value).__name__)}")
+    return value
+
+
+_TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "integer", float: "number",
+               bool: "boolean", type(None): "null"}
+
+
+def type_name(value) -> str:
+    """The JSON name of a parsed value's type, for messages ("object", "array", ...)."""
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+__all__ = ["load_json", "json_depth", "type_name", "DEFAULT_MAX_DEPTH", "DEFAULT_MAX_BYTES"]

@@ -1,0 +1,305 @@
+"""Issue 26 findings 3 and 4: what a user types or a disk holds is decoded and validated at
+the edge (one line, exit 2, never a traceback), and output paths are checked before any work
+starts and written atomically."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrt import run_cmd
+from streamrt.checkpoint import fileio
+from streamrt.checkpoint.reader import VERIFIED, open_tree, read_manifest
+from streamrt.cli import main
+from streamrt.default_model import packaged_model_dir
+from streamrt.errors import CheckpointError, ConfigError, StreamrtError
+from streamrt.jsonio import json_depth, load_json
+from streamrt.runtime.stats import write_stats_json
+from streamrt.tokenizer import ByteTokenizer
+
+DEEP = "[" * 1000 + "]" * 1000
+
+
+
+def expect_project_error(case: str, fn, *args, **kwargs) -> StreamrtError:
+    try:
+        fn(*args, **kwargs)
+    except StreamrtError as e:
+        assert "\n" not in str(e), str(e)
+        return e
+    pytest.fail(f"{case}: no error raised")
+
+
+def _one_line_error(capsys, argv, fragment, rc=2):
+    got = main(argv)
+    out, err = capsys.readouterr()
+    assert got == rc, out + err
+    assert err.count("\n") == 1 and err.startswith("streamrt: "), err
+    assert fragment in err, err
+    return err
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("STREAMRT_CACHE", str(tmp_path / "cache"))
+    src = packaged_model_dir()
+    if src is None:
+        pytest.skip("no packaged default model in this build")
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(VERIFIED))
+    return dst
+
+
+@pytest.fixture
+def no_session(monkeypatch):
+    """Fail the test if a model would be loaded: these errors must come before any work."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was validated")
+
+    monkeypatch.setattr(run_cmd, "open_session", refuse)
+
+
+# ---- the JSON helper ---------------------------------------------------------------------
+
+
+def test_load_json_one_line_errors_for_every_kind_of_bad_bytes(tmp_path):
+    cases = {
+        b"[" * 1000 + b"]" * 1000: "nested more than 64 levels deep",
+        b"[" * 200000: "nested more than 64 levels deep",
+        b'{"a": "\xff"}': "not UTF-8 (byte 0xff at offset 7)",
+        b'{"a": NaN}': "non-standard JSON constant NaN",
+        b"1" * 5000: "invalid JSON",
+        b'{"a": 1,}': "invalid JSON at line 1 column 9",
+        b"[1, 2]": "expected a JSON object, got array",
+    }
+    for raw, fragment in cases.items():
+        with pytest.raises(CheckpointError, match="^f.json: thing: ") as e:
+            load_json(raw, what="thing", name="f.json", expect=dict)
+        assert fragment in str(e.value) and "\n" not in str(e.value)
+    f = tmp_path / "big.json"
+    f.write_bytes(b"[" + b"0," * 1000 + b"0]")
+    with pytest.raises(ConfigError, match="over the 100-byte limit"):
+        load_json(f, what="config", max_bytes=100, error=ConfigError)
+    with pytest.raises(CheckpointError, match="cannot read manifest"):
+        load_json(tmp_path / "missing.json", what="manifest")
+    assert load_json(b'\xef\xbb\xbf{"a": [1, {"b": "[[["}]}', what="x") == {"a": [1, {"b": "[[["}]}
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert json_depth(b'{"a[[[": [[1]], "b\\"[": {}}') == 3
+    assert json_depth(b'"\\\\" [[]]') == 2
+    assert json_depth(b"[" * 10_000, limit=64) > 64
+
+
+# ---- finding 3: typed input --------------------------------------------------------------
+
+
+def test_non_utf8_prompt_is_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "streamrt", "run", "--prompt", b"caf\xe9 ol\xe9"],
+                       capture_output=True, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.count("\n") == 1, err
+    assert "--prompt: not valid UTF-8 (byte 0xe9 at position 3)" in err
+
+
+def test_non_utf8_system_is_one_line_exit_2(capsys, no_session):
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--system", "ol\udce9"], "--system: not valid UTF-8 (byte 0xe9")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "--prompt", "hi", "--seed", str(2**70)], "--seed must be at most 17592186044415, got 1180591620717411303424"),
+    (["run", "--prompt", "hi", "--seed", "9" * 5000], "--seed must be an integer of at most 40 characters"),
+    (["run", "--prompt", "hi", "--max-new-tokens", str(10**9)], "--max-new-tokens must be at most 1048576"),
+    (["run", "--prompt", "hi", "--gpu-experts", str(10**12)], "--gpu-experts must be at most 1048576"),
+    (["run", "--prompt", "hi", "--window", str(2**40)], "--window must be at most 16777216"),
+    (["run", "--prompt", "hi", "--stage-depth", str(2**40)], "--stage-depth must be at most 65536"),
+    (["run", "--prompt", "hi", "--host-mem", "9" * 400], "--host-mem: expected a size"),
+    (["run", "--prompt", "hi", "--gpu-mem", "4096TiB"], "--gpu-mem: at most 1125899906842624 bytes (1 PiB)"),
+    (["selfcheck", "--cycles", str(10**9)], "--cycles must be at most 1000"),
+])
+def test_integers_range_checked_at_the_edge(capsys, no_session, argv, fragment):
+    _one_line_error(capsys, argv, fragment)
+
+
+def test_verify_workers_out_of_range(capsys, tree):
+    _one_line_error(capsys, ["verify", str(tree), "--workers", "-1"], "--workers must be between 1 and 1024, got -1")
+    _one_line_error(capsys, ["verify", str(tree), "--workers", "0"], "--workers must be between 1 and 1024, got 0")
+
+
+def test_convert_and_synth_workers_out_of_range(capsys, tmp_path):
+    _one_line_error(capsys, ["convert", str(tmp_path), str(tmp_path / "o"), "--workers", "-1"], "--workers must be between 1")
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "s"), "--workers", "0"],
+                    "--workers must be between 1")
+
+
+def test_read_only_dst_is_one_line(capsys, tmp_path):
+    # /proc takes no new files even for root (chmod does not stop root)
+    _one_line_error(capsys, ["convert", str(tmp_path), "/proc/streamrt-test-dst"], "cannot write in its parent /proc")
+    (tmp_path / "f").write_text("x")
+    _one_line_error(capsys, ["convert", str(tmp_path), str(tmp_path / "f")], "DST exists and is not a directory")
+
+
+class _Session(run_cmd.Session):
+    name = "scripted"
+
+    def __init__(self):
+        self.tokenizer = ByteTokenizer(512)
+
+
+def test_non_utf8_chat_line_is_rejected_and_the_session_goes_on(monkeypatch, capsys):
+    seen = []
+
+    def one_reply(session, ids, sampling, thinking, printer):
+        from streamrt.chat import Reply
+
+        seen.append(ids)
+        return Reply(), run_cmd.GenStats()
+
+    monkeypatch.setattr(run_cmd, "_one_reply", one_reply)
+    monkeypatch.setattr(run_cmd, "encode_chat", lambda tok, history, *a, **k: [m["content"] for m in history])
+    stdin = io.TextIOWrapper(io.BytesIO(b"first\n\xff\xfe bad\nsecond\n"), encoding="utf-8")
+    args = type("A", (), {"json": True, "show_thinking": False})()
+    sampling = run_cmd.Sampling(4, 0.0, 1.0, 0, True)
+    assert run_cmd._chat_loop(_Session(), [], sampling, True, args, stdin) == 0
+    err = capsys.readouterr().err
+    assert "streamrt: chat input not valid UTF-8 (byte 0xff at offset 0); line ignored" in err
+    assert [ids[0::2] for ids in seen] == [["first"], ["first", "second"]]  # the history survived the bad line
+
+
+def test_read_user_line_text_streams_with_surrogates():
+    assert isinstance(run_cmd.read_user_line(io.StringIO("ok\udcff\n")), StreamrtError)
+    assert run_cmd.read_user_line(io.StringIO("ok\n")) == "ok\n"
+    assert run_cmd.read_user_line(io.StringIO("")) is None
+
+
+# ---- finding 3: what a disk holds ------------------------------------------------------------
+
+
+def _manifest(tree: Path) -> dict:
+    return json.loads((tree / "manifest.json").read_text())
+
+
+def _put(tree: Path, m) -> None:
+    (tree / "manifest.json").write_text(json.dumps(m))
+
+
+def test_manifest_checksum_that_is_a_number(tree, capsys):
+    m = _manifest(tree)
+    m["checksum"] = 64
+    _put(tree, m)
+    e = expect_project_error("manifest-checksum-number", open_tree, tree)
+    assert "unknown checksum rule 64" in str(e)
+    m["checksum"] = "blake2b64-tree-64MiB"
+    m["files"]["config.json"]["blake2b"] = 12345
+    _put(tree, m)
+    e = expect_project_error("manifest-file-checksum-number", open_tree, tree)
+    assert "files['config.json'].blake2b is 12345, not 16 hex digits" in str(e)
+    _one_line_error(capsys, ["verify", str(tree)], "not 16 hex digits")
+
+
+def test_bit_flipped_manifest_is_one_line(tree, capsys):
+    raw = bytearray((tree / "manifest.json").read_bytes())
+    raw[10] |= 0x80  # a continuation byte where ASCII was: invalid UTF-8
+    (tree / "manifest.json").write_bytes(bytes(raw))
+    e = expect_project_error("manifest-bit-flip", read_manifest, tree)
+    assert "manifest: not UTF-8" in str(e)
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi"], "manifest: not UTF-8")
+
+
+def test_manifest_nested_1000_deep_and_wrong_types(tree):
+    (tree / "manifest.json").write_text('{"format": "streamrt", "x": ' + DEEP + "}")
+    assert "nested more than 16 levels deep" in str(expect_project_error("manifest-nested-1000", read_manifest, tree))
+    _put(tree, [1, 2])
+    assert "expected a JSON object, got array" in str(expect_project_error("manifest-list", read_manifest, tree))
+    m = {"format": "streamrt", "format_version": 2, "checksum": "blake2b64-tree-64MiB", "files": {"a": [1]},
+         "tensor_names": [], "geometry": {}}
+    _put(tree, m)
+    assert "files['a'] is a JSON array" in str(expect_project_error("manifest-entry-list", read_manifest, tree))
+    m["files"] = {"../../etc/passwd": {"size": 1, "blake2b": "0" * 16}}
+    _put(tree, m)
+    assert "not a path inside the tree" in str(expect_project_error("manifest-escape", read_manifest, tree))
+
+
+def test_release_index_that_is_a_list(tmp_path):
+    from streamrt.checkpoint.release import open_release
+
+    root = tmp_path / "rel"
+    root.mkdir()
+    shutil.copy(Path(__file__).parents[1] / "streamrt" / "configs" / "tiny-k3.json", root / "config.json")
+    (root / "model.safetensors.index.json").write_text("[1, 2, 3]")
+    expect_project_error("release-index-list", open_release, root)
+
+
+def test_config_json_nested_1000_deep(tmp_path):
+    from streamrt.config import load_config
+
+    f = tmp_path / "config.json"
+    f.write_text('{"text_config": ' + DEEP + "}")
+    expect_project_error("config-json-nested-1000", load_config, f)
+
+
+def test_safetensors_header_nested_1000_deep(tmp_path):
+    from streamrt.checkpoint.safetensors_io import read_header
+
+    raw = ('{"t": ' + DEEP + "}").encode()
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    expect_project_error("safetensors-header-nested-1000", read_header, f)
+
+
+# ---- finding 4: output paths -------------------------------------------------------------------
+
+
+def test_stats_json_directory_fails_before_any_work(capsys, tmp_path, no_session):
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--stats-json", str(tmp_path)],
+                    f"--stats-json {tmp_path}: is a directory")
+
+
+def test_trace_unwritable_fails_before_any_work(capsys, tmp_path, no_session):
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", "/proc/streamrt-test/trace.json"],
+                    "--trace /proc/streamrt-test/trace.json: cannot write in /proc")
+    (tmp_path / "file").write_text("x")
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", str(tmp_path / "file" / "t.json")],
+                    f"{tmp_path / 'file'} is not a directory")
+    _one_line_error(capsys, ["selfcheck", "--stats-json", str(tmp_path)], "is a directory")
+
+
+def test_missing_parents_of_an_output_are_fine(tmp_path):
+    p = fileio.check_output_path(tmp_path / "a" / "b" / "stats.json", "--stats-json")
+    assert p == tmp_path / "a" / "b" / "stats.json" and not (tmp_path / "a").exists()
+    assert [f for f in os.listdir(tmp_path)] == []  # the probe left nothing behind
+
+
+def test_stats_and_trace_written_atomically(tmp_path, monkeypatch):
+    from streamrt.trace import write_trace
+
+    f = tmp_path / "stats.json"
+    write_stats_json(f, {"tokens": 1})
+    assert json.loads(f.read_text()) == {"tokens": 1}
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fileio.os, "replace", fail)
+    with pytest.raises(CheckpointError, match="stats.json: disk full"):
+        write_stats_json(f, {"tokens": 2})
+    assert json.loads(f.read_text()) == {"tokens": 1}  # the old file, whole
+    with pytest.raises(StreamrtError, match="trace.json: disk full"):
+        write_trace(tmp_path / "trace.json", {"traceEvents": []})
+    assert sorted(os.listdir(tmp_path)) == ["stats.json"]  # no temp files left
+
+
+def test_trace_summarize_of_a_deep_or_undecodable_file_is_one_line(capsys, tmp_path):
+    f = tmp_path / "t.json"
+    f.write_text('{"traceEvents": ' + DEEP + "}")
+    _one_line_error(capsys, ["trace", "summarize", str(f)], "nested more than 64 levels deep")
+    f.write_bytes(b'{"traceEvents": ["\xff"]}')
+    _one_line_error(capsys, ["trace", "summarize", str(f)], "not UTF-8 (byte 0xff at offset 18)")
