@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import copy_rate, graph_time  # noqa: E402
 from streamrt.backends import cuda_compile as cc  # noqa: E402
-from streamrt.backends import nvrtc as nv  # noqa: E402
+from streamrt.backends import cuda_driver as drv  # noqa: E402
+from streamrt.backends.nvrtc_args import i32, ptr  # noqa: E402
 
 PATTERNS = ((64, 32), (128, 32), (256, 16), (256, 32), (512, 8), (512, 16), (1536, 4))  # (bytes per row per step, rows per warp)
 
@@ -66,10 +67,10 @@ def main(argv=None) -> int:
         print("bench_access: needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.cuda.current_device()
-    cu = nv._cu()
-    nv._make_current(dev)
-    cubin = cc.nvrtc_compile(SOURCE, "bench_access.cu", cc._options(nv.device_arch(dev), ()))
-    mod = nv._ck(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+    cu = drv.driver()
+    drv.make_current(dev)
+    cubin = cc.nvrtc_compile(SOURCE, "bench_access.cu", cc._options(drv.device_arch(dev), ()))
+    mod = drv.check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
     copy, _ = copy_rate(4 << 30, args.trials)
     rows, rb = 16 * 3584, 1536
     W = torch.randint(0, 256, (rows, rb), dtype=torch.uint8, device="cuda")
@@ -77,9 +78,9 @@ def main(argv=None) -> int:
     print(f"# bench_access: {torch.cuda.get_device_name(dev)}, matrix {rows} x {rb} B ({W.numel() / 1e6:.1f} MB), "
           f"copy rate {copy / 1e9:.0f} GB/s")
     print("| bytes/row/step | rows/warp | warps/SM | us | GB/s | / copy |\n|---:|---:|---:|---:|---:|---:|")
-    kargs = [nv._p(W), nv._i32(rb), nv._i32(rows), nv._p(sink)]
+    kargs = [ptr(W), i32(rb), i32(rows), ptr(sink)]
     for pb, rw in PATTERNS:
-        kern = nv._Kernel("bench_access", f"read_{pb}_{rw}", dev, module=mod)
+        kern = drv.Kernel("bench_access", f"read_{pb}_{rw}", dev, module=mod)
         warps = rows // rw
         blocks = (warps + 7) // 8
         seen = set()

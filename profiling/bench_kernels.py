@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from streamrt.backends.nvrtc import GEMV_VARIANTS, NvrtcBackend, gemv_plan, tc_smem  # noqa: E402
+from streamrt.backends.gemv_plan import GEMV_VARIANTS, gemv_plan  # noqa: E402
+from streamrt.backends.nvrtc import NvrtcBackend  # noqa: E402
+from streamrt.backends.nvrtc_moe import tc_smem  # noqa: E402
 from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix  # noqa: E402
 

@@ -159,7 +159,7 @@ def test_linear_every_gemv_variant_same_bits(gen):
     """Every GEMV variant agrees with the float64 reference and gives the same bits for a row as
     the first variant of its family at T=1 (tensor-core "tc<stages>", CUDA-core "r<rows>"):
     batch invariance holds whichever variant a T bucket uses."""
-    from streamrt.backends.nvrtc import GEMV_VARIANTS, gemv_plan
+    from streamrt.backends.gemv_plan import GEMV_VARIANTS, gemv_plan
 
     x = randn(gen, 8, 1536)
     for wdt, dname in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
@@ -482,7 +482,7 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
 def test_expert_ffn_tc_shapes_same_bits(gen):
     """Warps per block, pipeline shape and programmatic launch of the tensor-core kernels change
     timing only: same bits."""
-    from streamrt.backends.nvrtc import TC_PIPES, TC_SHAPE
+    from streamrt.backends.nvrtc_moe import TC_PIPES, TC_SHAPE
 
     E, T, k, Dl, I = 8, 2, 4, 640, 896  # 5 and 7 column blocks: partial last stages
     experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from streamrt.backends import nvrtc as nvm
+from streamrt.backends.expert_pointers import ExpertPointerCache, ExpertPointers, scales_aligned8, tables
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 
 DL, I, K = 256, 384, 4
@@ -40,7 +41,7 @@ class _Recorder:
 def _backend(launches):
     nv = object.__new__(nvm.NvrtcBackend)  # no CUDA device: only the host side runs
     nv.device, nv._dev, nv.nvfp4_impl, nv.tc_shape = torch.device("cpu"), 0, "tc", nvm.TC_SHAPE
-    nv.pdl, nv.pair_ready, nv._ready, nv._ptr_cache = True, True, None, {}
+    nv.pdl, nv.pair_ready, nv._ready, nv._ptr_cache = True, True, None, ExpertPointerCache(nv.device)
     nv._k = lambda program, name: _Recorder(launches, name)
     return nv
 
@@ -64,6 +65,21 @@ def test_expert_pointers_follow_the_views_across_calls():
     nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
     assert _gate_ptrs(launches[0][1])[:K].tolist() == [experts[e].gate.packed.data_ptr() for e in range(K)]
     assert [n for n, _ in launches] == ["srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2", "srt_moe_combine"]
+
+
+def test_tables_put_each_pointer_where_the_kernel_structs_have_it():
+    """GateUpTable (nvfp4_moe.cu): gate packed / scales / global, up packed / scales / global (64
+    u64 each), then row and dst (64 int32 each); DownTable: down packed / scales / global, dst."""
+    M = nvm.MOE_MAXP
+    pe = ExpertPointers(*range(8, 80, 8), 384)
+    g, d = tables([(5, 2, 7)], {7: pe})
+    assert g[: 6 * M * 8].view(np.uint64).reshape(6, M)[:, 0].tolist() == [
+        pe.gate_packed, pe.gate_scales, pe.gate_global, pe.up_packed, pe.up_scales, pe.up_global]
+    assert g[6 * M * 8 :].view(np.int32).reshape(2, M)[:, 0].tolist() == [2, 5]
+    assert d[: 3 * M * 8].view(np.uint64).reshape(3, M)[:, 0].tolist() == [pe.down_packed, pe.down_scales, pe.down_global]
+    assert int(d[3 * M * 8 :].view(np.int32)[0]) == 5
+    assert scales_aligned8([(0, 0, 7)], {7: pe})
+    assert not scales_aligned8([(0, 0, 7)], {7: pe._replace(up_scales=pe.up_scales + 4)})
 
 
 def test_bad_expert_is_refused_after_good_ones_were_seen():

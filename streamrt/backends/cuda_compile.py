@@ -1,15 +1,17 @@
 """Compile streamrt's CUDA kernels with NVRTC (cuda.bindings) into cubins, with a disk cache.
 
-Every `streamrt/kernels/*.cu` is one NVRTC program; `common.cuh` is shared through `-I`.
-Compilation needs no GPU (CI compiles every kernel for sm_90 on a CPU machine); loading and
-launching is `backends/nvrtc.py`'s job.
+Every `kernels/*.cu` (the repository's top-level `kernels/`, shipped in the wheel as
+`streamrt/_kernels`; `kernel_dir()`) is one NVRTC program; `common.cuh` is shared through `-I`,
+and the geometry the host launches with comes as `-D` defines (`kernel_defines.py`).
+Compilation needs no GPU (CI compiles every kernel for sm_90 on a CPU machine, from the
+checkout and from the installed package); loading and launching is `backends/cuda_driver.py`'s.
 
 Headers: NVRTC searches no directory by default, and NVRTC 13.0 on the GPU machine ships no
 bundled headers, so the include path comes from cuda.pathfinder (`cudart` and `cccl`
 header directories; spec CUDA_PYTHON.md 2.5). The kernels themselves need no CUDA header.
 
 Cache: `$STREAMRT_CACHE/cubin` (default `~/.cache/streamrt/cubin`), one file per
-(program source + shared headers, arch, options, NVRTC version) hash. Writes are atomic
+(program source + shared headers, arch, options and defines, NVRTC version) hash. Writes are atomic
 (temp file + rename), so concurrent processes never see a partial cubin.
 """
 
@@ -22,9 +24,9 @@ import re
 import tempfile
 from pathlib import Path
 
+from streamrt.backends.kernel_defines import defines
 from streamrt.errors import StreamrtError
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 BASE_OPTIONS = ("--std=c++17", "-default-device")
 
 
@@ -36,14 +38,26 @@ class NvrtcUnavailable(StreamrtError):
     """NVRTC (cuda.bindings + the nvrtc library) cannot be loaded here."""
 
 
-def programs() -> list[str]:
-    """Names of the kernel programs (`<name>.cu` in streamrt/kernels)."""
-    return sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
+@functools.cache
+def kernel_dir() -> Path:
+    """Where the kernel sources are: `streamrt/_kernels` in an installed wheel (package data
+    mapped from the top-level `kernels/`), else `kernels/` beside the package (an editable
+    install or a source checkout)."""
+    package = Path(__file__).resolve().parent.parent
+    for d in (package / "_kernels", package.parent / "kernels"):
+        if (d / "common.cuh").is_file():
+            return d
+    raise KernelCompileError(f"no kernel sources: neither {package / '_kernels'} nor {package.parent / 'kernels'} holds common.cuh")
 
 
-def kernel_names(program: str) -> list[str]:
+def programs(kdir: Path | None = None) -> list[str]:
+    """Names of the kernel programs (`<name>.cu` in `kdir`, default `kernel_dir()`)."""
+    return sorted(p.stem for p in (kdir or kernel_dir()).glob("*.cu"))
+
+
+def kernel_names(program: str, kdir: Path | None = None) -> list[str]:
     """The `extern "C"` __global__ entry points declared in a program (by source scan)."""
-    src = _source(program)
+    src = _source(program, kdir)
     pat = r'extern "C" __global__ void(?:[\s\\]+__launch_bounds__\([^)]*\))?[\s\\]+(\w+)\s*\('
     names = [n for n in re.findall(pat, src) if not n.isupper()]  # upper case: parameters of entry macros
     for args in re.findall(r"^SRT_\w+_ENTRY\(([^)]*)\)", src, flags=re.M):  # entry-macro uses
@@ -51,16 +65,16 @@ def kernel_names(program: str) -> list[str]:
     return names
 
 
-def _source(program: str) -> str:
-    path = KERNEL_DIR / f"{program}.cu"
+def _source(program: str, kdir: Path | None = None) -> str:
+    path = (kdir or kernel_dir()) / f"{program}.cu"
     if not path.is_file():
         raise KernelCompileError(f"no kernel program {program!r} ({path} does not exist)")
     return path.read_text()
 
 
-def _headers_digest() -> bytes:
+def _headers_digest(kdir: Path | None = None) -> bytes:
     h = hashlib.sha256()
-    for p in sorted(KERNEL_DIR.glob("*.cuh")):
+    for p in sorted((kdir or kernel_dir()).glob("*.cuh")):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.digest()
 
@@ -85,10 +99,14 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-@functools.cache
-def include_dirs() -> tuple[str, ...]:
+def include_dirs(kdir: Path | None = None) -> tuple[str, ...]:
     """The kernel folder, then cuda.pathfinder's cudart and cccl header directories (those found)."""
-    dirs = [str(KERNEL_DIR)]
+    return (str(kdir or kernel_dir()), *_cuda_header_dirs())
+
+
+@functools.cache
+def _cuda_header_dirs() -> tuple[str, ...]:
+    dirs: list[str] = []
     try:
         from cuda.pathfinder import find_nvidia_header_directory
     except ImportError:
@@ -108,32 +126,37 @@ def cache_dir() -> Path:
     return Path(root) / "cubin"
 
 
-def _options(arch: str, extra: tuple[str, ...]) -> list[str]:
-    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *extra] + [f"-I{d}" for d in include_dirs()]
+def _options(arch: str, extra: tuple[str, ...], program: str | None = None, kdir: Path | None = None) -> list[str]:
+    """NVRTC options: arch, the base options, `program`'s -D defines, `extra`, include paths."""
+    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *defines(program), *extra] + [f"-I{d}" for d in include_dirs(kdir)]
 
 
-def cache_key(program: str, arch: str, extra_options: tuple[str, ...] = ()) -> str:
-    """Hash of the source, the shared headers, arch, options (not include paths) and NVRTC version."""
+def cache_key(program: str, arch: str, extra_options: tuple[str, ...] = (), kdir: Path | None = None) -> str:
+    """Hash of the source, the shared headers, arch, options and defines (not include paths) and
+    NVRTC version."""
     h = hashlib.sha256()
-    h.update(_source(program).encode())
-    h.update(_headers_digest())
+    h.update(_source(program, kdir).encode())
+    h.update(_headers_digest(kdir))
     h.update(arch.encode())
-    h.update("\0".join((*BASE_OPTIONS, *extra_options)).encode())
+    h.update("\0".join((*BASE_OPTIONS, *defines(program), *extra_options)).encode())
     h.update(("nvrtc-%d.%d" % nvrtc_version()).encode())
     return h.hexdigest()[:24]
 
 
-def compile_cubin(program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = (), use_cache: bool = True) -> bytes:
-    """The cubin of `kernels/<program>.cu` for `arch` (e.g. "sm_90"), from the cache or NVRTC."""
+def compile_cubin(
+    program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = (), use_cache: bool = True, kdir: Path | None = None
+) -> bytes:
+    """The cubin of `<kdir>/<program>.cu` (default `kernel_dir()`) for `arch` (e.g. "sm_90"),
+    from the cache or NVRTC."""
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise KernelCompileError(f"arch must look like 'sm_90', got {arch!r}")
-    key = cache_key(program, arch, extra_options)
+    key = cache_key(program, arch, extra_options, kdir)
     path = cache_dir() / f"{program}-{arch}-{key}.cubin"
     if use_cache and path.is_file():
         data = path.read_bytes()
         if data[:4] == b"\x7fELF":
             return data
-    data = nvrtc_compile(_source(program), f"{program}.cu", _options(arch, extra_options))
+    data = nvrtc_compile(_source(program, kdir), f"{program}.cu", _options(arch, extra_options, program, kdir))
     if use_cache:
         _atomic_write(path, data)
     return data
@@ -170,7 +193,7 @@ def nvrtc_compile(source: str, name: str, options: list[str]) -> bytes:
 def compile_log(program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = ()) -> str:
     """Compile without the cache and return NVRTC's log (e.g. with --ptxas-options=-v)."""
     nvrtc = _nvrtc()
-    opts = [o.encode() for o in _options(arch, extra_options)]
+    opts = [o.encode() for o in _options(arch, extra_options, program)]
     err, prog = nvrtc.nvrtcCreateProgram(_source(program).encode(), f"{program}.cu".encode(), 0, [], [])
     try:
         nvrtc.nvrtcCompileProgram(prog, len(opts), opts)

@@ -92,7 +92,9 @@ extern "C" __global__ void srt_short_conv_step(const float* __restrict__ z, floa
 // AttnRes, one block per row t. Sources s = 0..nb-1 are blocks[t, s, :], source nb is
 // prefix[t, :]. logit_s = sum_d (V_s[d] * rsqrt(mean(V_s^2) + eps)) * wq[d];
 // p = softmax_s(logit); out[t, :] = sum_s p_s V_s (s ascending).
-#define SRT_ATTNRES_MAXS 64
+#ifndef SRT_ATTNRES_MAXS
+#error "SRT_ATTNRES_MAXS is passed by the host (-DSRT_ATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
+#endif
 extern "C" __global__ void srt_attnres_mix(const float* __restrict__ prefix, const float* __restrict__ blocks,
                                            const void* __restrict__ wq, int wq_bf16, float* __restrict__ out,
                                            int nb, int D, float eps) {

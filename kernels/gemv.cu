@@ -13,7 +13,9 @@
 // so a row's result is the same alone or in a batch, whichever variant runs (batch invariance).
 #include "common.cuh"
 
-#define GEMV_WARPS 4
+#ifndef GEMV_WARPS
+#error "GEMV_WARPS is passed by the host (-DGEMV_WARPS=..., streamrt/backends/kernel_defines.py)"
+#endif
 #define GEMV_CH 1024  // multiple of 256: the lane <-> column map does not depend on the chunking
 
 // RPW (rows per warp) sets the grid: N / (4 * RPW) blocks; the host picks it so the last wave is
@@ -163,8 +165,12 @@ extern "C" __global__ void srt_gemv_scalar(const void* __restrict__ x, int x_bf1
 //    2-8 warps per block over K (the host's gemv_tc_split) give 0.83-0.91.
 // Requires K % 8 == 0, W and x 16-byte aligned (rows too: K % 8 == 0 does it).
 
-#define GTC_COLS 128
-#define GTC_ROWS 32
+#ifndef GTC_COLS
+#error "GTC_COLS is passed by the host (-DGTC_COLS=..., streamrt/backends/kernel_defines.py)"
+#endif
+#ifndef GTC_ROWS
+#error "GTC_ROWS is passed by the host (-DGTC_ROWS=..., streamrt/backends/kernel_defines.py)"
+#endif
 #define GTC_WBYTES (GTC_ROWS * GTC_COLS * 2)
 
 // Shared-memory bytes of one stage of a warp's ring (x rows: T).

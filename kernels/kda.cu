@@ -5,7 +5,9 @@
 // (K <= SRT_KDA_MAXK). Sums over k run in ascending k.
 #include "common.cuh"
 
-#define SRT_KDA_MAXK 128
+#ifndef SRT_KDA_MAXK
+#error "SRT_KDA_MAXK is passed by the host (-DSRT_KDA_MAXK=..., streamrt/backends/kernel_defines.py)"
+#endif
 
 extern "C" __global__ void __launch_bounds__(32)
     srt_kda_step(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,

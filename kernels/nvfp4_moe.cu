@@ -17,8 +17,12 @@
 // activation comes from shared memory and is reused by the 4 streams.
 #include "common.cuh"
 
-#define SRT_MOE_MAXP 64
-#define MOE_WARPS 8
+#ifndef SRT_MOE_MAXP
+#error "SRT_MOE_MAXP is passed by the host (-DSRT_MOE_MAXP=..., streamrt/backends/kernel_defines.py)"
+#endif
+#ifndef MOE_WARPS
+#error "MOE_WARPS is passed by the host (-DMOE_WARPS=..., streamrt/backends/kernel_defines.py)"
+#endif
 
 struct GateUpTable {
   u64 gate_packed[SRT_MOE_MAXP], gate_scales[SRT_MOE_MAXP], gate_global[SRT_MOE_MAXP];
@@ -283,8 +287,12 @@ SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, 
   return ldexpf(1.0f, 14 - s);
 }
 
-#define TC_WBYTES (32 * 64)  // one 128-column block of 32 rows: weights
-#define TC_SBYTES (32 * 8)   // ... and its E4M3 scales
+#ifndef TC_WBYTES  // one 128-column block of 32 rows: weights
+#error "TC_WBYTES is passed by the host (-DTC_WBYTES=..., streamrt/backends/kernel_defines.py)"
+#endif
+#ifndef TC_SBYTES  // ... and its E4M3 scales
+#error "TC_SBYTES is passed by the host (-DTC_SBYTES=..., streamrt/backends/kernel_defines.py)"
+#endif
 
 // Two E4M3 bytes (low byte first) -> two floats, exact (sm_89+ conversion).
 SRT_DEV void e4m3x2_to_f32(u32 v, float& lo, float& hi) {

@@ -21,7 +21,9 @@ SRT_DEV u32 lanemask_lt() {
 // 2. One ascending sweep compacts: positions with key > v in ascending order into out[0..],
 //    positions with key == v in ascending order into out[k - need ..] until `need` are out.
 // Deterministic: integer counts, block scans in warp order.
-#define TOPK_THREADS 1024
+#ifndef TOPK_THREADS
+#error "TOPK_THREADS is passed by the host (-DTOPK_THREADS=..., streamrt/backends/kernel_defines.py)"
+#endif
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     srt_select_topk(const float* __restrict__ scores, long long* __restrict__ out, int n, int k) {
   __shared__ u32 hist[256];
@@ -112,7 +114,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
 // s = sigmoid(logit); choice = s + bias; ids = the k largest choices in descending order
 // (ties: lower expert id first); w_j = s[ids_j]; if renorm && k > 1: w_j /= (sum_j w_j + 1e-20)
 // (sum in j order); w_j *= scale.
-#define ROUTER_THREADS 256
+#ifndef ROUTER_THREADS
+#error "ROUTER_THREADS is passed by the host (-DROUTER_THREADS=..., streamrt/backends/kernel_defines.py)"
+#endif
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
     srt_router_topk(const float* __restrict__ logits, const void* __restrict__ bias, int bias_bf16,
                     long long* __restrict__ ids, float* __restrict__ wts, int E, int k, int renorm, float scale) {

@@ -2,9 +2,15 @@
 // Lightning Indexer scores.
 #include "common.cuh"
 
-#define MLA_CHUNK 64   // positions per split
-#define MLA_HG 8       // heads per block
-#define MLA_THREADS 256
+#ifndef MLA_CHUNK  // positions per split
+#error "MLA_CHUNK is passed by the host (-DMLA_CHUNK=..., streamrt/backends/kernel_defines.py)"
+#endif
+#ifndef MLA_HG  // heads per block
+#error "MLA_HG is passed by the host (-DMLA_HG=..., streamrt/backends/kernel_defines.py)"
+#endif
+#ifndef MLA_THREADS
+#error "MLA_THREADS is passed by the host (-DMLA_THREADS=..., streamrt/backends/kernel_defines.py)"
+#endif
 
 SRT_DEV float ldc(const void* p, long long i, int bf16) { return ldw(p, i, bf16); }
 
@@ -109,8 +115,12 @@ extern "C" __global__ void srt_mla_combine(const float* __restrict__ part_acc, c
 // q [Hi, Di], w [Hi] fp32; k [n, Di] fp32 or bf16. One warp per position: the key row is staged
 // in shared memory, lane h computes head h's dot (d ascending), heads meet in a butterfly.
 // grid ceil(n / (IDX_WARPS*IDX_PPW)), block IDX_WARPS*32, dynamic smem (Hi*(Di+1) + IDX_WARPS*Di)*4.
-#define IDX_WARPS 8
-#define IDX_PPW 4
+#ifndef IDX_WARPS
+#error "IDX_WARPS is passed by the host (-DIDX_WARPS=..., streamrt/backends/kernel_defines.py)"
+#endif
+#ifndef IDX_PPW
+#error "IDX_PPW is passed by the host (-DIDX_PPW=..., streamrt/backends/kernel_defines.py)"
+#endif
 extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
     srt_indexer_scores(const float* __restrict__ q, const float* __restrict__ w, const void* __restrict__ kc,
                        int kc_bf16, float* __restrict__ out, int n, int Hi, int Di) {

@@ -1,0 +1,111 @@
+"""An NVFP4 expert's device pointers, checked once, and the by-value tables the MoE kernels take.
+
+`ExpertPointers` names the nine section pointers (gate, up, down: packed nibbles, E4M3
+scales, fp32 global scale) and the intermediate size; `ExpertPointerCache` checks an
+`ExpertWeights` once per object; `tables` packs up to `MOE_MAXP` (pair, row, expert) entries
+into the `GateUpTable` / `DownTable` structs of `kernels/nvfp4_moe.cu`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from streamrt.backends.kernel_defines import MOE_MAXP
+from streamrt.backends.nvrtc_args import aligned
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+
+
+class ExpertPointers(NamedTuple):
+    """Device addresses of one expert's sections, in the kernels' table order, and I."""
+
+    gate_packed: int
+    gate_scales: int
+    gate_global: int
+    up_packed: int
+    up_scales: int
+    up_global: int
+    down_packed: int
+    down_scales: int
+    down_global: int
+    inter: int  # intermediate size I (rows of gate and up, columns of down)
+
+
+GATE_UP = slice(0, 6)  # the ExpertPointers fields a GateUpTable column holds, in order
+DOWN = slice(6, 9)  # ... and a DownTable column
+
+
+def _check_mat(m: NVFP4Matrix, what: str, rows: int, cols: int, dev: torch.device) -> tuple[int, int, int]:
+    if cols % 32:
+        raise ValueError(f"{what}: input dim {cols} must be a multiple of 32 for the NVFP4 kernel")
+    for t, name, dt, shape in (
+        (m.packed, "packed", torch.uint8, (rows, cols // 2)),
+        (m.scales, "scales", torch.uint8, (rows, cols // 16)),
+        (m.global_scale, "global_scale", torch.float32, (rows,)),
+    ):
+        if t.device != dev or t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(
+                f"{what}.{name}: need a contiguous {dt} {shape} on {dev}, got {t.dtype} {tuple(t.shape)} "
+                f"on {t.device} (contiguous={t.is_contiguous()})"
+            )
+    if not (aligned(m.packed, 16) and aligned(m.scales, 2) and aligned(m.global_scale, 4)):
+        raise ValueError(f"{what}: packed must be 16-byte aligned, scales 2-byte aligned")
+    return m.packed.data_ptr(), m.scales.data_ptr(), m.global_scale.data_ptr()
+
+
+def expert_pointers(ew: ExpertWeights, e: int, Dl: int, dev: torch.device) -> ExpertPointers:
+    """Expert `e`'s pointers after checking every section's dtype, shape, device and alignment."""
+    I = ew.gate.packed.shape[0]
+    g = _check_mat(ew.gate, f"expert {e} gate", I, Dl, dev)
+    u = _check_mat(ew.up, f"expert {e} up", I, Dl, dev)
+    d = _check_mat(ew.down, f"expert {e} down", Dl, I, dev)
+    return ExpertPointers(*g, *u, *d, I)
+
+
+class ExpertPointerCache:
+    """An expert's pointers, checked once per ExpertWeights object (frozen views: the same object
+    has the same tensors). Checking 9 tensors was most of an expert-FFN call's host time, and a
+    decode step on the NVRTC kernels is bound by host time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cache: dict[int, tuple] = {}  # id(ExpertWeights) -> (weak ref, Dl, pointers)
+
+    def get(self, ew: ExpertWeights, e: int, Dl: int) -> ExpertPointers:
+        hit = self._cache.get(id(ew))
+        if hit is not None and hit[0]() is ew and hit[1] == Dl:
+            return hit[2]
+        ptrs = expert_pointers(ew, e, Dl, self.device)
+        if len(self._cache) >= 8192:  # entries of views that are gone
+            self._cache.clear()
+        self._cache[id(ew)] = (weakref.ref(ew), Dl, ptrs)
+        return ptrs
+
+
+def scales_aligned8(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPointers]) -> bool:
+    """The pipelined kernels copy scale rows 8 bytes at a time (cp.async)."""
+    return all(
+        pe.gate_scales % 8 == 0 and pe.up_scales % 8 == 0 and pe.down_scales % 8 == 0
+        for pe in (ptrs[e] for _, _, e in chunk)
+    )
+
+
+def tables(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPointers]) -> tuple[np.ndarray, np.ndarray]:
+    """The by-value GateUpTable (6 x 64 u64 + 2 x 64 int32) and DownTable (3 x 64 u64 + 64
+    int32) for pairs (pair index = h / y row, token row, expert)."""
+    g = np.zeros(6 * MOE_MAXP * 8 + 2 * MOE_MAXP * 4, dtype=np.uint8)
+    gp = g[: 6 * MOE_MAXP * 8].view(np.uint64).reshape(6, MOE_MAXP)
+    gi = g[6 * MOE_MAXP * 8 :].view(np.int32).reshape(2, MOE_MAXP)
+    d = np.zeros(3 * MOE_MAXP * 8 + MOE_MAXP * 4, dtype=np.uint8)
+    dp = d[: 3 * MOE_MAXP * 8].view(np.uint64).reshape(3, MOE_MAXP)
+    di = d[3 * MOE_MAXP * 8 :].view(np.int32)
+    for i, (p, t, e) in enumerate(chunk):
+        pe = ptrs[e]
+        gp[:, i] = pe[GATE_UP]
+        gi[0, i], gi[1, i] = t, p
+        dp[:, i] = pe[DOWN]
+        di[i] = p
+    return g, d

@@ -1,0 +1,48 @@
+"""The kernels' compile-time geometry, stated once.
+
+The host sizes grids, blocks, shared memory and pointer tables with these numbers, and
+`cuda_compile` passes them to NVRTC as `-D` defines, so a kernel and its launch cannot drift:
+each `kernels/*.cu` refuses to compile without them (`#ifndef X` / `#error`). No torch here:
+CI compiles every kernel on a CPU machine.
+"""
+
+from __future__ import annotations
+
+# nvfp4_moe.cu
+MOE_MAXP = 64  # (row, expert) pairs per launch: the length of the by-value pointer tables
+MOE_WARPS = 8  # warps per block of the CUDA-core NVFP4 kernels
+TC_WBYTES = 32 * 64  # tensor-core NVFP4 kernels: one 128-column block of 32 rows, weights ...
+TC_SBYTES = 32 * 8  # ... and its E4M3 scales
+# kda.cu: the largest head dim (a state column lives in registers)
+KDA_MAXK = 128
+# norms.cu: the most AttnRes sources (completed blocks + the partial prefix)
+ATTNRES_MAXS = 64
+# attention.cu
+MLA_CHUNK = 64  # positions per split of the MLA decode
+MLA_HG = 8  # heads per block
+MLA_THREADS = 256  # threads per block of srt_mla_partial
+IDX_WARPS = 8  # warps per block of srt_indexer_scores, one position each ...
+IDX_PPW = 4  # ... IDX_PPW times
+# gemv.cu
+GEMV_WARPS = 4  # warps per block of the CUDA-core kernels
+GEMV_TC_ROWS = 32  # rows of W per block of the tensor-core kernel
+GEMV_TC_COLS = 128  # columns of one stage of the tensor-core kernel's ring
+# topk.cu
+TOPK_THREADS = 1024  # threads per block (one row) of srt_select_topk
+ROUTER_THREADS = 256  # threads per block (one token) of srt_router_topk
+
+# program -> macro -> value
+DEFINES: dict[str, dict[str, int]] = {
+    "attention": {"MLA_CHUNK": MLA_CHUNK, "MLA_HG": MLA_HG, "MLA_THREADS": MLA_THREADS,
+                  "IDX_WARPS": IDX_WARPS, "IDX_PPW": IDX_PPW},
+    "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS},
+    "kda": {"SRT_KDA_MAXK": KDA_MAXK},
+    "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS},
+    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "MOE_WARPS": MOE_WARPS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES},
+    "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},
+}
+
+
+def defines(program: str | None) -> tuple[str, ...]:
+    """The `-D` options of one kernel program (none for a source that is not in kernels/)."""
+    return tuple(f"-D{k}={v}" for k, v in DEFINES.get(program or "", {}).items())

@@ -1,0 +1,193 @@
+"""The nvrtc backend's MoE ops: the router and the routed NVFP4 expert FFN.
+
+`MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
+and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `pdl`, `pair_ready` the backend sets).
+Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables
+(`expert_pointers.py`); the kernels: `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`:
+`profiling/RESULTS.md` (bench_kernels.py --variants).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from streamrt.backends.expert_pointers import scales_aligned8, tables
+from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
+from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr
+from streamrt.expert_weights import ExpertWeights
+
+# Tensor-core NVFP4 kernels: warps per block (gate+up, down), cp.async stages per warp, 128-column
+# blocks per stage; entry points exist for TC_PIPES. Every shape gives the same bits. Seven down
+# warps make 16 x 16 = 256 blocks at the slice layer (16 experts, T=1), which fit the 264
+# two-per-SM slots of an H200 in one wave.
+TC_SHAPE = (8, 7, 2, 2)
+TC_PIPES = ((2, 2), (3, 2), (4, 1))
+TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
+# "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
+NVFP4_IMPLS = ("tc", "cuda_core")
+
+
+def tc_smem(in_features: int, warps: int, stages: int, blocks: int) -> int:
+    """Dynamic shared memory of a tensor-core NVFP4 block: the staged activation (fp16 hi + lo,
+    padded: 5 bytes per input) and each warp's cp.async ring."""
+    return in_features * 5 + warps * stages * blocks * TC_STAGE_SMEM
+
+
+class MoeOps:
+    """The router and expert FFN of `NvrtcBackend` (see the module doc)."""
+
+    def _ready_counts(self, n: int) -> Tensor:
+        """Per pair of an expert-FFN call, how many gate+up blocks are done (the down kernel's
+        blocks wait on their pair's count). Zero between calls: the weighted sum zeroes them.
+        One set per backend: calls on one stream (the runtime's compute stream)."""
+        if self._ready is None or self._ready.numel() < n:
+            self._ready = torch.zeros(max(n, 1024), dtype=torch.int32, device=self.device)
+        return self._ready
+
+
+    def router(
+        self,
+        x: Tensor,
+        w_gate: Tensor,
+        bias: Tensor,
+        k: int,
+        renormalize: bool,
+        scale: float,
+        n_group: int = 1,
+        topk_group: int = 1,
+    ) -> tuple[Tensor, Tensor]:
+        """x [T, D], w_gate [E, D], bias [E] -> (ids [T, k] int64 by descending s + bias, ties to
+        the lower id; weights [T, k] fp32 = sigmoid scores, renormalised (+1e-20), * scale)."""
+        logits = self.linear(x, w_gate)  # [T, E] fp32
+        T, E = logits.shape
+        if n_group > 1 and topk_group < n_group:  # group-limited routing: torch ops on our logits
+            s = torch.sigmoid(logits)
+            choice = s + bias.float()
+            grp = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(grp, dtype=torch.bool).scatter(1, grp.topk(topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+            ids = torch.topk(choice, k, dim=-1, sorted=True).indices
+            w = s.gather(-1, ids)
+            if renormalize and k > 1:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            return ids, w * scale
+        if not 1 <= k <= min(E, 256):
+            raise ValueError(f"router: k={k} must be in 1..min(E={E}, 256)")
+        bias, bb = as_weight(bias.reshape(-1), "router.bias", self.device)
+        if bias.numel() != E:
+            raise ValueError(f"router: bias has {bias.numel()} entries, w_gate {E} experts")
+        ids = self._empty(T, k, dtype=torch.int64)
+        wts = self._empty(T, k, dtype=torch.float32)
+        if T:
+            self._k("topk", "srt_router_topk")(
+                (T,), (ROUTER_THREADS,),
+                [ptr(logits), ptr(bias), i32(bb), ptr(ids), ptr(wts), i32(E), i32(k), i32(bool(renormalize)), f32(scale)],
+                smem=E * 9,
+            )
+        return ids, wts
+
+    def expert_ffn(
+        self,
+        z: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        experts: Mapping[int, ExpertWeights],
+        beta: float,
+        linear_beta: float | None,
+    ) -> Tensor:
+        """Routed NVFP4 experts straight from their device slots: z [T, Dl] fp32, ids / weights
+        [T, k] -> out[t] = sum_j (j ascending) weights[t, j] * down(situ_glu(gate z_t, up z_t)) [T, Dl].
+
+        Per launch up to 64 (t, j) pairs (all of one token's experts at decode): gate+up+SiTU
+        into h [T*k, I], down into y [T*k, Dl], then a fixed-order weighted sum. `ids` may live on
+        the host (no sync; CUDA-graph capturable) or on the device (one sync for the ids).
+        """
+        dev = self.device
+        z = as_act(z, "expert_ffn.z", dev)
+        if not aligned(z, 16):
+            z = z.clone()
+        T, Dl = z.shape
+        if ids.shape[0] != T or weights.shape != ids.shape:
+            raise ValueError(f"expert_ffn: z {tuple(z.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} do not agree")
+        k = ids.shape[1]
+        w = as_act(weights, "expert_ffn.weights", dev)
+        id_rows = ids.tolist()
+        uniq = sorted({e for row in id_rows for e in row})
+        missing = [e for e in uniq if e not in experts]
+        if missing:
+            raise KeyError(f"expert_ffn: experts {missing} were routed to but not provided")
+        # Experts whose copy is still in flight (a streamed layer) go last: the compute stream
+        # waits for their events only after the resident ones are queued (overlap within the layer).
+        pending = getattr(experts, "pending", None)
+        late = {e for e in uniq if pending is not None and pending(e)}
+        P = T * k
+        out = self._empty(T, Dl, dtype=torch.float32)
+        if P == 0:
+            return out.zero_()
+        pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
+        groups = [[q for q in pairs if q[2] not in late], [q for q in pairs if q[2] in late]]
+        ptrs, I = {}, None
+        binf = int(math.isinf(beta))
+        act = [f32(0.0 if binf else beta), i32(binf), f32(1.0 if linear_beta is None else linear_beta), i32(linear_beta is not None)]
+        h = y = None
+        # Per-pair gate+up counts for the tensor-core kernels; the sum zeroes them for the next
+        # call with its first T * k threads of T * Dl (k <= Dl).
+        ready = self._ready_counts(P) if self.pair_ready and k <= Dl else None
+        try:
+            for late_group, group in enumerate(groups):
+                if not group:
+                    continue
+                for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
+                    ptrs[e] = self._ptr_cache.get(experts[e], e, Dl)
+                    if I is None:
+                        I = ptrs[e].inter
+                    elif ptrs[e].inter != I:
+                        raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e].inter}, another has {I}")
+                if h is None:
+                    h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
+                for c0 in range(0, len(group), MOE_MAXP):
+                    chunk = group[c0 : c0 + MOE_MAXP]
+                    self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup=not late_group)
+        except BaseException:
+            if ready is not None:  # the sum that zeroes the counts will not run (queued after any launch made)
+                ready.zero_()
+            raise
+        n = T * Dl
+        self._k("nvfp4_moe", "srt_moe_combine")(
+            (min(math.ceil(n / 256), 4096),), (256,),
+            [ptr(y), ptr(w), ptr(out), i32(T), i32(k), i32(Dl), ptr(ready)],
+            pdl=self.pdl,  # only y is the kernel before's output: read after pdl_wait()
+        )
+        return out
+
+    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup) -> None:
+        """gate+up+SiTU into h and down into y for up to 64 pairs (the tensor-core kernels count
+        into `ready`; the CUDA-core ones leave it alone)."""
+        gtab, dtab = tables(chunk, ptrs)
+        np_ = len(chunk)
+        hp, yp = ptr(h), ptr(y)
+        # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
+        if self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs):
+            tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+            if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
+                raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+            gu_blocks = math.ceil(I / (16 * tg))
+            self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}")(
+                (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready)],
+                smem=tc_smem(Dl, tg, st, kbs),
+                # programmatic: reads z after pdl_wait(); before it only weights, and only of
+                # resident experts (a late expert's copy is waited for by an event before this)
+                pdl=self.pdl and pdl_gateup)
+            self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
+                (math.ceil(Dl / (32 * td)), np_), (td * 32,), [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks)],
+                smem=tc_smem(I, td, st, kbs), pdl=self.pdl)
+            return
+        self._k("nvfp4_moe", "srt_nvfp4_gateup")(
+            (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
+            [gtab, ptr(z), hp, i32(I), i32(Dl), *act], smem=Dl * 4)
+        self._k("nvfp4_moe", "srt_nvfp4_down")(
+            (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, i32(Dl), i32(I)], smem=I * 4)
