@@ -75,13 +75,18 @@ def generate(
     stop_ids: Iterable[int] | None = None,
     on_token: TokenCallback | None = None,
     hash_steps: bool = False,
+    prefill_chunk: int | None = None,
+    max_context: int | None = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts (lists of token ids; lengths may differ).
 
     `prompts` is one list of ids or a list of them. stop_ids default to the config's
     eos_token_id. Sampling is seeded per row (seed, row), so a row's samples do not depend
     on the batch. on_token is called for every generated token, in order: on_token(id) for
-    a single prompt, on_token(row, id) for a batch.
+    a single prompt, on_token(row, id) for a batch. prefill_chunk: tokens per prefill chunk
+    (default the model's, else chosen from free memory; the logits do not depend on it).
+    max_context: a row stops ("length") once prompt + generated tokens reach it; a prompt
+    longer than it is an error (the caller truncates or refuses first).
     """
     if isinstance(prompts, Tensor):
         prompts = prompts.tolist()
@@ -95,6 +100,8 @@ def generate(
         raise StreamrtError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < top_p <= 1:
         raise StreamrtError(f"generate: top_p must be in (0, 1], got {top_p}")
+    if max_context is not None and max(len(p) for p in prompts) > max_context:
+        raise StreamrtError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens exceeds the context of {max_context}")
     runner = runner or (lambda gen: run_sync(gen, provider))
     stops = set(stop_ids) if stop_ids is not None else {model.config.eos_token_id}
     device = model.lm_head.weight.device
@@ -106,7 +113,8 @@ def generate(
     with torch.no_grad():
         for p in prompts:  # per-sequence prefill
             cache = model.new_cache(1, device)
-            logits = runner(model.forward_steps(torch.tensor([p], device=device), cache, last_only=True))  # [1, 1, V]
+            ids = torch.tensor([p], device=device)
+            logits = runner(model.forward_steps(ids, cache, last_only=True, prefill_chunk=prefill_chunk))  # [1, 1, V]
             caches.append(cache)
             last.append(logits[0, 0].float())
     prefill_logits = torch.stack(last)  # [B, V]
@@ -129,7 +137,7 @@ def generate(
                     on_token(tok) if single else on_token(row, tok)
                 if tok in stops:
                     reasons[row] = "stop"
-                elif len(tokens[row]) < max_new_tokens:
+                elif len(tokens[row]) < max_new_tokens and (max_context is None or len(prompts[row]) + len(tokens[row]) < max_context):
                     still.append(i)
             if not still:
                 break

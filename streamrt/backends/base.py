@@ -17,6 +17,10 @@ from torch import Tensor
 class Backend(Protocol):
     name: str
 
+    def for_prefill(self) -> "Backend":
+        """Optional: the backend a prefill chunk runs on (the torch one: fixed-tile GEMMs, so a
+        row's bits do not depend on the chunk length). Without it the model uses the backend as is."""
+
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation).
         Up to `rowwise_max` rows the result is row-wise (batch-invariant); beyond, a GEMM."""
@@ -52,6 +56,17 @@ class Backend(Protocol):
         c_cache [n, R], kr_cache [n, Dr], select LongTensor[m] of positions or None (all).
         softmax over positions of (q_lat.c + q_rot.kr) * scale; returns sum p c  [H, R].
         The model passes select in select_topk's emitted order, and None while n <= index_topk."""
+
+    def mla_prefill(
+        self, q_nope: Tensor, q_rot: Tensor, w_uk: Tensor, w_uv: Tensor, c_cache: Tensor, kr_cache: Tensor,
+        start: int, scale: float, index: tuple[Tensor, Tensor, Tensor, int] | None = None,
+    ) -> Tensor:
+        """Absorbed MLA for one sequence's prefill chunk over its cache: q_nope [T, H, dn],
+        q_rot [T, H, Dr] at positions start..start+T-1; w_uk [H, dn, R], w_uv [H, dv, R];
+        c_cache [n, R], kr_cache [n, Dr] (the chunk's own keys written). index = (qi [T, Hi, Di],
+        wi [T, Hi], ki_cache [n, Di], topk): query t sees only the indexer's exact top-k of
+        positions <= t (all of them while t + 1 <= topk), else causal dense. Returns [T, H, dv].
+        Memory O(tile x n), never T x n per head; a row's bits must not depend on T or start."""
 
     def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor) -> Tensor:
         """Lightning Indexer scores of one query: q [Hi, Di], w [Hi], k_cache [n, Di] ->

@@ -11,12 +11,23 @@ while T <= `rowwise_max`; bigger T (prefill) and anything autograd tracks (train
 one GEMM, which is faster but only equal to the row-wise result within rounding. Prefill is therefore run per sequence
 (see `streamrt.generate`), so a row never depends on its batch companions.
 
+Chunk invariance (prefill). A prefill runs in chunks of C tokens (`--prefill-chunk`), and a
+position's logits must not depend on C. The model asks for `for_prefill()`, a view of this
+backend whose every product has a shape that C does not change: `linear` runs fixed tiles of
+`row_tile` rows (the last one zero-padded; a fixed-shape GEMM gives a row the same bits
+wherever it sits in the tile), and `mla_prefill` runs fixed query tiles against fixed key
+blocks, in ascending block order, with an online softmax (a block a row cannot see leaves its
+running max, sum and accumulator bit-identical). Transcendentals use `sigmoid` below: torch's
+CPU sigmoid / SiLU take a scalar path for a buffer's tail whose bits differ from the vector
+path, so a position's value would depend on where the buffer ends.
+
 All ops are differentiable (no in-place writes on inputs) except the two that update a
 decode cache in place by contract: `short_conv_step` and `kda_step`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Mapping
 
@@ -53,41 +64,85 @@ def dequant_nvfp4(m: NVFP4Matrix) -> Tensor:
     return w * m.global_scale.float()[:, None]
 
 
+def sigmoid(x: Tensor) -> Tensor:
+    """1 / (1 + exp(-x)) in fp32: the same bits for an element wherever it sits in a buffer
+    (torch.sigmoid's scalar tail path differs from its vector path in the last bit)."""
+    return torch.reciprocal(torch.exp(-x.float()) + 1.0)
+
+
 def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
     """SiTU-GLU in fp32; beta = inf gives SiLU (the beta -> inf limit), for Kimi Linear's 'silu'."""
     g, u = gate.float(), up.float()
     if math.isinf(beta):
-        ga = g * torch.sigmoid(g)
+        ga = g * sigmoid(g)
     else:
-        ga = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+        ga = beta * torch.tanh(g / beta) * sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)
     return ga * u
 
 
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """x [m, ...] with m <= rows -> [rows, ...], zero rows appended."""
+    return x if x.shape[0] == rows else torch.cat((x, x.new_zeros(rows - x.shape[0], *x.shape[1:])))
+
+
+def _key_block(t: Tensor, p0: int, size: int) -> Tensor:
+    """Rows p0 .. p0+size-1 of t [n, d], zero rows past the end: one fixed-size key block."""
+    return _pad_rows(t[p0 : p0 + size], size)
+
+
 class TorchBackend:
-    """Reference ops. `rowwise_max`: up to this many rows, `linear` runs one GEMV per row."""
+    """Reference ops. `rowwise_max`: up to this many rows, `linear` runs one GEMV per row.
+
+    Prefill tiles (fixed per backend and device type, never derived from the chunk):
+    `row_tile` rows per GEMM in `linear`, `q_tile` queries x `key_block` keys per step of
+    `mla_prefill`. None: the device's default (`TILES`; bigger on CUDA, where a step is a
+    few kernel launches and a 128k-token prompt must not take a million of them).
+    """
 
     name = "torch"
+    TILES = {"cpu": (64, 64, 256), "cuda": (64, 256, 2048)}  # (row_tile, q_tile, key_block)
 
-    def __init__(self, rowwise_max: int = 64, block_elems: int = 1 << 24):
+    def __init__(self, rowwise_max: int = 64, block_elems: int = 1 << 24, row_tile: int | None = None,
+                 q_tile: int | None = None, key_block: int | None = None):
         self.rowwise_max = rowwise_max
         self.block_elems = block_elems  # weights above this are converted to fp32 in row blocks
+        self._tiles = (row_tile, q_tile, key_block)
+        self.tiled = False  # True on the prefill view: every linear runs fixed row tiles
+
+    def tiles(self, device: torch.device) -> tuple[int, int, int]:
+        """(row_tile, q_tile, key_block) on this device type."""
+        dflt = self.TILES.get(device.type, self.TILES["cpu"])
+        return tuple(mine or d for mine, d in zip(self._tiles, dflt))
+
+    def for_prefill(self) -> "TorchBackend":
+        """This backend with fixed-tile GEMMs: what a prefill chunk runs on (chunk-invariant)."""
+        view = copy.copy(self)
+        view.tiled = True
+        return view
 
     # ---- dense ---------------------------------------------------------------------
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation)."""
         x = x.float()
-        out = w.shape[0]
+        T, out = x.shape[0], w.shape[0]
         rows = max(1, self.block_elems // max(1, w.shape[1]))  # depends on w only, never on T
+        grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
         parts = []
         for r0 in range(0, out, rows):
             w32 = w[r0 : r0 + rows].float()  # [out_blk, in]
-            if x.shape[0] <= self.rowwise_max and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-                parts.append(torch.stack([torch.mv(w32, x[t]) for t in range(x.shape[0])]) if x.shape[0] else x.new_zeros(0, w32.shape[0]))
-            else:
+            if grad:
                 parts.append(x @ w32.T)
+            elif T == 0:
+                parts.append(x.new_zeros(0, w32.shape[0]))
+            elif T <= self.rowwise_max and not self.tiled:
+                parts.append(torch.stack([torch.mv(w32, x[t]) for t in range(T)]))
+            else:  # fixed [row_tile, in] GEMMs: a row's bits do not depend on T or its tile companions
+                R = self.tiles(x.device)[0]
+                tiles = [_pad_rows(x[t0 : t0 + R], R) @ w32.T for t0 in range(0, T, R)]
+                parts.append(torch.cat(tiles)[:T])
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def rmsnorm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -95,7 +150,7 @@ class TorchBackend:
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w.float()
 
     def gated_rmsnorm(self, o: Tensor, gate: Tensor, w: Tensor, eps: float) -> Tensor:
-        return self.rmsnorm(o, w, eps) * torch.sigmoid(gate.float())
+        return self.rmsnorm(o, w, eps) * sigmoid(gate)
 
     def layernorm(self, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
         x = x.float()
@@ -146,6 +201,75 @@ class TorchBackend:
 
         return select_topk(scores, k)
 
+    def mla_prefill(
+        self, q_nope: Tensor, q_rot: Tensor, w_uk: Tensor, w_uv: Tensor, c_cache: Tensor, kr_cache: Tensor,
+        start: int, scale: float, index: tuple[Tensor, Tensor, Tensor, int] | None = None,
+    ) -> Tensor:
+        """Absorbed MLA over the cache for one sequence's chunk of T queries at positions
+        start..start+T-1: q_nope [T, H, dn], q_rot [T, H, Dr]; w_uk [H, dn, R], w_uv [H, dv, R];
+        c_cache [n, R], kr_cache [n, Dr] (n >= start + T, this chunk's keys already written).
+        index: (qi [T, Hi, Di], wi [T, Hi], ki_cache [n, Di], topk) restricts query t to the
+        Lightning Indexer's top-k of positions <= t, or None (causal dense). Returns [T, H, dv].
+
+        Query tiles of `q_tile` rows against key blocks of `key_block` positions from 0 up,
+        online softmax (running max, sum, accumulator over the R latent): no buffer grows
+        past q_tile x n, and every product has a fixed shape, so a row's bits are the same
+        whatever T, start or its tile companions are.
+        """
+        T, H, _ = q_nope.shape
+        R = c_cache.shape[-1]
+        _, TQ, KB = self.tiles(q_nope.device)
+        ar_q, ar_k = torch.arange(TQ, device=q_nope.device), torch.arange(KB, device=q_nope.device)
+        w_uk, w_uv_t = w_uk.float(), w_uv.float().transpose(1, 2)  # [H, dn, R], [H, R, dv]
+        outs = []
+        for t0 in range(0, T, TQ):
+            m = min(TQ, T - t0)
+            qpos = start + t0 + ar_q  # [TQ] (padded rows continue the positions; discarded)
+            nb = (start + t0 + m - 1) // KB + 1  # key blocks up to the tile's last real query
+            q_lat = torch.bmm(_pad_rows(q_nope[t0 : t0 + m].float(), TQ).transpose(0, 1), w_uk)  # [H, TQ, R]
+            q_lat = q_lat.transpose(0, 1).reshape(TQ * H, R)
+            q_r = _pad_rows(q_rot[t0 : t0 + m].float(), TQ).reshape(TQ * H, -1)  # [TQ*H, Dr]
+            sel = None
+            if index is not None:
+                qi, wi, ki, topk = index
+                sel = self._index_select(_pad_rows(qi[t0 : t0 + m], TQ), _pad_rows(wi[t0 : t0 + m], TQ), ki, qpos, nb, topk)
+            run_max = q_lat.new_full((TQ * H,), float("-inf"))
+            run_sum = q_lat.new_zeros(TQ * H)
+            acc = q_lat.new_zeros(TQ * H, R)
+            for j in range(nb):  # ascending, whatever the chunking
+                cb, krb = _key_block(c_cache, j * KB, KB).float(), _key_block(kr_cache, j * KB, KB).float()
+                s = (q_lat @ cb.T + q_r @ krb.T) * scale  # [TQ*H, KB]
+                allow = (j * KB + ar_k)[None, :] <= qpos[:, None]  # [TQ, KB] causal
+                if sel is not None:
+                    allow = allow & sel[:, j * KB : (j + 1) * KB]
+                s = s.view(TQ, H, KB).masked_fill(~allow[:, None], float("-inf")).view(TQ * H, KB)
+                new_max = torch.maximum(run_max, s.amax(-1))
+                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+                alpha = torch.exp(run_max - safe)  # 1 exactly when the block changed nothing
+                p = torch.exp(s - safe[:, None])  # [TQ*H, KB], 0 where masked
+                run_sum = run_sum * alpha + p.sum(-1)
+                acc = acc * alpha[:, None] + p @ cb  # [TQ*H, R]
+                run_max = new_max
+            o_lat = (acc / run_sum[:, None]).view(TQ, H, R)
+            o = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [TQ, H, dv]
+            outs.append(o[:m])
+        return torch.cat(outs)
+
+    def _index_select(self, qi: Tensor, wi: Tensor, ki: Tensor, qpos: Tensor, nb: int, topk: int) -> Tensor:
+        """The indexer's exact top-k for a query tile: qi [TQ, Hi, Di], wi [TQ, Hi], ki [n, Di],
+        qpos [TQ] -> bool [TQ, nb * key_block]. Scores per fixed key block (as in mla_prefill);
+        the tie rule of `select_topk`: above the threshold, then the boundary group lowest first."""
+        from streamrt.model.indexer import topk_mask
+
+        TQ, Hi, Di = qi.shape
+        KB = self.tiles(qi.device)[2]
+        q2, w = qi.float().reshape(TQ * Hi, Di), wi.float()[:, :, None]
+        scores = torch.cat([
+            (torch.relu(q2 @ _key_block(ki, j * KB, KB).float().T).view(TQ, Hi, KB) * w).sum(1) for j in range(nb)
+        ], dim=1)  # [TQ, nb*KB]
+        causal = torch.arange(nb * KB, device=qi.device)[None, :] <= qpos[:, None]
+        return topk_mask(scores.masked_fill(~causal, float("-inf")), qpos + 1, topk)
+
     # ---- MoE -----------------------------------------------------------------------
 
     def router(
@@ -160,7 +284,7 @@ class TorchBackend:
         topk_group: int = 1,
     ) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (ids [T, k] by descending biased score, weights [T, k] fp32, unbiased)."""
-        s = torch.sigmoid(self.linear(x, w_gate))  # [T, E] fp32
+        s = sigmoid(self.linear(x, w_gate))  # [T, E] fp32
         choice = s + bias.float()  # bias only chooses
         if n_group > 1 and topk_group < n_group:
             T, E = choice.shape

@@ -18,8 +18,30 @@ from torch import Tensor
 
 
 class KDACache:
+    """conv_q / conv_k / conv_v [B, P, W], state [B, H, K, V] (the decode state, always current).
+
+    Prefill anchor (kda.py module doc): anchor_state [B, H, K, V] = the state at the last
+    KDA_CHUNK boundary of this run of prefills, pending = (q, k, v, g, beta) [B, L, H, .] of
+    the L < KDA_CHUNK tokens since it; None after a decode step or a stack (kept by clone and
+    select). Not counted by `ModelCache.nbytes` (at most one state and KDA_CHUNK tokens per layer).
+    """
+
     def __init__(self, conv_q: Tensor, conv_k: Tensor, conv_v: Tensor, state: Tensor):
         self.conv_q, self.conv_k, self.conv_v, self.state = conv_q, conv_k, conv_v, state
+        self.anchor_state: Tensor | None = None
+        self.pending: list[Tensor] | None = None
+
+    def anchor(self) -> tuple[Tensor, list[Tensor] | None]:
+        """(state the next prefill chunk starts from, tokens it must recompute or None)."""
+        if self.anchor_state is None:
+            return self.state, None
+        return self.anchor_state, self.pending
+
+    def set_anchor(self, state: Tensor, pending: list[Tensor]) -> None:
+        self.anchor_state, self.pending = state, (pending if pending[0].shape[1] else None)
+
+    def drop_anchor(self) -> None:
+        self.anchor_state = self.pending = None
 
     @classmethod
     def empty(cls, cfg, batch: int, device) -> "KDACache":
@@ -31,7 +53,11 @@ class KDACache:
         return [self.conv_q, self.conv_k, self.conv_v, self.state]
 
     def map(self, fn) -> "KDACache":
-        return KDACache(*(fn(t) for t in self.tensors()))
+        out = KDACache(*(fn(t) for t in self.tensors()))
+        if self.anchor_state is not None:  # kept through clone / select, so a copy continues a prefill alike
+            out.anchor_state = fn(self.anchor_state)
+            out.pending = None if self.pending is None else [fn(t) for t in self.pending]
+        return out
 
 
 class MLACache:

@@ -4,9 +4,13 @@ Axis legend: B sequences, T new tokens, N = B*T rows, n cached positions, H head
 dn / dr / dv nope / "rope" (un-rotated) / value head dims, R latent rank (kv_lora_rank),
 rq q-LoRA rank. No rotary anywhere: the dr "rope" key dims are one shared plain vector.
 
-Prefill runs the expanded form (K and V per head from the latent); decode runs the
-absorbed form over the latent cache (R + dr values per token):
+Decode, and prefill on a cache, run the absorbed form over the latent cache (R + dr values
+per token):
     q_lat_h = W_UK[h]^T q_nope_h;  p = softmax((q_lat.c + q_rot.kr) * s);  O_h = W_UV[h] (sum p c)
+A prefill chunk on a cache goes through `Backend.mla_prefill`: fixed query tiles against fixed
+key blocks with an online softmax, the indexer's top-k per query tile, so memory is the cache
+plus a constant and a position's bits do not depend on the chunking. Without a cache (training,
+reference) the expanded form (K and V per head from the latent) runs over all T x T at once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from streamrt.backends.torch_backend import sigmoid
 from streamrt.model.cache import MLACache, Step
 from streamrt.model.indexer import LightningIndexer, topk_mask
 from streamrt.model.layers import RMSNorm
@@ -53,23 +58,16 @@ class KimiMLAAttention(nn.Module):
         else:
             o = self._prefill(q_nope, q_rot, c, kr, idx, step, cache)  # [N, H, dv]
         if self.g_proj is not None:
-            o = o * torch.sigmoid(be.linear(x, self.g_proj.weight).view(N, H, self.dv))  # gate from the layer input
+            o = o * sigmoid(be.linear(x, self.g_proj.weight).view(N, H, self.dv))  # gate from the layer input
         return be.linear(o.reshape(N, H * self.dv), self.o_proj.weight)  # [N, D]
 
     def _prefill(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache | None) -> Tensor:
         be, B, T, H, dn, R, s0 = step.be, step.batch, step.seqlen, self.H, self.dn, self.R, step.start
         c, kr = c.view(B, T, R), kr.view(B, T, -1)
         ki = idx[1].view(B, T, -1) if idx is not None else None
-        if cache is not None:  # append, then attend over the whole history
-            n = s0 + T
-            cache.reserve(n)
-            c_all, kr_all = torch.cat((cache.c[:, :s0], c), 1), torch.cat((cache.kr[:, :s0], kr), 1)
-            cache.c[:, s0:n], cache.kr[:, s0:n] = c.detach(), kr.detach()
-            if ki is not None:
-                ki_all = torch.cat((cache.ik[:, :s0], ki), 1)
-                cache.ik[:, s0:n] = ki.detach()
-        else:
-            c_all, kr_all, ki_all = c, kr, ki
+        if cache is not None:  # append, then attend chunk-wise over the whole history
+            return self._prefill_cached(q_nope, q_rot, c, kr, ki, idx, step, cache)
+        c_all, kr_all, ki_all = c, kr, ki
         n = c_all.shape[1]
         kvb = be.linear(c_all.reshape(B * n, R), self.kv_b_proj.weight).view(B, n, H, dn + self.dv)
         k_nope, v = kvb[..., :dn], kvb[..., dn:]  # [B, n, H, dn], [B, n, H, dv]
@@ -85,6 +83,26 @@ class KimiMLAAttention(nn.Module):
         p = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)  # [B, H, T, n] fp32
         o = torch.einsum("bhts,bshd->bthd", p, v)  # [B, T, H, dv]
         return o.reshape(B * T, H, self.dv)
+
+    def _prefill_cached(self, q_nope, q_rot, c, kr, ki, idx, step: Step, cache: MLACache) -> Tensor:
+        """c [B, T, R], kr [B, T, dr], ki [B, T, Di] | None -> [B*T, H, dv]; writes the cache first."""
+        be, B, T, H, dn, s0 = step.be, step.batch, step.seqlen, self.H, self.dn, step.start
+        n = s0 + T
+        cache.reserve(n)
+        cache.c[:, s0:n], cache.kr[:, s0:n] = c.detach(), kr.detach()
+        if ki is not None:
+            cache.ik[:, s0:n] = ki.detach()
+        W = self.kv_b_proj.weight.float().view(H, dn + self.dv, -1)
+        W_UK, W_UV = W[:, :dn], W[:, dn:]  # [H, dn, R], [H, dv, R]
+        qn, qr = q_nope.reshape(B, T, H, dn), q_rot.reshape(B, T, H, -1)
+        outs = []
+        for b in range(B):  # one sequence at a time
+            index = None
+            if idx is not None and self.sparse:
+                qi, wi = idx[0].view(B, T, *idx[0].shape[1:])[b], idx[2].view(B, T, -1)[b]
+                index = (qi, wi, cache.ik[b, :n], self.indexer.topk)
+            outs.append(be.mla_prefill(qn[b], qr[b], W_UK, W_UV, cache.c[b, :n], cache.kr[b, :n], s0, self.scale, index))
+        return torch.cat(outs)  # [B*T, H, dv]
 
     def _decode(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache) -> Tensor:
         be, H, dn, R = step.be, self.H, self.dn, self.R

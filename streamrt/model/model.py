@@ -30,6 +30,46 @@ from streamrt.model.moe import ExpertRequest, LatentMoE
 ExpertProvider = Callable[[ExpertRequest], Mapping[int, ExpertWeights]]
 ForwardSteps = Generator[ExpertRequest, Mapping[int, ExpertWeights], Tensor]
 
+PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 64, 4096
+
+
+def context_length(cfg) -> int | None:
+    """The model's context (text_config.max_position_embeddings), None if the config has none."""
+    n = getattr(cfg, "max_position_embeddings", None)
+    if n is None:
+        raw = getattr(cfg, "raw", None) or {}
+        n = (raw.get("text_config") or raw).get("max_position_embeddings")
+    return int(n) if n else None
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free memory where the activations live: the device's (CUDA) or MemAvailable (host)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def default_prefill_chunk(cfg, device) -> int:
+    """Tokens per prefill chunk when --prefill-chunk is not given: a quarter of free memory over
+    a chunk row's live fp32 activations (a generous per-layer bound), in [64, 4096], a multiple
+    of 64. Attention buffers do not depend on it (fixed query tiles x key blocks)."""
+    widths = (
+        cfg.hidden_size * (8 + len(cfg.attnres_block_starts)),
+        6 * max(cfg.kda_proj_dim, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
+        4 * max(cfg.intermediate_size, cfg.shared_intermediate_size or 0),
+        cfg.experts_per_token * (3 * cfg.moe_intermediate_size + 2 * cfg.routed_expert_hidden_size) if cfg.num_experts else 0,
+    )
+    per_row = 4 * sum(widths) + 4 * (cfg.num_experts or 0)
+    n = _free_bytes(torch.device(device)) // 4 // max(1, per_row)
+    return int(max(PREFILL_CHUNK_MIN, min(PREFILL_CHUNK_MAX, n // 64 * 64)))
+
 
 class DecoderLayer(nn.Module):
     """AttnRes mix -> token mixer (KDA or MLA) -> AttnRes mix -> FFN (dense or latent MoE)."""
@@ -91,6 +131,9 @@ class KimiLinearForCausalLM(nn.Module):
         # Called with a decode step's embeddings [N, D] before its first layer (the streaming
         # runtime stages the first MoE layer's likely experts then); timing only, never numbers.
         self.step_hint = None
+        # Tokens per prefill chunk on a cache (None: `default_prefill_chunk` from free memory).
+        # Timing and memory only: a position's logits do not depend on it on the torch backend.
+        self.prefill_chunk: int | None = None
         self.model = KimiLinearModel(cfg, float_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -109,14 +152,18 @@ class KimiLinearForCausalLM(nn.Module):
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.check_a_log()
 
-    def forward_steps(self, input_ids: Tensor, cache: ModelCache | None = None, *, last_only: bool = False) -> ForwardSteps:
+    def forward_steps(
+        self, input_ids: Tensor, cache: ModelCache | None = None, *, last_only: bool = False, prefill_chunk: int | None = None
+    ) -> ForwardSteps:
         """input_ids [T] or [B, T] -> logits [T, V] / [B, T, V] fp32 ([.., 1, V] if last_only).
 
         With a cache: T == 1 decodes (rows may sit at different lengths); T > 1 is a
-        prefill continuing from the cache (rows must share one length). Without a cache:
-        the full parallel forward (training, or a one-shot prefill).
+        prefill continuing from the cache (rows must share one length), run in chunks of
+        `prefill_chunk` tokens (default `self.prefill_chunk`, else from free memory), one
+        ExpertRequest per MoE layer per chunk. Without a cache: the full parallel forward
+        (training, or a reference).
         """
-        be, cfg = self.backend, self.config
+        cfg = self.config
         ids = torch.as_tensor(input_ids, device=self.lm_head.weight.device)
         squeeze = ids.dim() == 1
         ids = ids[None] if squeeze else ids
@@ -132,6 +179,28 @@ class KimiLinearForCausalLM(nn.Module):
                 raise StreamrtError(f"cache holds {cache.batch} sequences but input_ids has {B}")
             if T > 1 and len(set(cache.lengths)) > 1:
                 raise StreamrtError(f"a prefill on a cache needs rows of one length, got lengths {cache.lengths}")
+        if cache is not None and T > 1:
+            C = int(prefill_chunk or self.prefill_chunk or default_prefill_chunk(cfg, ids.device))
+            if C < 1:
+                raise StreamrtError(f"prefill chunk must be >= 1 token, got {C}")
+            if T > C:
+                outs = []
+                for t0 in range(0, T, C):
+                    out = yield from self._forward(ids[:, t0 : t0 + C], cache, last_only)
+                    outs.append(out)
+                logits = outs[-1] if last_only else torch.cat(outs, dim=1)  # [B, T or 1, V]
+                return logits[0] if squeeze else logits
+        logits = yield from self._forward(ids, cache, last_only)
+        return logits[0] if squeeze else logits
+
+    def _forward(self, ids: Tensor, cache: ModelCache | None, last_only: bool) -> ForwardSteps:
+        """One forward over ids [B, T] (one prefill chunk, a decode step, or the cache-less
+        form) -> logits [B, T or 1, V]."""
+        be, cfg = self.backend, self.config
+        B, T = ids.shape
+        decode = cache is not None and T == 1
+        if not decode and hasattr(be, "for_prefill"):
+            be = be.for_prefill()  # fixed-tile products: chunk-invariant rows
         step = Step(be=be, batch=B, seqlen=T, cache=cache, start=cache.lengths[0] if cache is not None else 0)
 
         h = F.embedding(ids.reshape(-1), self.model.embed_tokens.weight).float()  # [N, D]
@@ -148,10 +217,13 @@ class KimiLinearForCausalLM(nn.Module):
         h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be)
         h = self.model.norm(h, be)
         logits = be.linear(h, self.lm_head.weight)  # [N, V] fp32
-        return logits.view(T, -1) if squeeze else logits.view(B, T, -1)
+        return logits.view(B, T, -1)
 
-    def forward(self, input_ids: Tensor, cache: ModelCache | None = None, provider: ExpertProvider | None = None, *, last_only: bool = False) -> Tensor:
-        return run_sync(self.forward_steps(input_ids, cache, last_only=last_only), provider)
+    def forward(
+        self, input_ids: Tensor, cache: ModelCache | None = None, provider: ExpertProvider | None = None, *,
+        last_only: bool = False, prefill_chunk: int | None = None,
+    ) -> Tensor:
+        return run_sync(self.forward_steps(input_ids, cache, last_only=last_only, prefill_chunk=prefill_chunk), provider)
 
 
 def run_sync(gen: ForwardSteps, provider: ExpertProvider | None) -> Tensor:
