@@ -19,14 +19,16 @@ from datetime import date
 
 import torch
 
+from streamrt.backends.torch_backend import TorchBackend
 from streamrt.config import load_config
-from streamrt.model import DictExpertProvider, KimiLinearForCausalLM, ModelCache, logits_hash
+from streamrt.model import KimiLinearForCausalLM, ModelCache, logits_hash
+from streamrt.loader import DictExpertProvider
 from streamrt.model.synthetic import init_random_, random_experts
 
 
 def bench(name: str, prompt_len: int, decode: int, batch: int, seed: int = 0) -> dict:
     cfg = load_config(name)
-    model = KimiLinearForCausalLM(cfg).eval()
+    model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
     init_random_(model, seed)
     prov = DictExpertProvider(random_experts(cfg, seed + 1))
     gen = torch.Generator().manual_seed(seed)

@@ -41,7 +41,7 @@ import torch
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
 from streamrt.config import load_config
-from streamrt.model import load_model
+from streamrt.loader import load_model
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.scheduler import StreamingRuntime
 from streamrt.runtime.streams import make_device

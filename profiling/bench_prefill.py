@@ -63,7 +63,7 @@ def child(args, rest: list[str]) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from streamrt.checkpoint.reader import open_tree
-    from streamrt.model.loader import load_model
+    from streamrt.loader import load_model
     from streamrt.runtime.options import RuntimeOptions, add_runtime_flags
     from streamrt.runtime.scheduler import StreamingRuntime
     from streamrt.runtime.streams import make_device

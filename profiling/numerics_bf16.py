@@ -19,7 +19,7 @@ from streamrt.chat import encode_chat
 from streamrt.checkpoint.reader import open_tree
 from streamrt.default_model import default_model_dir
 from streamrt.generate import generate
-from streamrt.model.loader import DirectExpertProvider, load_model
+from streamrt.loader import DirectExpertProvider, load_model
 from streamrt.tokenizer import load_tokenizer
 
 PROMPTS = ("What is the capital of France?", "What is the capital of Egypt?", "What is the weather in Paris?")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import ensure_tree  # noqa: E402
 
-from streamrt.model import load_model  # noqa: E402
+from streamrt.loader import load_model  # noqa: E402
 from streamrt.runtime.options import RuntimeOptions  # noqa: E402
 from streamrt.runtime.scheduler import StreamingRuntime  # noqa: E402
 from streamrt.runtime.streams import make_device  # noqa: E402

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from streamrt.errors import StreamrtError
-from streamrt.model import DirectExpertProvider, ModelCache, logits_hash, run_sync  # noqa: F401  (re-exported)
+from streamrt.model import ModelCache, logits_hash, run_sync  # noqa: F401  (re-exported)
+from streamrt.loader import DirectExpertProvider
 from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM
 
 Runner = Callable[[ForwardSteps], Tensor]

@@ -21,6 +21,7 @@ from typing import Callable, TextIO
 
 from streamrt.chat import (
     ChatParser,
+    ChatProfile,
     ParseError,
     Reply,
     ResponseText,
@@ -74,6 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", default="0.95", metavar="P", help="nucleus mass in (0, 1] (default 0.95)")
     p.add_argument("--seed", default="0", metavar="S", help="sampling seed (default 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    p.add_argument("--truncate", choices=("left",),
+                   help="a prompt longer than the model's context (max_position_embeddings) is refused; "
+                        "'left' keeps its last tokens instead")
+    p.add_argument("--prefill-chunk", default="auto", metavar="N",
+                   help="prompt tokens per prefill chunk (default auto: from free memory, 64..4096); "
+                        "changes time and peak memory, never the logits on the torch backend")
     _runtime_flags(p)
     p.set_defaults(func=run_command)
 
@@ -92,22 +99,63 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check_runtime_flags(args: argparse.Namespace) -> None:
-    """Validate the runtime flags up front, before a default model is built or a tree opened."""
+    """Validate the runtime flags up front, before a default model is built or a tree opened;
+    the output files (--stats-json, --trace) too, so a bad path never costs a generation."""
     try:
         from streamrt.runtime.options import RuntimeOptions
     except ModuleNotFoundError:
         return
-    RuntimeOptions.from_args(args)
+    RuntimeOptions.from_args(args).check_output_paths()
 
 
-def _int(value: str, flag: str, lo: int) -> int:
+MAX_SEED = 2**44 - 1  # generate seeds row r with seed * 1_000_003 + r, which must fit torch's 64 bits
+MAX_NEW_TOKENS = 1 << 20  # the longest context any supported model has
+MAX_CYCLES = 1000
+
+
+def _int(value: str, flag: str, lo: int, hi: int | None = None) -> int:
+    text = str(value)
+    if len(text) > 40:  # int() of a 10^6-digit string is slow and its error is a traceback
+        raise StreamrtError(f"{flag} must be an integer of at most 40 characters, got {text[:20]}...")
     try:
-        n = int(value)
+        n = int(text)
     except (TypeError, ValueError):
-        raise StreamrtError(f"{flag} must be an integer, got {value!r}") from None
+        raise StreamrtError(f"{flag} must be an integer, got {text!r}") from None
     if n < lo:
         raise StreamrtError(f"{flag} must be >= {lo}, got {n}")
+    if hi is not None and n > hi:
+        raise StreamrtError(f"{flag} must be at most {hi}, got {n}")
     return n
+
+
+def user_text(text: str, flag: str) -> str:
+    """Text from the command line or stdin, checked at the edge: undecodable bytes (which
+    Python carries as lone surrogates) are one line naming the flag and the byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"character U+{ch:04X}"
+        raise StreamrtError(f"{flag}: not valid UTF-8 ({what} at position {e.start}); "
+                            "give the text in UTF-8") from None
+    return text
+
+
+def read_user_line(stdin: TextIO) -> "str | StreamrtError | None":
+    """One line of --chat input: the text, None at EOF, or (not raised) a StreamrtError saying
+    why the line cannot be used (not UTF-8), so the caller rejects that line and goes on.
+    Reads bytes when the stream has them, so a bad byte costs only its own line."""
+    raw = getattr(stdin, "buffer", None)
+    try:
+        line = raw.readline().decode("utf-8") if raw is not None else stdin.readline()
+    except UnicodeDecodeError as e:
+        return StreamrtError(f"chat input not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})")
+    if not line:
+        return None
+    try:
+        return user_text(line, "chat input")
+    except StreamrtError as e:
+        return e
 
 
 def _float(value: str, flag: str) -> float:
@@ -130,14 +178,14 @@ class Sampling:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Sampling":
-        n = _int(args.max_new_tokens, "--max-new-tokens", 1)
+        n = _int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
         t = _float(args.temperature, "--temperature")
         if t < 0:
             raise StreamrtError(f"--temperature must be >= 0, got {args.temperature}")
         p = _float(args.top_p, "--top-p")
         if not 0 < p <= 1:
             raise StreamrtError(f"--top-p must be in (0, 1], got {args.top_p}")
-        seed = _int(args.seed, "--seed", 0)
+        seed = _int(args.seed, "--seed", 0, MAX_SEED)
         return cls(n, t, p, seed, bool(args.greedy) or t == 0)
 
 
@@ -193,6 +241,8 @@ class Session:
 
     name: str
     tokenizer: Tokenizer
+    chat: ChatProfile = ChatProfile()  # the framing the model was trained with (its tree says)
+    context: int | None = None  # the model's context (max_position_embeddings), None: unchecked
 
     def generate(self, ids: list[int], sampling: Sampling, on_token: Callable[[int], None]) -> GenStats:
         raise NotImplementedError
@@ -215,7 +265,7 @@ class _ModelSession(Session):
     def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool):
         try:
             from streamrt.checkpoint.reader import open_tree
-            from streamrt.model.loader import load_model
+            from streamrt.loader import load_model
             from streamrt.runtime.options import RuntimeOptions
             from streamrt.runtime.scheduler import StreamingRuntime
             from streamrt.runtime.streams import make_device
@@ -230,9 +280,14 @@ class _ModelSession(Session):
             tree = open_tree(model_dir)
             self.name = tree.config.name
             self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
+            self.chat = ChatProfile.from_tree(tree.root)
             bar.step("dense weights")
             device = make_device(self.options.device)
             self.model = load_model(tree, device.torch_device, backend=self.options.make_backend(device))
+            self.model.prefill_chunk = prefill_chunk(args)
+            from streamrt.model.model import context_length
+
+            self.context = context_length(tree.config)
             bar.step("expert store")
             from streamrt.trace import make_tracer
 
@@ -278,6 +333,7 @@ class _ModelSession(Session):
             stop_ids=sorted(self.tokenizer.stop_ids),
             on_token=on_token,
             hash_steps=True,
+            max_context=self.context,
         )
         st = self.runtime.stats
         hits = {}
@@ -414,17 +470,36 @@ def _report(reply: Reply, stats: GenStats, sampling: Sampling) -> None:
     print(f"streamrt: {stats.line()}", file=sys.stderr)
 
 
+def prefill_chunk(args: argparse.Namespace) -> int | None:
+    """--prefill-chunk: tokens per chunk, or None for auto (the model picks from free memory)."""
+    value = getattr(args, "prefill_chunk", "auto")
+    return None if value in (None, "auto") else _int(value, "--prefill-chunk", 1, 1 << 20)
+
+
+def fit_context(ids: list[int], context: int | None, truncate: str | None, reserve: int = 0) -> list[int]:
+    """The context-length policy (issue 26): a prompt longer than the model's context is refused
+    before any work, naming both numbers, or with --truncate left keeps its last tokens, leaving
+    `reserve` positions (at most half the context) for the reply. Generation stops at the context."""
+    if context is None or len(ids) <= context:
+        return ids
+    if truncate == "left":
+        return ids[-(context - min(reserve, context // 2)):]
+    raise StreamrtError(f"prompt is {len(ids)} tokens but the model's context is {context} tokens "
+                        f"(max_position_embeddings); shorten it or pass --truncate left")
+
+
 def run_command(args: argparse.Namespace) -> int:
     sampling = Sampling.from_args(args)
     _check_runtime_flags(args)
+    prefill_chunk(args)  # flag errors before any loading
     thinking = not args.no_thinking
     tools = None
-    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = [{"role": "system", "content": user_text(args.system, "--system")}] if args.system else []
     if args.messages:
         messages, tools = load_messages_file(args.messages)
         history += messages
     elif args.prompt is not None:
-        history.append({"role": "user", "content": args.prompt})
+        history.append({"role": "user", "content": user_text(args.prompt, "--prompt")})
     elif not args.chat:
         raise StreamrtError("give --prompt TEXT, --chat or --messages FILE.json")
     model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
@@ -438,7 +513,8 @@ def run_command(args: argparse.Namespace) -> int:
 def _run(session, history, tools, sampling, thinking, args) -> int:
     if args.chat:
         return _chat_loop(session, history, sampling, thinking, args, sys.stdin)
-    ids = encode_chat(session.tokenizer, history, tools, thinking=thinking)
+    ids = encode_chat(session.tokenizer, history, tools, thinking=thinking, thinking_effort=session.chat.thinking_effort)
+    ids = fit_context(ids, session.context, getattr(args, "truncate", None), sampling.max_new_tokens)
     printer = None if args.json else _StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
     reply, stats = _one_reply(session, ids, sampling, thinking, printer)
     if args.json:
@@ -449,18 +525,27 @@ def _run(session, history, tools, sampling, thinking, args) -> int:
 
 
 def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int:
-    """One user message per input line; the whole history is re-framed every turn."""
+    """One user message per input line; the whole history is re-framed every turn, unless the
+    model's tree says it was trained on one exchange per conversation (`ChatProfile.multi_turn`):
+    such a model answers a second question from the first (the embedded one did: "capital of
+    Egypt?" after Spain gave Madrid), so each line is framed on its own. Ctrl-C ends the reply."""
     tty = stdin.isatty()
     if tty and not args.json:
         print("streamrt: chat with the model; empty line skips, /reset clears history, /exit or Ctrl-D quits", file=sys.stderr)
+    if not session.chat.multi_turn and not args.json:
+        print("streamrt: this model was trained on single exchanges (streamrt_chat.multi_turn false in its "
+              "tokenizer_config.json); each line starts a new conversation", file=sys.stderr)
     base = list(history)
     turn = 0
     while True:
         if tty:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = stdin.readline()
-        if not line:  # EOF
+        line = read_user_line(stdin)
+        if line is None:  # EOF
             break
+        if isinstance(line, StreamrtError):  # undecodable input: this line only, not the session
+            print(f"streamrt: {line}; line ignored", file=sys.stderr, flush=True)
+            continue
         text = line.rstrip("\n")
         if text.strip() in ("/exit", "/quit"):
             break
@@ -470,10 +555,25 @@ def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int
         if not text.strip():
             continue
         turn += 1
+        if not session.chat.multi_turn:
+            history[:] = list(base)
         history.append({"role": "user", "content": text})
-        ids = encode_chat(session.tokenizer, history, thinking=thinking)
+        ids = encode_chat(session.tokenizer, history, thinking=thinking, thinking_effort=session.chat.thinking_effort)
+        try:
+            ids = fit_context(ids, session.context, getattr(args, "truncate", None), sampling.max_new_tokens)
+        except StreamrtError as exc:  # this turn only, not the session
+            history.pop()
+            print(f"streamrt: {exc}; line ignored", file=sys.stderr, flush=True)
+            continue
         printer = None if args.json else _StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
-        reply, stats = _one_reply(session, ids, sampling, thinking, printer)
+        try:
+            reply, stats = _one_reply(session, ids, sampling, thinking, printer)
+        except KeyboardInterrupt:  # the reply, not the session: drop the unanswered question
+            if printer is not None:
+                printer.finish()
+            history.pop()
+            print("streamrt: reply interrupted", file=sys.stderr, flush=True)
+            continue
         history.append(reply.to_message())
         if args.json:
             print(_reply_json(session, reply, stats), flush=True)
@@ -514,7 +614,8 @@ def _test_noise(logits, cycle: int):
 
 
 def run_cycles(session: Session, cycles: int, process: int) -> list[Cycle]:
-    ids = encode_chat(session.tokenizer, CONTROL_MESSAGES)  # the framed control prompt
+    # The framed control prompt, as the model's chat is framed.
+    ids = encode_chat(session.tokenizer, CONTROL_MESSAGES, thinking_effort=session.chat.thinking_effort)
     out = []
     for c in range(1, cycles + 1):
         logits = _test_noise(session.control_logits(ids).reshape(-1), c)
@@ -555,7 +656,7 @@ def child_cycles(model_dir: Path, cycles: int, extra: list[str]) -> list[Cycle]:
 
 
 def selfcheck_command(args: argparse.Namespace) -> int:
-    cycles = _int(args.cycles, "--cycles", 1)
+    cycles = _int(args.cycles, "--cycles", 1, MAX_CYCLES)
     _check_runtime_flags(args)
     model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
     session = open_session(model_dir, args, progress=not (args.json or args.child))

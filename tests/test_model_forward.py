@@ -14,20 +14,10 @@ import torch
 import reference as ref
 from streamrt.config import load_config
 from streamrt.errors import CheckpointError, StreamrtError
-from streamrt.model import (
-    DictExpertProvider,
-    DirectExpertProvider,
-    KimiLinearForCausalLM,
-    ModelCache,
-    dense_state_dict,
-    export_float_experts,
-    load_model,
-    load_weights,
-    logits_hash,
-    run_sync,
-)
+from streamrt.loader import DictExpertProvider, DirectExpertProvider, load_model, load_weights
+from streamrt.model import KimiLinearForCausalLM, ModelCache, dense_state_dict, export_float_experts, logits_hash, run_sync
 from streamrt.model.synthetic import init_random_, random_experts
-from streamrt.backends.torch_backend import dequant_nvfp4
+from streamrt.backends.torch_backend import TorchBackend, dequant_nvfp4
 
 VARIANTS = ["tiny-k3", "tiny-k3.1-pro"]
 T_LONG = 40  # well above tiny's index_topk (16): the selection is active
@@ -40,7 +30,7 @@ def build(name: str, seed: int = 0):
     """(cfg, model, experts) with random fp32 weights and random valid NVFP4 experts."""
     if (name, seed) not in _BUILT:
         cfg = load_config(name)
-        model = KimiLinearForCausalLM(cfg).eval()
+        model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
         init_random_(model, seed)
         _BUILT[(name, seed)] = (cfg, model, random_experts(cfg, seed + 100))
     return _BUILT[(name, seed)]
@@ -91,7 +81,7 @@ def test_decode_with_caches_equals_full_forward(name):
 
 def _mixer_prefill_vs_decode(model, cfg, layer: int, T: int, seed: int):
     """One token mixer alone: parallel form over T rows vs T single-row steps on a cache."""
-    from streamrt.backends.torch_backend import TorchBackend
+
     from streamrt.model.cache import ModelCache, Step
 
     attn = model.model.layers[layer].self_attn
@@ -125,7 +115,7 @@ def _dense_twin(name):
     """Same weights, index_topk so large the selection never bites: dense MLA."""
     cfg, model, experts = build(name)
     dcfg = dataclasses.replace(cfg, indexer=dataclasses.replace(cfg.indexer, topk=10**9))
-    dense = KimiLinearForCausalLM(dcfg).eval()
+    dense = KimiLinearForCausalLM(dcfg, backend=TorchBackend()).eval()
     dense.load_state_dict(model.state_dict())
     return dense
 
@@ -203,7 +193,7 @@ def test_logits_are_deterministic(name):
     hashes = set()
     for _ in range(2):
         cfg2, ex2 = load_config(name), random_experts(cfg, 100)
-        m2 = KimiLinearForCausalLM(cfg2).eval()
+        m2 = KimiLinearForCausalLM(cfg2, backend=TorchBackend()).eval()
         init_random_(m2, 0)
         with torch.no_grad():
             hashes.add(logits_hash(m2(ids, provider=DictExpertProvider(ex2))))
@@ -240,7 +230,7 @@ def test_expert_protocol():
 
 def test_float_experts_training_mode():
     cfg, model, experts = build("tiny-k3.1-pro")
-    train = KimiLinearForCausalLM(cfg, float_experts=True)
+    train = KimiLinearForCausalLM(cfg, backend=TorchBackend(), float_experts=True)
     sd = dict(model.state_dict())
     for (layer, e), ew in experts.items():
         pre = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
@@ -289,7 +279,7 @@ def test_a_log_nonzero_padding_is_an_error_naming_the_tensor():
     cfg, model, _ = build("tiny-k3")
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     sd["model.layers.1.self_attn.A_log"][cfg.kda_num_heads + 3] = 0.25
-    fresh = KimiLinearForCausalLM(cfg)
+    fresh = KimiLinearForCausalLM(cfg, backend=TorchBackend())
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.A_log: entries 2\.\.15 are padding"):
         load_weights(fresh, sd)
 
@@ -298,13 +288,13 @@ def test_variant_mismatch_is_an_error_both_ways():
     k3_sd = build("tiny-k3")[1].state_dict()
     k31_sd = build("tiny-k3.1-pro")[1].state_dict()
     with pytest.raises(CheckpointError, match="Lightning Indexer tensors are missing.*cannot run as K3.1 Pro"):
-        load_weights(KimiLinearForCausalLM(load_config("tiny-k3.1-pro")), k3_sd)
+        load_weights(KimiLinearForCausalLM(load_config("tiny-k3.1-pro"), backend=TorchBackend()), k3_sd)
     with pytest.raises(CheckpointError, match="carry 15 Lightning Indexer tensors.*cannot run as K3"):
-        load_weights(KimiLinearForCausalLM(load_config("tiny-k3")), k31_sd)
+        load_weights(KimiLinearForCausalLM(load_config("tiny-k3"), backend=TorchBackend()), k31_sd)
     bad = dict(k3_sd)
     bad["lm_head.weight"] = bad["lm_head.weight"][:, :-1]
     with pytest.raises(CheckpointError, match=r"lm_head\.weight has shape"):
-        load_weights(KimiLinearForCausalLM(load_config("tiny-k3")), bad)
+        load_weights(KimiLinearForCausalLM(load_config("tiny-k3"), backend=TorchBackend()), bad)
 
 
 class FakeTree:
@@ -328,7 +318,7 @@ def test_load_model_bf16_tree_and_direct_provider():
     loaded = load_model(tree, "cpu", torch.bfloat16)
     assert loaded.model.layers[3].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
     assert loaded.model.layers[1].self_attn.A_log.dtype == torch.float32
-    twin = KimiLinearForCausalLM(cfg).eval()  # fp32 weights holding the same bf16 values
+    twin = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()  # fp32 weights holding the same bf16 values
     twin.load_state_dict({k: v.float() for k, v in sd16.items()})
     ids = tokens(cfg, 20, 8)
     prov = DirectExpertProvider(tree)
@@ -344,10 +334,10 @@ def test_load_model_bf16_tree_and_direct_provider():
 @pytest.mark.parametrize("name", VARIANTS)
 def test_cuda_reference_matches_cpu_and_is_batch_invariant(name):
     from streamrt.generate import generate
-    from streamrt.model.loader import _to
+    from streamrt.loader import _to
 
     cfg, model, experts = build(name)
-    gm = KimiLinearForCausalLM(cfg).eval().cuda()
+    gm = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval().cuda()
     gm.load_state_dict(model.state_dict())
     gprov = DictExpertProvider({k: _to(v, "cuda") for k, v in experts.items()})
     ids = tokens(cfg, T_LONG, 21)

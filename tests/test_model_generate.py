@@ -6,17 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from streamrt.backends.torch_backend import TorchBackend
 from streamrt.config import load_config
 from streamrt.errors import StreamrtError
 from streamrt.generate import generate, sample
-from streamrt.model import DictExpertProvider, KimiLinearForCausalLM, logits_hash
+from streamrt.model import KimiLinearForCausalLM, logits_hash
+from streamrt.loader import DictExpertProvider
 from streamrt.model.synthetic import init_random_, random_experts
 
 
 @pytest.fixture(scope="module")
 def k31():
     cfg = load_config("tiny-k3.1-pro")
-    model = KimiLinearForCausalLM(cfg).eval()
+    model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
     init_random_(model, 3)
     return cfg, model, DictExpertProvider(random_experts(cfg, 4))
 

@@ -13,8 +13,8 @@ from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
 from streamrt.default_model import packaged_model_dir
 from streamrt.generate import generate
-from streamrt.model import load_model
-from streamrt.model.loader import DirectExpertProvider
+from streamrt.loader import load_model
+from streamrt.loader import DirectExpertProvider
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,7 +13,7 @@ import reference as ref
 from streamrt.backends.torch_backend import TorchBackend, dequant_nvfp4
 from streamrt.config import load_config
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
-from streamrt.model.indexer import select_topk, topk_mask
+from streamrt.ops import select_topk, topk_mask
 from streamrt.model.kda import kda_chunked, kda_gate, short_conv_prefill
 from streamrt.model.synthetic import random_nvfp4
 

@@ -18,7 +18,8 @@ import reference as ref
 from streamrt.backends.torch_backend import TorchBackend
 from streamrt.config import load_config
 from streamrt.errors import StreamrtError
-from streamrt.model import DictExpertProvider, KimiLinearForCausalLM
+from streamrt.model import KimiLinearForCausalLM
+from streamrt.loader import DictExpertProvider
 from streamrt.model.cache import KDACache, MLACache
 from streamrt.model.synthetic import init_random_, random_experts
 
@@ -31,7 +32,7 @@ _BUILT: dict = {}
 def build(name: str):
     if name not in _BUILT:
         cfg = load_config(name)
-        model = KimiLinearForCausalLM(cfg).eval()
+        model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
         init_random_(model, 0)
         _BUILT[name] = (cfg, model, DictExpertProvider(random_experts(cfg, 100)))
     return _BUILT[name]
@@ -276,10 +277,10 @@ def test_default_model_peak_rss_is_linear_in_the_prompt():
 @pytest.mark.parametrize("name", VARIANTS)
 def test_cuda_torch_backend_logits_identical_for_any_prefill_chunk(name):
     """The torch backend on CUDA (its own tiles): chunk-invariant too, and close to the CPU."""
-    from streamrt.model.loader import _to
+    from streamrt.loader import _to
 
     cfg, model, prov = build(name)
-    gm = KimiLinearForCausalLM(cfg).eval().cuda()
+    gm = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval().cuda()
     gm.load_state_dict(model.state_dict())
     gprov = DictExpertProvider({k: _to(v, "cuda") for k, v in prov.experts.items()})
     ids = tokens(cfg, 80, 1).cuda()

@@ -140,7 +140,7 @@ def test_release_converts_verifies_and_runs(releases, name, tmp_path, capsys):
 
 
 def test_loader_keeps_released_f32_tensors_fp32(releases, tmp_path):
-    from streamrt.model.loader import load_model
+    from streamrt.loader import load_model
 
     convert(releases["tiny-k3"], tmp_path / "t", progress=False)
     model = load_model(tmp_path / "t", dtype=torch.bfloat16)
@@ -303,7 +303,7 @@ def test_inspect_of_a_release_tree_counts_its_index(releases, capsys):
 def test_synth_tree_shows_a_dropped_norm_gain_and_a_wrong_situ_clamp(releases, tmp_path, monkeypatch):
     import streamrt.backends.torch_backend as tb
     from streamrt.model import run_sync
-    from streamrt.model.loader import DirectExpertProvider, load_model
+    from streamrt.loader import DirectExpertProvider, load_model
 
     convert(releases["tiny-k3.1-pro"], tmp_path / "t", progress=False)
     tree = open_tree(tmp_path / "t")

@@ -10,7 +10,8 @@ import torch
 
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
-from streamrt.model import DirectExpertProvider, ModelCache, load_model, run_sync
+from streamrt.model import ModelCache, run_sync
+from streamrt.loader import DirectExpertProvider, load_model
 from streamrt.runtime.options import RuntimeOptions, add_runtime_flags
 from streamrt.runtime.scheduler import StreamedExperts, StreamingRuntime
 from streamrt.runtime.stats import PAYLOAD_KEYS, STAGING_KEYS

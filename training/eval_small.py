@@ -2,7 +2,7 @@
 
     python training/eval_small.py [--model DIR]     (default: streamrt/assets/default_model)
 
-Converted tree -> `streamrt.model.loader.load_model` (BF16 dense weights) + the tree's
+Converted tree -> `streamrt.loader.load_model` (BF16 dense weights) + the tree's
 NVFP4 experts (`DirectExpertProvider`) -> `streamrt.generate.generate` greedy with caches:
 prefill per prompt, then recurrent KDA and absorbed MLA decode (indexer top-k on).
 
@@ -29,7 +29,7 @@ import corpus as C  # noqa: E402
 from streamrt.chat import ChatParser, Reply, encode_chat  # noqa: E402
 from streamrt.checkpoint.reader import open_tree  # noqa: E402
 from streamrt.generate import generate  # noqa: E402
-from streamrt.model import DirectExpertProvider, load_model  # noqa: E402
+from streamrt.loader import DirectExpertProvider, load_model  # noqa: E402
 from streamrt.model.mla import KimiMLAAttention  # noqa: E402
 from streamrt.tokenizer import load_tokenizer  # noqa: E402
 

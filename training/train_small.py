@@ -67,8 +67,8 @@ from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.chat import encode_chat  # noqa: E402
 from streamrt.config import load_config  # noqa: E402
 from streamrt.model import KimiLinearForCausalLM  # noqa: E402
-from streamrt.model.indexer import topk_mask  # noqa: E402
-from streamrt.model.loader import FP32_TENSORS  # noqa: E402
+from streamrt.ops import topk_mask  # noqa: E402
+from streamrt.loader import FP32_TENSORS  # noqa: E402
 from streamrt.model.mla import KimiMLAAttention  # noqa: E402
 from streamrt.tokenizer import ByteTokenizer  # noqa: E402
 

@@ -19,6 +19,7 @@ from streamrt.backends.expert_pointers import scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr
 from streamrt.expert_weights import ExpertWeights
+from streamrt.ops import route, sigmoid
 
 # Tensor-core NVFP4 kernels: warps per block (gate+up, down), cp.async stages per warp, 128-column
 # blocks per stage; entry points exist for TC_PIPES. Every shape gives the same bits. Seven down
@@ -64,17 +65,8 @@ class MoeOps:
         the lower id; weights [T, k] fp32 = sigmoid scores, renormalised (+1e-20), * scale)."""
         logits = self.linear(x, w_gate)  # [T, E] fp32
         T, E = logits.shape
-        if n_group > 1 and topk_group < n_group:  # group-limited routing: torch ops on our logits
-            s = torch.sigmoid(logits)
-            choice = s + bias.float()
-            grp = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(grp, dtype=torch.bool).scatter(1, grp.topk(topk_group, dim=-1).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
-            ids = torch.topk(choice, k, dim=-1, sorted=True).indices
-            w = s.gather(-1, ids)
-            if renormalize and k > 1:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
-            return ids, w * scale
+        if n_group > 1 and topk_group < n_group:  # group-limited routing: no kernel, the shared definition
+            return route(sigmoid(logits), bias, k, renormalize, scale, n_group, topk_group)
         if not 1 <= k <= min(E, 256):
             raise ValueError(f"router: k={k} must be in 1..min(E={E}, 256)")
         bias, bb = as_weight(bias.reshape(-1), "router.bias", self.device)

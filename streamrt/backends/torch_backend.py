@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.ops import route, select_topk, sigmoid, situ_glu, topk_mask
 
 # E2M1 nibble -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -62,24 +63,6 @@ def dequant_nvfp4(m: NVFP4Matrix) -> Tensor:
     s = m.scales.view(torch.float8_e4m3fn).float()  # [out, in/16]
     w = (vals * s[..., None]).view(out, half * 2)  # [out, in]
     return w * m.global_scale.float()[:, None]
-
-
-def sigmoid(x: Tensor) -> Tensor:
-    """1 / (1 + exp(-x)) in fp32: the same bits for an element wherever it sits in a buffer
-    (torch.sigmoid's scalar tail path differs from its vector path in the last bit)."""
-    return torch.reciprocal(torch.exp(-x.float()) + 1.0)
-
-
-def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
-    """SiTU-GLU in fp32; beta = inf gives SiLU (the beta -> inf limit), for Kimi Linear's 'silu'."""
-    g, u = gate.float(), up.float()
-    if math.isinf(beta):
-        ga = g * sigmoid(g)
-    else:
-        ga = beta * torch.tanh(g / beta) * sigmoid(g)
-    if linear_beta is not None:
-        u = linear_beta * torch.tanh(u / linear_beta)
-    return ga * u
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -197,8 +180,6 @@ class TorchBackend:
         return (torch.relu(q @ k_cache.T) * w[:, None]).sum(0)
 
     def select_topk(self, scores: Tensor, k: int) -> Tensor:
-        from streamrt.model.indexer import select_topk
-
         return select_topk(scores, k)
 
     def mla_prefill(
@@ -259,8 +240,6 @@ class TorchBackend:
         """The indexer's exact top-k for a query tile: qi [TQ, Hi, Di], wi [TQ, Hi], ki [n, Di],
         qpos [TQ] -> bool [TQ, nb * key_block]. Scores per fixed key block (as in mla_prefill);
         the tie rule of `select_topk`: above the threshold, then the boundary group lowest first."""
-        from streamrt.model.indexer import topk_mask
-
         TQ, Hi, Di = qi.shape
         KB = self.tiles(qi.device)[2]
         q2, w = qi.float().reshape(TQ * Hi, Di), wi.float()[:, :, None]
@@ -284,18 +263,7 @@ class TorchBackend:
         topk_group: int = 1,
     ) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (ids [T, k] by descending biased score, weights [T, k] fp32, unbiased)."""
-        s = sigmoid(self.linear(x, w_gate))  # [T, E] fp32
-        choice = s + bias.float()  # bias only chooses
-        if n_group > 1 and topk_group < n_group:
-            T, E = choice.shape
-            grp = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
-            keep = torch.zeros_like(grp, dtype=torch.bool).scatter(1, grp.topk(topk_group, dim=-1).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
-        ids = torch.topk(choice, k, dim=-1, sorted=True).indices  # [T, k]
-        w = s.gather(-1, ids)
-        if renormalize and k > 1:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * scale
+        return route(sigmoid(self.linear(x, w_gate)), bias, k, renormalize, scale, n_group, topk_group)
 
     def expert_ffn(
         self,

@@ -1,4 +1,5 @@
-"""The K3.1 Pro Lightning Indexer (spec/K31_INDEXER.md): scores, exact top-k, key cache.
+"""The K3.1 Pro Lightning Indexer (spec/K31_INDEXER.md): scores and key cache (the exact
+top-k with its tie rule is `streamrt.ops.select_topk` / `topk_mask`).
 
 Constructed only on `cfg.indexer.layers`; K3 never builds one. Axis legend: B sequences,
 T new tokens, n cached positions, Hi indexer heads, Di indexer head dim.
@@ -10,38 +11,6 @@ import torch
 from torch import Tensor, nn
 
 from streamrt.model.layers import LayerNorm
-
-
-def select_topk(scores: Tensor, k: int) -> Tensor:
-    """Exact top-k positions of a 1-D score vector, in the emitted order.
-
-    k' = min(k, n); v = the k'-th largest score; emit every position with score > v in
-    ascending order, then positions with score == v from the lowest up until k' are out.
-    """
-    if scores.dim() != 1:
-        raise ValueError(f"select_topk: scores must be 1-D, got shape {tuple(scores.shape)}")
-    n = scores.shape[0]
-    k = min(int(k), n)
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.long, device=scores.device)
-    v = torch.topk(scores, k, sorted=True).values[-1]  # the threshold value (ties do not matter here)
-    above = (scores > v).nonzero().flatten()  # ascending
-    equal = (scores == v).nonzero().flatten()[: k - above.numel()]  # boundary group, lowest first
-    return torch.cat((above, equal))
-
-
-def topk_mask(scores: Tensor, counts: Tensor, k: int) -> Tensor:
-    """The set `select_topk` picks, for many rows at once, as a boolean mask.
-
-    scores [..., n] with -inf at non-candidates; counts [...] candidates per row (the
-    candidates must be exactly the finite entries). Returns bool [..., n].
-    """
-    kk = counts.clamp(max=k).clamp(min=1)  # [...]
-    v = scores.sort(dim=-1, descending=True).values.gather(-1, (kk - 1)[..., None])  # [..., 1] threshold
-    above = scores > v
-    equal = scores == v
-    need = kk[..., None] - above.sum(-1, keepdim=True)
-    return above | (equal & (equal.cumsum(-1) <= need))
 
 
 class LightningIndexer(nn.Module):

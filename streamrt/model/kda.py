@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from streamrt.backends.torch_backend import sigmoid
 from streamrt.errors import CheckpointError
 from streamrt.model.cache import KDACache, Step
 from streamrt.model.layers import RMSNorm
+from streamrt.ops import sigmoid
 
 L2_EPS = 1e-6  # inside the sqrt (FLA l2norm)
 KDA_CHUNK = 32  # WY sub-chunk length of the prefill form

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from streamrt.backends.torch_backend import sigmoid
 from streamrt.model.cache import MLACache, Step
-from streamrt.model.indexer import LightningIndexer, topk_mask
+from streamrt.model.indexer import LightningIndexer
 from streamrt.model.layers import RMSNorm
+from streamrt.ops import sigmoid, topk_mask
 
 
 class KimiMLAAttention(nn.Module):

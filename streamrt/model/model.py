@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from streamrt.backends.torch_backend import TorchBackend
+from streamrt.backends.base import Backend
 from streamrt.errors import StreamrtError
 from streamrt.expert_weights import ExpertWeights
 from streamrt.model.attnres import attn_res
@@ -122,12 +122,13 @@ class KimiLinearModel(nn.Module):
 
 
 class KimiLinearForCausalLM(nn.Module):
-    """The language model. `float_experts=True` gives trainable float routed experts."""
+    """The language model, computed with the ops of `backend` (the caller picks it: the torch
+    reference, or NVRTC kernels). `float_experts=True` gives trainable float routed experts."""
 
-    def __init__(self, cfg, *, float_experts: bool = False, backend=None):
+    def __init__(self, cfg, *, backend: Backend, float_experts: bool = False):
         super().__init__()
         self.config = cfg
-        self.backend = backend or TorchBackend()
+        self.backend = backend
         # Called with a decode step's embeddings [N, D] before its first layer (the streaming
         # runtime stages the first MoE layer's likely experts then); timing only, never numbers.
         self.step_hint = None

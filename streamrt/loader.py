@@ -1,6 +1,7 @@
 """Loading a converted tree into the torch model, and expert providers.
 
-gpt-fast `_load_model`: build on the meta device, then `load_state_dict(assign=True)` with
+The composition room: a tree (checkpoint/), the model (model/) and a backend (backends/;
+the torch reference unless the caller passes another). gpt-fast `_load_model`: build on the meta device, then `load_state_dict(assign=True)` with
 the tree's (mmap'd) tensors, so nothing is materialised twice. The names must match
 exactly; the K3 / K3.1 Pro mismatch in either direction gets its own message.
 """
@@ -13,15 +14,16 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
+from streamrt.backends.torch_backend import TorchBackend
+from streamrt.checkpoint.names import RELEASED_F32
 from streamrt.errors import CheckpointError
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 from streamrt.model.model import KimiLinearForCausalLM
 from streamrt.model.moe import ExpertRequest
 
-# The tensors the release stores as F32 (checkpoint/names.py RELEASED_F32) stay fp32 whatever
-# `dtype` asks: the reference ports run them in fp32 modules.
-FP32_TENSORS = ("self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
-                "self_attn.v_conv1d.weight", "self_attn.o_norm.weight", "gate.e_score_correction_bias")
+# The tensors the release stores as F32 stay fp32 whatever `dtype` asks: the reference ports
+# run them in fp32 modules.
+FP32_TENSORS = RELEASED_F32
 
 
 def check_state_dict(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], source: str = "checkpoint") -> None:
@@ -86,7 +88,7 @@ def load_model(tree_or_path, device: str | torch.device = "cpu", dtype: torch.dt
 
         tree = open_tree(tree_or_path)
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(tree.config, backend=backend)
+        model = KimiLinearForCausalLM(tree.config, backend=backend or TorchBackend())
     load_weights(model, tree.dense_state_dict(), dtype=dtype, source=str(getattr(tree, "root", "tree")))
     model = model.to(resolve_device(device)).eval().requires_grad_(False)
     return model
