@@ -298,7 +298,7 @@ def test_messages_file_openai_style(tmp_path):
     with pytest.raises(ChatFormatError, match=r"m\.json: message 0: role 'wizard'"):
         load_messages_file(f)
     f.write_text("{nope")
-    with pytest.raises(ChatFormatError, match="not a JSON file"):
+    with pytest.raises(ChatFormatError, match="messages file: invalid JSON at line 1"):
         load_messages_file(f)
     with pytest.raises(ChatFormatError, match="no such messages file"):
         load_messages_file(tmp_path / "missing.json")
