@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "streamrt.checkpoint.commands",  # synth, convert, verify
     "streamrt.trace",  # trace summarize
     "streamrt.sweep",  # sweep
+    "streamrt.serve",  # serve
 )
 
 

@@ -1,0 +1,14 @@
+"""`streamrt serve`: an OpenAI-compatible server with continuous batching.
+
+    command.py   the CLI and the server on the runtime's loop
+    app.py       the FastAPI app: routes, API key, request counts
+    routes.py    chat / completions: parse, render, submit, answer (JSON or SSE)
+    schemas.py   pydantic request and response bodies
+    errors.py    OpenAI's error JSON
+    replies.py   generated ids -> reasoning, content, tool calls (through streamrt.chat)
+    engine.py    continuous batching: rows join and leave the decode batch at step boundaries
+    runner.py    the loaded model: prefill and batched decode on the StreamingRuntime
+    metrics.py   Prometheus metrics
+"""
+
+from streamrt.serve.command import register  # noqa: F401

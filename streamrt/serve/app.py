@@ -1,0 +1,82 @@
+"""The FastAPI application: routes, the API-key check, per-request metrics.
+
+    GET  /v1/models             the one served model
+    POST /v1/chat/completions   chat in XTML frames (JSON or SSE)      -> routes.chat_completions
+    POST /v1/completions        raw text continuation (JSON or SSE)     -> routes.completions
+    GET  /health                liveness, batch size and queue depth
+    GET  /metrics               Prometheus text                         -> metrics.ServeMetrics
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from streamrt import __version__
+from streamrt.serve import errors
+from streamrt.serve import schemas as S
+from streamrt.serve.metrics import CONTENT_TYPE
+from streamrt.serve.routes import ServerState, chat_completions, completions
+
+ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="streamrt", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    errors.install(app)
+    app.add_middleware(_Gate, state=state)
+
+    @app.get("/v1/models")
+    async def models():
+        return S.dump(S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created)]))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await chat_completions(state, request)
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        return await completions(state, request)
+
+    @app.get("/health")
+    async def health():
+        e = state.engine
+        return {"status": "ok", "model": state.model_id, "batch_size": e.batch_size, "queue_depth": e.queue_depth}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class _Gate:
+    """Pure ASGI middleware (streaming-safe): the API key on /v1/*, and a count per endpoint and status."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        status = [500]
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.state.api_key and path.startswith("/v1/") and not self._authorized(scope):
+                body = errors.error_body("invalid or missing API key (send Authorization: Bearer KEY)",
+                                         type="invalid_request_error", code="invalid_api_key")
+                return await JSONResponse(body, 401)(scope, receive, counted)
+            await self.app(scope, receive, counted)
+        finally:
+            self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        return headers.get(b"authorization", b"").decode("latin-1") == f"Bearer {self.state.api_key}"

@@ -1,0 +1,124 @@
+"""`streamrt serve`: the OpenAI-compatible server on the runtime's own uvloop loop.
+
+The model is loaded as `streamrt run` loads it (same flags), the engine coroutine and
+uvicorn's server run together on `StreamingRuntime.loop`: the scheduler's awaits and the
+HTTP side share one loop and one thread, and the HTTP side runs between decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from streamrt.errors import StreamrtError
+
+DEFAULT_PORT = 8000
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (chat, completions, tools, streaming, continuous batching)",
+        description="Serve a converted streamrt tree (--model DIR; default: the embedded model) over "
+        "OpenAI's Chat Completions API on 127.0.0.1 unless --host says otherwise.",
+    )
+    p.add_argument("--model", metavar="DIR", help="converted streamrt tree (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", default=str(DEFAULT_PORT), metavar="N", help="TCP port (default 8000; 0: any free one)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the tree's name)")
+    p.add_argument("--max-batch", default="16", metavar="B", help="rows in the decode batch (default 16)")
+    p.add_argument("--max-queue", default="64", metavar="N",
+                   help="requests waiting for a row before 503 + Retry-After (default 64)")
+    p.add_argument("--max-context", metavar="N", help="prompt + completion tokens (default: the config's "
+                   "max_position_embeddings)")
+    p.add_argument("--prefill-chunk", default="256", metavar="N",
+                   help="prompt tokens prefilled per decode step of the running batch, a multiple of 64 (default "
+                        "256; 0: a whole prompt at once). A position's logits do not depend on the chunk size, so "
+                        "greedy output equals `streamrt run`'s either way")
+    p.add_argument("--threads", metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    from streamrt.run_cmd import _runtime_flags
+
+    _runtime_flags(p)
+    p.set_defaults(func=serve_command)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from streamrt.run_cmd import _check_runtime_flags, _int, resolve_model_dir
+
+    port = _int(args.port, "--port", 0)
+    if port > 65535:
+        raise StreamrtError(f"--port must be <= 65535, got {port}")
+    max_batch, max_queue = _int(args.max_batch, "--max-batch", 1), _int(args.max_queue, "--max-queue", 0)
+    context = _int(args.max_context, "--max-context", 2) if args.max_context is not None else None
+    threads = _int(args.threads, "--threads", 1) if args.threads is not None else None
+    chunk = _int(args.prefill_chunk, "--prefill-chunk", 0)
+    if chunk % 64:
+        raise StreamrtError(f"--prefill-chunk must be a multiple of 64 (the KDA chunk), got {chunk}")
+    _check_runtime_flags(args)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise StreamrtError(f"streamrt serve needs {exc.name}: pip install fastapi uvicorn prometheus-client") from None
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    from streamrt.serve.runner import ModelRunner
+
+    model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
+    runner = ModelRunner(model_dir, args, max_batch=max_batch)
+    try:
+        runner.loop.run_until_complete(_serve(runner, args, port, max_batch, max_queue, context, chunk))
+    finally:
+        runner.close()
+    return 0
+
+
+def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None = None,
+                max_context: int | None = None, api_key: str | None = None, prefill_chunk: int = 0):
+    """Engine, metrics and the routes' state for a loaded runner (tests build servers with it too)."""
+    from streamrt.serve.engine import Engine
+    from streamrt.serve.metrics import ServeMetrics
+    from streamrt.serve.routes import ServerState
+
+    metrics = ServeMetrics()
+    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, metrics=metrics)
+    if runner.stats is not None:
+        metrics.attach(engine, runner.stats)
+    return ServerState(engine=engine, tokenizer=runner.tokenizer, model_id=model_id or runner.name,
+                       max_context=max_context or runner.max_context, metrics=metrics, api_key=api_key,
+                       created=int(time.time()))
+
+
+async def _serve(runner, args, port: int, max_batch: int, max_queue: int, context: int | None, chunk: int) -> None:
+    import uvicorn
+
+    from streamrt.serve.app import create_app
+
+    state = build_state(runner, max_batch=max_batch, max_queue=max_queue, model_id=args.served_model_name,
+                        max_context=context, api_key=args.api_key, prefill_chunk=chunk)
+    config = uvicorn.Config(create_app(state), host=args.host, port=port, log_level=args.log_level,
+                            lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    engine = asyncio.ensure_future(state.engine.run())
+    ready = asyncio.ensure_future(_announce(server, state, max_batch, max_queue))
+    try:
+        await server.serve()
+    finally:
+        ready.cancel()
+        state.engine.stop()
+        await engine
+
+
+async def _announce(server, state, max_batch: int, max_queue: int) -> None:
+    while not server.started:
+        await asyncio.sleep(0.01)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    print(f"streamrt: serving {state.model_id} on http://{host}:{port} (batch {max_batch}, queue {max_queue}, "
+          f"context {state.max_context}); Ctrl-C stops", file=sys.stderr, flush=True)

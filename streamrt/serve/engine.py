@@ -1,0 +1,241 @@
+"""Continuous batching: one coroutine on the server's loop owns the decode batch.
+
+Each turn of `Engine.run`, at a step boundary:
+  1. drop   rows whose client went away or whose reply hit a stop string (`Job.cancel`), and
+            waiting jobs cancelled before they got a row: the batch cache keeps the others
+  2. admit  the oldest waiting job (FIFO) takes the prefill slot while the batch has a free
+            row; each boundary runs one prefill forward of it on its own 1-row cache: the
+            whole prompt, or with `prefill_chunk` its next chunk of that many tokens, so a
+            long prompt is spread over several decode steps of the running rows. After the
+            last piece its first token is sampled and its cache stacked onto the batch's.
+            (Chunks must be multiples of the KDA chunk, 64, and are exact only on a model
+            whose chunked prefill is bit-identical to the one-shot one: default off.)
+  3. decode one step for every row at once (one forward, so the rows' expert fetches are
+            shared per layer), sample each row, hand its token to its client's queue; rows
+            that stop (a stop token or their max_tokens) leave the batch
+  4. yield  to the loop, so the HTTP side reads requests and writes tokens
+
+A row samples with its own generator seeded as `streamrt run --seed S` seeds row 0, so a
+request's tokens do not depend on its batch companions. The waiting queue is bounded:
+`submit` raises QueueFull (a 503 with Retry-After upstream) when it is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from streamrt.generate import sample
+from streamrt.model import ModelCache
+
+log = logging.getLogger("streamrt.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queue jobs already."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (a stop token), "length" (max_tokens) or "cancelled" (Job.cancel)
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass(eq=False)  # identity: a job is one request
+class Job:
+    """One request's generation: its prompt, sampling, and the queue its tokens go to."""
+
+    ids: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then Finished | Failed
+    tokens: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    done: bool = False
+    finish_reason: str = ""  # set when `stream` ends
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        seed = self.seed if self.seed is not None else secrets.randbits(31)
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003)  # generate()'s row 0
+
+    def cancel(self) -> None:
+        """The client is gone (or needs no more tokens): the row is freed at the next boundary."""
+        if not self.done:
+            self.cancelled = True
+
+    async def stream(self):
+        """The generated token ids as they come; returns at the end, raises EngineError on failure."""
+        while True:
+            item = await self.out.get()
+            if isinstance(item, int):
+                yield item
+            elif isinstance(item, Failed):
+                raise EngineError(item.message)
+            else:
+                self.finish_reason = item.reason
+                return
+
+
+class EngineError(Exception):
+    """A forward failed; the jobs of that step end with this message."""
+
+
+class Engine:
+    def __init__(self, runner, *, max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 0, metrics=None):
+        self.runner = runner
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.prefill_chunk = prefill_chunk  # 0: a whole prompt per boundary
+        self.prefilling: _Prefill | None = None
+        self.metrics = metrics
+        self.waiting: deque[Job] = deque()
+        self.rows: list[Job] = []  # row i of self.cache is self.rows[i]
+        self.cache: ModelCache | None = None
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    # ---- the HTTP side --------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting for a batch row already")
+        self.waiting.append(job)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while not self._stopping:
+            self._drop_cancelled()
+            if not self.rows and not self.waiting and self.prefilling is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.prefilling is None and self.waiting and len(self.rows) < self.max_batch:
+                self.prefilling = _Prefill(self.waiting.popleft(), self.runner.new_cache())
+            if self.prefilling is not None:
+                await self._guarded(self._admit(self.prefilling), [self.prefilling.job])
+            if self.rows:
+                await self._guarded(self._decode(), list(self.rows))
+            await asyncio.sleep(0)
+        pending = [self.prefilling.job] if self.prefilling is not None else []
+        for job in pending + list(self.rows) + list(self.waiting):
+            self._fail(job, "server shutting down")
+
+    async def _guarded(self, step, jobs: list[Job]) -> None:
+        """Await a step; a failing forward ends its jobs with an error and resets the batch."""
+        try:
+            await step
+        except Exception as exc:  # a model or runtime error must not kill the server
+            log.exception("streamrt serve: forward failed")
+            for job in set(jobs) | set(self.rows):
+                self._fail(job, f"generation failed ({type(exc).__name__}: {exc})")
+            self.rows, self.cache, self.prefilling = [], None, None
+
+    async def _admit(self, p: "_Prefill") -> None:
+        """One prefill forward of the job in the prefill slot; on its last piece, it joins the batch."""
+        job, n = p.job, len(p.job.ids)
+        step = n if self.prefill_chunk <= 0 else self.prefill_chunk
+        piece = job.ids[p.done : p.done + step]
+        t0 = time.perf_counter()
+        logits = await self.runner.prefill(piece, p.cache)  # [V]
+        p.done += len(piece)
+        if self.metrics is not None:
+            self.metrics.prefill(len(piece), time.perf_counter() - t0)
+        if p.done < n:
+            return
+        self.prefilling = None
+        if self.metrics is not None:
+            self.metrics.first_token(time.perf_counter() - job.submitted)
+        if self._emit(job, logits) and not job.cancelled:
+            self.cache = p.cache if self.cache is None else ModelCache.stack([self.cache, p.cache])
+            self.rows.append(job)
+
+    async def _decode(self) -> None:
+        logits = await self.runner.decode([job.tokens[-1] for job in self.rows], self.cache)  # [B, V]
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.step(len(self.rows))
+        keep = [i for i, job in enumerate(self.rows) if self._emit(job, logits[i])]
+        self._keep(keep)
+
+    def _emit(self, job: Job, logits) -> bool:
+        """Sample the job's next token and hand it over; False when the job is finished."""
+        if job.cancelled:
+            if not job.done:
+                self._close(job, Finished("cancelled"))
+            return False
+        tok = sample(logits, job.temperature, job.top_p, job.generator)
+        job.tokens.append(tok)
+        job.out.put_nowait(tok)
+        if self.metrics is not None:
+            self.metrics.tokens(1)
+        if tok in job.stop_ids:
+            self._close(job, Finished("stop"))
+        elif len(job.tokens) >= job.max_tokens:
+            self._close(job, Finished("length"))
+        return not job.done
+
+    def _drop_cancelled(self) -> None:
+        if self.prefilling is not None and self.prefilling.job.cancelled:
+            self._close(self.prefilling.job, Finished("cancelled"))
+            self.prefilling = None
+        if any(job.cancelled for job in self.waiting):
+            for job in self.waiting:
+                if job.cancelled:
+                    self._close(job, Finished("cancelled"))
+            self.waiting = deque(j for j in self.waiting if not j.cancelled)
+        keep = [i for i, job in enumerate(self.rows) if not job.cancelled]
+        for job in self.rows:
+            if job.cancelled:
+                self._close(job, Finished("cancelled"))
+        self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.cache = self.cache.select(keep) if keep else None
+
+    def _close(self, job: Job, item) -> None:
+        job.done = True
+        job.out.put_nowait(item)
+
+    def _fail(self, job: Job, message: str) -> None:
+        if not job.done:
+            self._close(job, Failed(message))
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """The job in the prefill slot: its 1-row cache and how many prompt tokens it holds."""
+
+    job: Job
+    cache: ModelCache
+    done: int = 0

@@ -1,0 +1,86 @@
+"""OpenAI's error JSON: `{"error": {"message", "type", "param", "code"}}`, never a traceback.
+
+`ApiError` is what a route raises; `install` maps it, pydantic validation errors (the
+field named as `messages[0].role`), unknown routes and anything unexpected to that body.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("streamrt.serve")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, type=e.type, param=e.param, code=e.code), e.status, headers=e.headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_tag(part) -> bool:
+    """A union branch pydantic names in a location ('str', 'list[TextPart]', 'NamedToolChoice')."""
+    p = str(part)
+    return "[" in p or p in _TYPE_TAGS or p[:1].isupper() or p.startswith("function-")
+
+
+def field_path(loc: tuple) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch tags are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_tag(part):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def from_validation(exc: ValidationError) -> ApiError:
+    """A body validation error as a 400 naming its field: of a union's branch errors, the one
+    that got furthest into the value (a list of parts beats 'not a string')."""
+    errors = exc.errors(include_url=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        return ApiError(400, "request body is not valid JSON", code="invalid_json")
+    first = max(errors, key=lambda e: len(field_path(tuple(e["loc"]))))
+    param = field_path(tuple(first["loc"]))
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        return ApiError(400, f"missing required field {param!r}", param=param, code="missing_required_parameter")
+    return ApiError(400, f"{param}: {msg}" if param else msg, param=param or None, code="invalid_value")
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(ValidationError)
+    async def _validation(request: Request, exc: ValidationError):
+        return error_response(from_validation(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type=kind), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.exception("streamrt serve: internal error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__})", type="server_error"), 500)

@@ -1,0 +1,73 @@
+"""`GET /metrics`: Prometheus text from one registry per server.
+
+Server counters (requests by endpoint and status, prompt / completion tokens, decode steps,
+rows per step, time to first token) are kept here; queue depth, batch size and the
+runtime's expert traffic (bytes over the link, device / host hits and misses) are read live
+from the engine and `RuntimeStats` at scrape time, so they can never drift from the source.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("streamrt_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("streamrt_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.completion_tokens = Counter("streamrt_completion_tokens", "tokens generated", registry=r)
+        self.decode_steps = Counter("streamrt_decode_steps", "batched decode steps", registry=r)
+        self.rows_per_step = Histogram("streamrt_decode_batch_rows", "rows in each decode step", registry=r,
+                                       buckets=BATCH_BUCKETS)
+        self.ttft = Histogram("streamrt_time_to_first_token_seconds", "submit to first token (queue + prefill)",
+                              registry=r)
+        self.prefill_s = Counter("streamrt_prefill_seconds", "time spent in prefills", registry=r)
+        self.tool_choice_unmet = Counter("streamrt_tool_choice_unmet",
+                                         "replies without the call tool_choice required", registry=r)
+
+    def attach(self, engine, stats) -> None:
+        """Live gauges of the engine (queue, batch) and the runtime's counters."""
+        self.registry.register(_LiveCollector(engine, stats))
+
+    # engine hooks
+    def prefill(self, prompt_tokens: int, seconds: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prefill_s.inc(seconds)
+
+    def first_token(self, since_submit: float) -> None:
+        self.ttft.observe(since_submit)
+
+    def step(self, rows: int) -> None:
+        self.decode_steps.inc()
+        self.rows_per_step.observe(rows)
+
+    def tokens(self, n: int) -> None:
+        self.completion_tokens.inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector:
+    def __init__(self, engine, stats) -> None:
+        self.engine, self.stats = engine, stats
+
+    def collect(self):
+        e, st = self.engine, self.stats
+        yield GaugeMetricFamily("streamrt_queue_depth", "requests waiting for a batch row", value=e.queue_depth)
+        yield GaugeMetricFamily("streamrt_batch_size", "rows in the running decode batch", value=e.batch_size)
+        yield CounterMetricFamily("streamrt_expert_bytes_h2d", "expert bytes copied host -> device",
+                                  value=st.bytes_h2d)
+        yield CounterMetricFamily("streamrt_expert_bytes_disk", "expert file bytes newly mapped", value=st.bytes_disk)
+        for tier in ("device", "host"):
+            hits, misses = getattr(st, f"{tier}_hits"), getattr(st, f"{tier}_misses")
+            yield CounterMetricFamily(f"streamrt_{tier}_hits", f"{tier}-tier expert hits", value=hits)
+            yield CounterMetricFamily(f"streamrt_{tier}_misses", f"{tier}-tier expert misses", value=misses)
+            yield GaugeMetricFamily(f"streamrt_{tier}_hit_rate", f"{tier}-tier hit rate since start",
+                                    value=hits / (hits + misses) if hits + misses else 0.0)

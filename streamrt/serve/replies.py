@@ -1,0 +1,157 @@
+"""Generated token ids -> the pieces of an OpenAI reply, through our XTML parser.
+
+`ChatReply` feeds each id to `ChatParser` and turns its events into deltas: think text as
+`reasoning_content`, response text as `content` (cut at the first stop string), each
+closed tool call as a call with id `functions.NAME:IDX` (IDX counts the conversation's
+calls from 0, as Kimi's own ids do) and its arguments as one JSON string. The parser emits
+a call when its frame closes, so a streamed call is two deltas: id and name with empty
+arguments, then the arguments. `TextReply` is the raw-text twin for /v1/completions.
+
+tool_choice (what is enforced, and how): `none` and `required` are rendered by the
+template's tool-choice system message; a named function declares only that tool, plus
+`required`. The model is prompted, not constrained: calls it makes under `none`, or to a
+function other than the named one, are dropped from the reply; a reply that makes no call
+when one was required keeps finish_reason "stop" and is counted in
+`streamrt_tool_choice_unmet` (the server does not invent a call).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from streamrt.chat import ChatParser, EndOfMessage, ParseError, ResponseText, ThinkText, ToolCall
+
+
+@dataclass(frozen=True)
+class Piece:
+    kind: str  # "reasoning" | "content" | "call"
+    text: str = ""
+    call: dict | None = None  # {"index", "id", "name", "arguments"} for kind "call"
+
+
+class StopMatcher:
+    """Releases text up to the first stop string, holding back a tail that could begin one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        if self.hit:
+            return ""
+        if not self.stops:
+            return text
+        self.buf += text
+        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.buf, self.hit = self.buf[:cut], "", True
+            return out
+        keep = 0
+        for k in range(1, min(len(self.buf), max(map(len, self.stops)) - 1) + 1):
+            if any(s.startswith(self.buf[-k:]) for s in self.stops):
+                keep = k
+        out, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = ("" if self.hit else self.buf), ""
+        return out
+
+
+class ChatReply:
+    def __init__(self, tok, *, thinking: bool, stops: list[str], call_base: int = 0,
+                 allowed: set[str] | None = None, required: bool = False):
+        self.parser = ChatParser.for_generation(tok, thinking=thinking)
+        self.stop = StopMatcher(stops)
+        self.call_base = call_base
+        self.allowed = allowed  # None: any declared tool; empty set: no calls (tool_choice none)
+        self.required = required
+        self.reasoning, self.content, self.calls, self.errors = "", "", [], []
+        self.ended = False
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was hit: no more tokens are needed."""
+        return self.stop.hit
+
+    def feed(self, token: int) -> list[Piece]:
+        return self._pieces(self.parser.feed(token))
+
+    def finish(self, reason: str) -> list[Piece]:
+        """End of generation ("stop" or "length"): the parser's tail and the held-back text."""
+        tail = [] if self.ended else self.parser.finish()
+        if reason == "length":
+            tail = [e for e in tail if not isinstance(e, ParseError)]  # an open frame at the limit is expected
+        pieces = self._pieces(tail)
+        rest = self.stop.flush()
+        if rest:
+            self.content += rest
+            pieces.append(Piece("content", rest))
+        return pieces
+
+    def finish_reason(self, reason: str) -> str:
+        if self.calls:
+            return "tool_calls"
+        return "stop" if self.stopped else reason
+
+    @property
+    def unmet(self) -> bool:
+        return self.required and not self.calls
+
+    def _pieces(self, events) -> list[Piece]:
+        out: list[Piece] = []
+        for e in events:
+            if isinstance(e, ThinkText):
+                self.reasoning += e.text
+                out.append(Piece("reasoning", e.text))
+            elif isinstance(e, ResponseText):
+                text = self.stop.feed(e.text)
+                if text:
+                    self.content += text
+                    out.append(Piece("content", text))
+            elif isinstance(e, ToolCall):
+                if self.allowed is not None and e.name not in self.allowed:
+                    continue
+                n = len(self.calls)
+                call = {"index": n, "id": f"functions.{e.name}:{self.call_base + n}", "name": e.name,
+                        "arguments": json.dumps(e.arguments, ensure_ascii=False)}
+                self.calls.append(call)
+                out.append(Piece("call", call=call))
+            elif isinstance(e, ParseError):
+                self.errors.append(e.message)
+            elif isinstance(e, EndOfMessage):
+                self.ended = True
+        return out
+
+
+class TextReply:
+    """Raw text of /v1/completions: bytes decoded incrementally, specials not shown."""
+
+    def __init__(self, tok, *, stops: list[str]):
+        self.decoder = tok.stream_decoder(show_special=False)
+        self.stop = StopMatcher(stops)
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop.hit
+
+    def feed(self, token: int) -> str:
+        out = self.stop.feed(self.decoder.feed(token))
+        self.text += out
+        return out
+
+    def finish(self) -> str:
+        out = self.stop.feed(self.decoder.flush()) + self.stop.flush()
+        self.text += out
+        return out
+
+    def finish_reason(self, reason: str) -> str:
+        return "stop" if self.stopped else reason
+
+
+def prior_calls(messages: list[dict]) -> int:
+    """Tool calls already in the conversation: the first new call's IDX."""
+    return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")

@@ -1,0 +1,299 @@
+"""POST /v1/chat/completions and /v1/completions: request -> prompt ids -> Job -> reply.
+
+A request is parsed (400 naming the field), rendered (chat: our XTML template; completions:
+raw text), checked against the context, and submitted to the engine (503 with Retry-After
+when its queue is full). Non-streaming replies wait for the job while watching for the
+client's disconnect; streaming replies are SSE chunks ending in `data: [DONE]`, and a
+client that goes away cancels its job when the next chunk cannot be written. Either way a
+cancelled job's row is freed at the engine's next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from streamrt.chat import ChatFormatError, encode_chat
+from streamrt.serve import schemas as S
+from streamrt.serve.engine import EngineError, Job, QueueFull
+from streamrt.serve.errors import ApiError, error_body, from_validation
+from streamrt.serve.replies import ChatReply, TextReply, prior_calls
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    engine: object  # streamrt.serve.engine.Engine
+    tokenizer: object
+    model_id: str
+    max_context: int
+    metrics: object  # streamrt.serve.metrics.ServeMetrics
+    api_key: str | None = None
+    created: int = 0
+
+
+# ---- shared steps ---------------------------------------------------------------------------
+
+
+async def parse_body(request: Request, cls: type[BaseModel]):
+    body = await request.body()
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_id:
+        raise ApiError(400, f"model {model!r} is not served here (this server serves {state.model_id!r})",
+                       param="model", code="model_not_found")
+
+
+def token_limit(state: ServerState, prompt: int, asked: int | None, field: str, prompt_field: str) -> int:
+    """max_tokens for the job: as asked, else what the context leaves; 400 when it does not fit."""
+    room = state.max_context - prompt
+    if room < 1:
+        raise ApiError(400, f"this model's maximum context length is {state.max_context} tokens, but the "
+                       f"prompt is {prompt} tokens", param=prompt_field, code="context_length_exceeded")
+    if asked is not None and asked > room:
+        raise ApiError(400, f"{field} {asked} + prompt {prompt} tokens exceed the context of {state.max_context} "
+                       f"tokens (at most {room})", param=field, code="context_length_exceeded")
+    return asked if asked is not None else room
+
+
+def submit(state: ServerState, ids: list[int], req, limit: int) -> Job:
+    job = Job(ids, limit, frozenset(state.tokenizer.stop_ids), temperature=req.temperature, top_p=req.top_p,
+              seed=req.seed)
+    try:
+        state.engine.submit(job)
+    except QueueFull as exc:
+        raise ApiError(503, f"server busy: {exc}; retry after {RETRY_AFTER_S} s", type="server_error",
+                       code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    return job
+
+
+def usage(job: Job) -> S.Usage:
+    return S.Usage(prompt_tokens=len(job.ids), completion_tokens=len(job.tokens),
+                   total_tokens=len(job.ids) + len(job.tokens))
+
+
+async def run_to_end(request: Request, job: Job, reply) -> str | None:
+    """Feed the job's tokens to the reply until it ends; None when the client went away."""
+
+    async def consume() -> str:
+        async for t in job.stream():
+            reply.feed(t)
+            if reply.stopped:
+                job.cancel()
+                return "stop"
+        return job.finish_reason
+
+    work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            job.cancel()
+    if not work.done() or work.cancelled():
+        return None
+    try:
+        reason = work.result()
+    except EngineError as exc:
+        raise ApiError(500, str(exc), type="server_error", code="generation_failed") from None
+    return None if reason == "cancelled" else reason
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def watch_disconnect(request: Request, job: Job) -> asyncio.Future:
+    """Cancel the job the moment the client goes away. (Starlette cancels a streaming body on
+    disconnect too, but its cancellation can lose every race against a token arriving in the
+    same loop turn, so the row would run to its end.)"""
+    gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(lambda f: None if f.cancelled() else job.cancel())
+    return gone
+
+
+def sse(obj) -> str:
+    body = S.dump(obj) if isinstance(obj, BaseModel) else obj
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def stream_response(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+
+def render_chat(state: ServerState, req: S.ChatRequest) -> tuple[list[int], ChatReply]:
+    problem = req.tool_choice_error()
+    if problem:
+        raise ApiError(400, problem, param="tool_choice")
+    messages = [m.to_render() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice, allowed = req.tool_choice, None
+    if isinstance(choice, S.NamedToolChoice):
+        tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+        choice, allowed = "required", {choice.function.name}
+    elif choice == "none":
+        allowed = set()
+    try:
+        ids = encode_chat(state.tokenizer, messages, tools, thinking=req.thinking,
+                          tool_choice=choice if tools else None)
+    except ChatFormatError as exc:
+        m = re.match(r"message (\d+)", str(exc))
+        raise ApiError(400, str(exc), param=f"messages[{m.group(1)}]" if m else "messages") from None
+    reply = ChatReply(state.tokenizer, thinking=req.thinking, stops=req.stop_strings,
+                      call_base=prior_calls(messages), allowed=allowed, required=choice == "required")
+    return ids, reply
+
+
+async def chat_completions(state: ServerState, request: Request):
+    req = await parse_body(request, S.ChatRequest)
+    check_model(state, req.model)
+    ids, reply = render_chat(state, req)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    job = submit(state, ids, req, token_limit(state, len(ids), req.token_limit, field, "messages"))
+    head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=state.model_id)
+    if req.stream:
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return stream_response(_chat_events(state, request, job, reply, head, include))
+    reason = await run_to_end(request, job, reply)
+    if reason is None:
+        return JSONResponse(error_body("client disconnected", type="invalid_request_error"), 499)
+    reply.finish(reason)
+    _count_unmet(state, reply)
+    calls = [S.ToolCallOut(id=c["id"], type="function", function=S.FunctionCallOut(name=c["name"],
+             arguments=c["arguments"])) for c in reply.calls]
+    msg = S.AssistantMessage(content=reply.content if reply.content or not calls else None,
+                             reasoning_content=reply.reasoning or None, tool_calls=calls or None)
+    body = S.ChatCompletion(**head, choices=[S.ChatChoice(message=msg, finish_reason=reply.finish_reason(reason))],
+                            usage=usage(job))
+    out = S.dump(body)
+    out["choices"][0]["message"].setdefault("content", None)  # OpenAI sends content: null beside tool calls
+    return JSONResponse(out)
+
+
+def _count_unmet(state: ServerState, reply: ChatReply) -> None:
+    if reply.unmet:
+        state.metrics.tool_choice_unmet.inc()
+
+
+def _delta_chunks(head: dict, piece) -> list[S.ChatCompletionChunk]:
+    def chunk(**delta):
+        return S.ChatCompletionChunk(**head, choices=[S.ChunkChoice(delta=S.Delta(**delta))])
+
+    if piece.kind == "reasoning":
+        return [chunk(reasoning_content=piece.text)]
+    if piece.kind == "content":
+        return [chunk(content=piece.text)]
+    c = piece.call
+    return [
+        chunk(tool_calls=[S.ToolCallOut(index=c["index"], id=c["id"], type="function",
+                                        function=S.FunctionCallOut(name=c["name"], arguments=""))]),
+        chunk(tool_calls=[S.ToolCallOut(index=c["index"], function=S.FunctionCallOut(arguments=c["arguments"]))]),
+    ]
+
+
+async def _chat_events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict,
+                       include_usage: bool):
+    gone = watch_disconnect(request, job)
+    try:
+        yield sse(S.ChatCompletionChunk(**head, choices=[S.ChunkChoice(delta=S.Delta(role="assistant", content=""))]))
+        reason = "stop"
+        try:
+            async for t in job.stream():
+                for piece in reply.feed(t):
+                    for c in _delta_chunks(head, piece):
+                        yield sse(c)
+                if reply.stopped:
+                    job.cancel()
+                    break
+            else:
+                reason = job.finish_reason
+        except EngineError as exc:
+            yield sse(error_body(str(exc), type="server_error"))
+            yield "data: [DONE]\n\n"
+            return
+        if reason == "cancelled":  # the client is gone
+            return
+        for piece in reply.finish(reason):
+            for c in _delta_chunks(head, piece):
+                yield sse(c)
+        _count_unmet(state, reply)
+        final = S.ChunkChoice(delta=S.Delta(), finish_reason=reply.finish_reason(reason))
+        yield sse(S.ChatCompletionChunk(**head, choices=[final]))
+        if include_usage:
+            yield sse(S.ChatCompletionChunk(**head, choices=[], usage=usage(job)))
+        yield "data: [DONE]\n\n"
+    finally:
+        gone.cancel()
+        job.cancel()  # no-op when finished; frees the row when the client went away
+
+
+# ---- completions ----------------------------------------------------------------------------
+
+
+async def completions(state: ServerState, request: Request):
+    req = await parse_body(request, S.CompletionRequest)
+    check_model(state, req.model)
+    ids = state.tokenizer.encode(req.prompt)
+    job = submit(state, ids, req, token_limit(state, len(ids), req.token_limit, "max_tokens", "prompt"))
+    reply = TextReply(state.tokenizer, stops=req.stop_strings)
+    head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=state.model_id)
+    if req.stream:
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return stream_response(_text_events(request, job, reply, head, include))
+    reason = await run_to_end(request, job, reply)
+    if reason is None:
+        return JSONResponse(error_body("client disconnected", type="invalid_request_error"), 499)
+    reply.finish()
+    choice = S.CompletionChoice(text=reply.text, finish_reason=reply.finish_reason(reason))
+    return JSONResponse(S.dump(S.Completion(**head, choices=[choice], usage=usage(job))))
+
+
+async def _text_events(request: Request, job: Job, reply: TextReply, head: dict, include_usage: bool):
+    def chunk(text: str, reason: str | None = None):
+        return sse(S.Completion(**head, choices=[S.CompletionChoice(text=text, finish_reason=reason)]))
+
+    gone = watch_disconnect(request, job)
+    try:
+        reason = "stop"
+        try:
+            async for t in job.stream():
+                text = reply.feed(t)
+                if text:
+                    yield chunk(text)
+                if reply.stopped:
+                    job.cancel()
+                    break
+            else:
+                reason = job.finish_reason
+        except EngineError as exc:
+            yield sse(error_body(str(exc), type="server_error"))
+            yield "data: [DONE]\n\n"
+            return
+        if reason == "cancelled":
+            return
+        yield chunk(reply.finish(), reply.finish_reason(reason))
+        if include_usage:
+            yield sse(S.Completion(**head, choices=[], usage=usage(job)))
+        yield "data: [DONE]\n\n"
+    finally:
+        gone.cancel()
+        job.cancel()

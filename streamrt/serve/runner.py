@@ -1,0 +1,90 @@
+"""The model behind the server: a tree loaded as `streamrt run` loads it, with the
+StreamingRuntime sized for the whole decode batch (`batch=max_batch`: one layer request of
+B rows needs up to B x top-k device slots).
+
+Two forwards, both awaited on the runtime's own loop (the server's loop):
+  prefill(ids, cache) -> logits [V] fp32 of the last position (cache: a 1-row `new_cache()`)
+  decode(last, cache) -> logits [B, V] fp32, one new token per row
+exactly the calls `streamrt.generate.generate` makes, so a row's greedy tokens equal
+`streamrt run`'s for the same prompt whatever shares the batch (decode ops are row-wise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from streamrt.model import ModelCache
+
+DEFAULT_CONTEXT = 4096
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, args: argparse.Namespace, *, max_batch: int):
+        from streamrt.checkpoint.reader import open_tree
+        from streamrt.loader import load_model
+        from streamrt.runtime.options import RuntimeOptions
+        from streamrt.runtime.scheduler import StreamingRuntime
+        from streamrt.runtime.streams import make_device
+        from streamrt.tokenizer import load_tokenizer
+        from streamrt.trace import make_tracer
+
+        self.options = RuntimeOptions.from_args(args)
+        tree = open_tree(model_dir)
+        self.name = tree.config.name
+        self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
+        device = make_device(self.options.device)
+        self.model = load_model(tree, device.torch_device, backend=self.options.make_backend(device))
+        self.tracer = make_tracer(bool(self.options.trace))
+        self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer,
+                                        batch=max_batch)
+        self.max_context = context_length(tree.root)
+        self._device = self.model.lm_head.weight.device
+
+    @property
+    def loop(self):
+        return self.runtime.loop
+
+    @property
+    def stats(self):
+        return self.runtime.stats
+
+    def new_cache(self) -> ModelCache:
+        return self.model.new_cache(1, self._device)
+
+    async def prefill(self, ids: list[int], cache: ModelCache) -> Tensor:
+        """Prefill ids on a 1-row cache (a whole prompt, or its next chunk): logits [V] of the last."""
+        with torch.no_grad():
+            x = torch.tensor([ids], device=self._device)  # [1, T]
+            logits = await self.runtime.decode_step(self.model.forward_steps(x, cache, last_only=True))
+        return logits[0, 0].float()  # [V]
+
+    async def decode(self, last: list[int], cache: ModelCache) -> Tensor:
+        with torch.no_grad():
+            x = torch.tensor([[t] for t in last], device=self._device)  # [B, 1]
+            logits = await self.runtime.decode_step(self.model.forward_steps(x, cache), tokens=len(last))
+        return logits[:, 0].float()  # [B, V]
+
+    def close(self) -> None:
+        if self.options.stats_json:
+            self.runtime.write_stats()
+        if self.options.trace:
+            self.tracer.write(self.options.trace)
+        self.runtime.close()
+
+
+def context_length(root: Path) -> int:
+    """max_position_embeddings of the tree's config.json (wrapper or text_config), else 4096."""
+    try:
+        data = json.loads((Path(root) / "config.json").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT
+    for d in (data.get("text_config") or {}, data):
+        n = d.get("max_position_embeddings")
+        if isinstance(n, int) and n > 0:
+            return n
+    return DEFAULT_CONTEXT

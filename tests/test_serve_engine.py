@@ -1,0 +1,134 @@
+"""The continuous-batching engine against a scripted runner: who joins and leaves at which
+step boundary, chunked prefills interleaved with decode steps, cancellation, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from streamrt.model import ModelCache
+from streamrt.serve.engine import Engine, EngineError, Job, QueueFull
+
+V = 8
+STOP = 7
+
+
+class ScriptedRunner:
+    """Logits that pick token 1 (or STOP for prompts starting with STOP); logs every forward."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls: list[tuple[str, int]] = []
+        self.fail_at = fail_at
+
+    def new_cache(self) -> ModelCache:
+        return ModelCache([], [0])
+
+    def _logits(self, tok: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(tok), V).float()
+
+    async def prefill(self, ids, cache):
+        self.calls.append(("prefill", len(ids)))
+        await asyncio.sleep(0)
+        return self._logits(STOP if ids[0] == STOP else 1)
+
+    async def decode(self, last, cache):
+        self.calls.append(("decode", len(last)))
+        assert cache.batch == len(last)
+        if self.fail_at is not None and len(self.calls) >= self.fail_at:
+            self.fail_at = None
+            raise RuntimeError("device fell over")
+        await asyncio.sleep(0)
+        return torch.stack([self._logits(1) for _ in last])
+
+
+def _job(n_prompt: int, max_tokens: int, first: int = 0) -> Job:
+    return Job([first] * n_prompt, max_tokens, frozenset({STOP}))
+
+
+async def _drain(job: Job) -> list[int]:
+    return [t async for t in job.stream()]
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_chunked_prefill_interleaves_with_running_decodes():
+    async def go():
+        runner = ScriptedRunner()
+        engine = Engine(runner, max_batch=4, prefill_chunk=64)
+        loop = asyncio.ensure_future(engine.run())
+        a, b = _job(10, 8), _job(150, 3)
+        engine.submit(a)
+        first = asyncio.ensure_future(_drain(a))
+        while engine.batch_size == 0:
+            await asyncio.sleep(0)
+        engine.submit(b)
+        got = await asyncio.gather(first, _drain(b))
+        engine.stop()
+        await loop
+        return runner.calls, got, (a.finish_reason, b.finish_reason)
+
+    calls, (ta, tb), reasons = _run(go())
+    assert ta == [1] * 8 and tb == [1] * 3 and reasons == ("length", "length")
+    # a joins after its one prefill; b's 150 tokens go in as 64 + 64 + 22, one chunk per decode step of a
+    i = calls.index(("prefill", 64))
+    assert calls[:2] == [("prefill", 10), ("decode", 1)]
+    assert calls[i : i + 6] == [("prefill", 64), ("decode", 1), ("prefill", 64), ("decode", 1), ("prefill", 22),
+                                ("decode", 2)]
+    assert calls.count(("decode", 2)) == 2 and calls[-1] == ("decode", 1)  # b leaves after 3 tokens, a goes on
+
+
+def test_stop_token_at_prefill_never_joins_and_cancel_frees_the_row():
+    async def go():
+        runner = ScriptedRunner()
+        engine = Engine(runner, max_batch=4)
+        loop = asyncio.ensure_future(engine.run())
+        stopper, long = _job(5, 10, first=STOP), _job(5, 10_000)
+        engine.submit(stopper)
+        engine.submit(long)
+        assert await _drain(stopper) == [STOP]
+        seen = []
+        async for t in long.stream():
+            seen.append(t)
+            if len(seen) == 3:
+                long.cancel()
+        while engine.batch_size:
+            await asyncio.sleep(0)
+        engine.stop()
+        await loop
+        return stopper.finish_reason, long.finish_reason, len(long.tokens), engine.batch_size
+
+    stop_reason, cut_reason, generated, rows = _run(go())
+    assert stop_reason == "stop" and cut_reason == "cancelled" and rows == 0
+    assert 3 <= generated <= 5  # the row left at the next step boundary
+
+
+def test_a_failed_forward_fails_its_jobs_and_the_engine_goes_on():
+    async def go():
+        runner = ScriptedRunner(fail_at=3)
+        engine = Engine(runner, max_batch=4)
+        loop = asyncio.ensure_future(engine.run())
+        doomed = _job(4, 50)
+        engine.submit(doomed)
+        with pytest.raises(EngineError, match="device fell over"):
+            await _drain(doomed)
+        after = _job(4, 2)
+        engine.submit(after)
+        tokens = await _drain(after)
+        engine.stop()
+        await loop
+        return tokens
+
+    assert _run(go()) == [1, 1]
+
+
+def test_queue_bound():
+    engine = Engine(ScriptedRunner(), max_queue=2)
+    engine.submit(_job(1, 1))
+    engine.submit(_job(1, 1))
+    with pytest.raises(QueueFull):
+        engine.submit(_job(1, 1))
+    assert engine.queue_depth == 2

@@ -1,0 +1,140 @@
+"""The server's pieces without a model: generated ids -> OpenAI reply pieces, stop strings,
+tool_choice rendering, streamed tool-call deltas, error field names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from streamrt.chat import encode_chat, encode_segments, render  # noqa: E402
+from streamrt.serve import schemas as S  # noqa: E402
+from streamrt.serve.errors import field_path, from_validation  # noqa: E402
+from streamrt.serve.replies import ChatReply, StopMatcher, prior_calls  # noqa: E402
+from streamrt.serve.routes import ServerState, _delta_chunks, render_chat  # noqa: E402
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+USER = {"role": "user", "content": "What's the weather in Paris?"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from streamrt.default_model import default_model_dir
+    from streamrt.tokenizer import load_tokenizer
+
+    root = default_model_dir()
+    cfg = json.loads((root / "config.json").read_text())["text_config"]
+    return load_tokenizer(root, cfg["vocab_size"], cfg.get("eos_token_id"))
+
+
+def _generated(tok, assistant: dict, history=(USER,)) -> list[int]:
+    """The ids a model emits after the generation prompt to produce `assistant`."""
+    prompt = encode_segments(tok, render(list(history)))
+    whole = encode_segments(tok, render([*history, assistant], add_generation_prompt=False))
+    assert whole[: len(prompt)] == prompt
+    return whole[len(prompt) :]
+
+
+CALLING = {"role": "assistant", "reasoning_content": "I need the weather.", "content": "",
+           "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                          {"function": {"name": "get_time", "arguments": {"tz": "CET"}}}]}
+
+
+def _run(reply: ChatReply, ids: list[int], reason: str = "stop") -> list:
+    pieces = [p for t in ids for p in reply.feed(t)]
+    return pieces + reply.finish(reason)
+
+
+def test_tool_calls_get_kimi_ids_and_json_string_arguments(tok):
+    reply = ChatReply(tok, thinking=True, stops=[], call_base=3)
+    pieces = _run(reply, _generated(tok, CALLING))
+    assert [p.call for p in pieces if p.kind == "call"] == [
+        {"index": 0, "id": "functions.get_weather:3", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"index": 1, "id": "functions.get_time:4", "name": "get_time", "arguments": '{"tz": "CET"}'},
+    ]
+    assert reply.reasoning == "I need the weather." and reply.content == ""
+    assert reply.finish_reason("stop") == "tool_calls" and not reply.errors
+
+
+def test_tool_choice_none_and_named_filter_calls(tok):
+    ids = _generated(tok, CALLING)
+    none = ChatReply(tok, thinking=True, stops=[], allowed=set())
+    _run(none, ids)
+    assert none.calls == [] and none.finish_reason("stop") == "stop"
+    named = ChatReply(tok, thinking=True, stops=[], allowed={"get_time"}, required=True)
+    _run(named, ids)
+    assert [c["id"] for c in named.calls] == ["functions.get_time:0"] and not named.unmet
+    plain = _generated(tok, {"role": "assistant", "content": "It is sunny."})
+    unmet = ChatReply(tok, thinking=True, stops=[], required=True)
+    _run(unmet, plain)
+    assert unmet.content == "It is sunny." and unmet.unmet and unmet.finish_reason("stop") == "stop"
+
+
+def test_named_tool_choice_declares_only_that_tool_and_requires_it(tok):
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    req = S.ChatRequest.model_validate({"model": "m", "messages": [USER], "tools": [WEATHER_TOOL, other],
+                                        "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=2048, metrics=None)
+    ids, reply = render_chat(state, req)
+    expected = encode_chat(tok, [USER], [other], tool_choice="required")
+    assert ids == expected and reply.allowed == {"get_time"} and reply.required
+    assert "get_weather" not in tok.decode(ids) and "tool_choice=required" in tok.decode(ids)
+
+
+def test_streamed_call_is_a_header_then_argument_deltas(tok):
+    reply = ChatReply(tok, thinking=True, stops=[])
+    call = [p for p in _run(reply, _generated(tok, CALLING)) if p.kind == "call"][0]
+    head = {"id": "chatcmpl-x", "created": 0, "model": "m"}
+    chunks = [S.dump(c)["choices"][0]["delta"] for c in _delta_chunks(head, call)]
+    assert chunks == [
+        {"tool_calls": [{"index": 0, "id": "functions.get_weather:0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]},
+    ]
+
+
+def test_stop_strings_cut_content_and_hold_back_a_partial_match():
+    m = StopMatcher(["END", "\n\n"])
+    assert m.feed("abc E") == "abc "  # "E" could begin "END"
+    assert m.feed("Nx") == "ENx"  # no stop after all: released
+    assert m.feed("a\n") == "a" and m.feed("\nb") == "" and m.hit  # "\n\n" across two pieces
+    m = StopMatcher(["END"])
+    out = m.feed("abc E") + m.feed("N") + m.feed("D tail")
+    assert out == "abc " and m.hit and m.flush() == ""
+    m = StopMatcher(["END"])
+    assert m.feed("abc E") + m.feed("Nx") + m.flush() == "abc ENx" and not m.hit
+
+
+def test_stop_string_in_reply_content(tok):
+    reply = ChatReply(tok, thinking=True, stops=[" is"])
+    _run(reply, _generated(tok, {"role": "assistant", "reasoning_content": "France: Paris.",
+                                 "content": "The capital of France is Paris."}))
+    assert reply.content == "The capital of France" and reply.stopped and reply.finish_reason("stop") == "stop"
+    assert reply.reasoning == "France: Paris."  # stop strings apply to the content only
+
+
+def test_prior_calls_counts_the_conversation():
+    msgs = [USER, {"role": "assistant", "tool_calls": [{}, {}]}, {"role": "tool"}, {"role": "assistant"}]
+    assert prior_calls(msgs) == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]},
+     "messages[0].content[0].type"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": "7"}, "seed"),
+    ({"model": 3, "messages": [{"role": "user", "content": "x"}]}, "model"),
+])
+def test_validation_errors_name_the_field(body, param):
+    with pytest.raises(Exception) as e:
+        S.ChatRequest.model_validate_json(json.dumps(body))
+    err = from_validation(e.value)
+    assert err.status == 400 and err.param == param, err.message
+
+
+def test_field_path():
+    assert field_path(("messages", 0, "role")) == "messages[0].role"
+    assert field_path(("messages", 2, "content", "list[TextPart]", 1, "text")) == "messages[2].content[1].text"
