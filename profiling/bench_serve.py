@@ -54,11 +54,13 @@ def start_server(args, runtime_flags) -> tuple[subprocess.Popen, str, str]:
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    last = ""
     for line in proc.stderr:
         m = re.search(r"serving (\S+) on (http://\S+) ", line)
         if m:
             return proc, m.group(1), m.group(2)
-    raise SystemExit(f"server did not start (exit {proc.wait()})")
+        last = line.strip() or last
+    raise SystemExit(f"server did not start (exit {proc.wait()}): {last}")
 
 
 def metrics(httpx, url: str) -> dict[str, float]:

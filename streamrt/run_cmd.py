@@ -285,9 +285,7 @@ class _ModelSession(Session):
             device = make_device(self.options.device)
             self.model = load_model(tree, device.torch_device, backend=self.options.make_backend(device))
             self.model.prefill_chunk = prefill_chunk(args)
-            from streamrt.model.model import context_length
-
-            self.context = context_length(tree.config)
+            self.context = tree.config.max_position_embeddings
             bar.step("expert store")
             from streamrt.trace import make_tracer
 

@@ -33,15 +33,6 @@ ForwardSteps = Generator[ExpertRequest, Mapping[int, ExpertWeights], Tensor]
 PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 64, 4096
 
 
-def context_length(cfg) -> int | None:
-    """The model's context (text_config.max_position_embeddings), None if the config has none."""
-    n = getattr(cfg, "max_position_embeddings", None)
-    if n is None:
-        raw = getattr(cfg, "raw", None) or {}
-        n = (raw.get("text_config") or raw).get("max_position_embeddings")
-    return int(n) if n else None
-
-
 def _free_bytes(device: torch.device) -> int:
     """Free memory where the activations live: the device's (CUDA) or MemAvailable (host)."""
     if device.type == "cuda":

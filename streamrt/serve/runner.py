@@ -12,15 +12,12 @@ exactly the calls `streamrt.generate.generate` makes, so a row's greedy tokens e
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from streamrt.model import ModelCache
-
-DEFAULT_CONTEXT = 4096
 
 
 class ModelRunner:
@@ -42,7 +39,7 @@ class ModelRunner:
         self.tracer = make_tracer(bool(self.options.trace))
         self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer,
                                         batch=max_batch)
-        self.max_context = context_length(tree.root)
+        self.max_context = tree.config.max_position_embeddings
         self._device = self.model.lm_head.weight.device
 
     @property
@@ -75,16 +72,3 @@ class ModelRunner:
         if self.options.trace:
             self.tracer.write(self.options.trace)
         self.runtime.close()
-
-
-def context_length(root: Path) -> int:
-    """max_position_embeddings of the tree's config.json (wrapper or text_config), else 4096."""
-    try:
-        data = json.loads((Path(root) / "config.json").read_text())
-    except (OSError, ValueError):
-        return DEFAULT_CONTEXT
-    for d in (data.get("text_config") or {}, data):
-        n = d.get("max_position_embeddings")
-        if isinstance(n, int) and n > 0:
-            return n
-    return DEFAULT_CONTEXT
