@@ -27,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache the plan reserves (default 4096)")
     p.add_argument("--hbm-gbps", type=float, default=3350.0,
                    help="GPU memory bandwidth for the compute floor of the projection (default 3350, an H100 SXM)")
+    # issue 21 (disk tier): the disk floor for a host RAM budget
+    p.add_argument("--host-mem", default=None, metavar="BYTES",
+                   help="host RAM for experts (e.g. 64G): print the disk floor, bytes per token from the drive / --disk-gbps")
+    p.add_argument("--disk-gbps", type=float, default=2.0, help="drive read rate for the disk floor (default 2.0)")
     p.set_defaults(func=run)
 
 
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return _placement(cfg, args)
     b = budget(cfg)
     b.update(_tensor_counts(cfg, Path(args.model)))
+    disk_row = _disk_floor(cfg, args, b)  # issue 21
     if args.json:
         print(json.dumps(b, indent=2))
         return 0
@@ -92,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         ("routed params / layer", f"{b['routed_params_per_layer'] / 1e9:.2f} B ({b['active_routed_params_per_token_per_layer'] / 1e6:.0f} M active per token)"),
         (f"link floor @ {args.link_gbps:g} GB/s", f"{link_floor_s_per_token(cfg, args.link_gbps):.3f} s/token if every expert misses"),
     ]
+    if disk_row is not None:
+        rows.append(disk_row)
     rows.append((
         "tensors (release)",
         f"{b['tensor_count']:,} = {b['text_tensor_count']:,} text + {b['vision_tensor_count']:,} vision tower and projector "
@@ -102,6 +109,30 @@ def run(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
     return 0
+
+
+def _disk_floor(cfg, args: argparse.Namespace, b: dict):
+    """Issue 21: with --host-mem, the bytes per token the drive must deliver when the host pool
+    holds a stable subset of the experts under uniform routing (store/pool.py), and the floor
+    they set at --disk-gbps. Adds the numbers to `b`; returns the table row (None without it)."""
+    if getattr(args, "host_mem", None) is None:
+        return None
+    from streamrt.checkpoint.expert_file import ExpertLayout
+    from streamrt.errors import StreamrtError
+    from streamrt.runtime.options import parse_bytes
+    from streamrt.store.pool import expected_disk_bytes_per_token
+
+    if not args.disk_gbps > 0:
+        raise StreamrtError(f"--disk-gbps must be > 0, got {args.disk_gbps}")
+    host_mem, fb = parse_bytes(args.host_mem, "--host-mem"), ExpertLayout.for_config(cfg).file_bytes
+    per_token = expected_disk_bytes_per_token(cfg, fb, host_mem)
+    floor = per_token / (args.disk_gbps * 1e9)
+    tier = "mapped (every expert fits)" if cfg.expert_files * fb <= host_mem else "pool"
+    b.update(host_mem=host_mem, host_tier=tier.split()[0], disk_bytes_per_token=per_token, disk_gbps=args.disk_gbps,
+             disk_floor_s_per_token=floor)
+    return (f"disk floor @ {args.disk_gbps:g} GB/s",
+            f"{floor:.3f} s/token: {per_token / 1e9:.2f} GB/token from disk with --host-mem {host_mem / GIB:.1f} GiB "
+            f"(host tier {tier}; uniform routing, skew reads less)")
 
 
 def _placement(cfg, args: argparse.Namespace) -> int:

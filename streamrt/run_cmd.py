@@ -291,6 +291,7 @@ class _ModelSession(Session):
 
             self.tracer = make_tracer(bool(self.options.trace))
             self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer)
+            print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
             bar.step("ready")
 
     def _runner(self):

@@ -25,6 +25,8 @@ Tracks and span names (the convention `summarize` and `overlap_fraction` read):
                                                           "experts", ...)
     copy      one H2D transfer on the copy stream        "expert", "plane"  layer, expert, bytes
     host-io   host reads / maps / registers              "read", "map", ... layer, expert, bytes
+    disk      pool tier: one file read from the drive    "read"             layer, expert, bytes,
+              on a reader thread (Tracer.record)                            direct, guess
     stall     compute waiting on an event (on GPU: a     "wait"             layer, expert
               span around stream.wait_event, recorded
               on the compute stream)
@@ -56,7 +58,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -93,6 +94,9 @@ class NullTracer:
         return self._NULL_SPAN
 
     def instant(self, track: str, name: str, **args: Any) -> None:
+        pass
+
+    def record(self, track: str, name: str, start_s: float, end_s: float, **args: Any) -> None:
         pass
 
     def counter(self, name: str, value: float) -> None:
@@ -206,6 +210,13 @@ class Tracer:
         if self._step >= 0:
             args.setdefault("step", self._step)
         self._instants.append((track, name, self._clock(), args))
+
+    def record(self, track: str, name: str, start_s: float, end_s: float, **args: Any) -> None:
+        """A span measured elsewhere (a reader thread's time.perf_counter() before and after a
+        read), added from the recording thread. Times are on the tracer's clock (perf_counter)."""
+        if self._step >= 0:
+            args.setdefault("step", self._step)
+        self._spans.append((track, name, start_s, end_s, args))
 
     def counter(self, name: str, value: float) -> None:
         self._counters.append((name, self._clock(), value))
@@ -324,19 +335,11 @@ def _fit_lane(lanes: list[list[float]], ts: float, end: float) -> int:
 
 
 def write_trace(path: str | os.PathLike, trace: dict) -> Path:
-    """Write JSON atomically: a temp file in the same directory, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(trace, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write JSON atomically (fileio.atomic_write: temp name in the same directory, fsync,
+    rename); a failure is one StreamrtError naming the file."""
+    from streamrt.checkpoint.fileio import atomic_write
+
+    return atomic_write(path, json.dumps(trace, separators=(",", ":")))
 
 
 # ---- reading ---------------------------------------------------------------------------
@@ -344,15 +347,12 @@ def write_trace(path: str | os.PathLike, trace: dict) -> Path:
 
 def load_trace(path: str | os.PathLike) -> dict:
     """Read a trace file; any problem is a one-line StreamrtError naming the file."""
+    from streamrt.jsonio import load_json
+
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise StreamrtError(f"trace {p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise StreamrtError(f"trace {p}: cannot read ({e.__class__.__name__}: {e})") from None
-    except json.JSONDecodeError as e:
-        raise StreamrtError(f"trace {p}: not JSON (line {e.lineno} col {e.colno}: {e.msg})") from None
+    if not p.exists():
+        raise StreamrtError(f"trace {p}: no such file")
+    data = load_json(p, what="JSON", name=f"trace {p}", error=StreamrtError, max_bytes=4 << 30)
     if isinstance(data, list):  # the Chrome format also allows a bare event array
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):

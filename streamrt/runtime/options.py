@@ -22,6 +22,31 @@ DEFAULT_WINDOW_FLOOR = 65536
 CPU_SLAB_BYTES = 2 << 30  # default device-tier budget of the CPU twin
 GPU_RESERVE_BYTES = 6 << 30  # left free for activations, caches and workspace by default
 DEFAULT_STAGE_DEPTH = 2  # staged copies in flight on the copy stream at once (--stage-depth)
+# Upper limits of the integer flags: far beyond any machine (a K3.1 Pro tree has ~60k expert
+# files), low enough that a typo is one line here and not an allocation failure later.
+MAX_WINDOW = 1 << 24  # open expert mappings
+MAX_GPU_EXPERTS = 1 << 20  # device slots
+MAX_STAGE = 1 << 16  # --stage-max / --stage-depth
+MAX_BYTES = 1 << 50  # --host-mem / --gpu-mem: 1 PiB
+
+MAX_READ_THREADS = 256
+DEFAULT_READ_THREADS = 16  # store/disk_reader.py: 16 whole-file reads in flight
+
+
+def parse_read_threads(text) -> int:
+    """'--read-threads': 'auto' -> -1, None -> 0 (the default), else 1..MAX_READ_THREADS."""
+    if text is None:
+        return 0
+    if str(text).strip().lower() == "auto":
+        return -1
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        raise StreamrtError(f"--read-threads: expected a thread count or auto, got {str(text)[:40]!r}") from None
+    if not 1 <= n <= MAX_READ_THREADS:
+        raise StreamrtError(f"--read-threads must be auto or 1..{MAX_READ_THREADS}, got {n}")
+    return n
+
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
@@ -29,10 +54,13 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
 
 def parse_bytes(text: str, flag: str) -> int:
     """'64G', '512MiB', '1.5TB', '1000000' -> bytes (K/M/G/T alone are binary)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*([0-9]{0,20}\.?[0-9]{1,20})\s*([a-zA-Z]*)\s*", str(text)[:100])
     if not m or m.group(2).lower() not in _UNITS:
-        raise StreamrtError(f"{flag}: expected a size like 64G, 512MiB or 1.5TB, got {text!r}")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise StreamrtError(f"{flag}: expected a size like 64G, 512MiB or 1.5TB, got {str(text)[:60]!r}")
+    x = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not x < MAX_BYTES + 1:
+        raise StreamrtError(f"{flag}: at most {MAX_BYTES} bytes (1 PiB), got {text!r}")
+    n = int(x)
     if n <= 0:
         raise StreamrtError(f"{flag}: must be positive, got {text!r}")
     return n
@@ -74,6 +102,17 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="first (default): check each expert file's checksum against the manifest the first "
                         "time this process maps it, on the I/O pool, so a corrupt file is an error, never "
                         "wrong numbers; off: header checks only")
+    g.add_argument("--host-tier", default="auto", choices=("auto", "mapped", "pool"),
+                   help="mapped: expert files mapped and page-locked in place (the store fits in RAM); pool: a "
+                        "pool of page-locked buffers under --host-mem filled by O_DIRECT reads (checkpoints "
+                        "bigger than RAM); auto (default): mapped when the experts fit in --host-mem or in "
+                        "the memory available, else pool")
+    g.add_argument("--read-threads", default=str(DEFAULT_READ_THREADS), metavar="N|auto",
+                   help="pool tier: reader threads, each one whole-file O_DIRECT read in flight (default "
+                        "%(default)s; auto: the fewest of 4/8/16/32 within 5%% of the best, measured at start)")
+    g.add_argument("--gds", default="auto", choices=("auto", "on", "off"),
+                   help="pool tier: GPUDirect Storage through kvikio/cuFile where present (auto), required "
+                        "(on) or not used (off); the start line says which path runs")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--backend", default="torch", choices=("torch", "nvrtc"),
                    help="ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
@@ -105,6 +144,9 @@ class RuntimeOptions:
     verify_experts: str = "first"
     device: str = "auto"
     backend: str = "torch"
+    host_tier: str = "auto"  # issue 21: mapped | pool | auto
+    read_threads: int = 0  # 0: DEFAULT_READ_THREADS; -1: auto-tuned at start
+    gds: str = "auto"
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -115,6 +157,10 @@ class RuntimeOptions:
             raise StreamrtError(f"--stage-max must be >= 0 (guesses staged per layer), got {self.stage_max}")
         if self.stage_depth < 1:
             raise StreamrtError(f"--stage-depth must be >= 1 (staged copies in flight), got {self.stage_depth}")
+        for flag, value, hi in (("--window", self.window, MAX_WINDOW), ("--gpu-experts", self.gpu_experts, MAX_GPU_EXPERTS),
+                                ("--stage-max", self.stage_max, MAX_STAGE), ("--stage-depth", self.stage_depth, MAX_STAGE)):
+            if value is not None and value > hi:
+                raise StreamrtError(f"{flag} must be at most {hi}, got {value}")
         if self.gpu_policy not in POLICIES:
             raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of {', '.join(POLICIES)}")
         if self.prefetch not in ("none", "discard"):
@@ -123,6 +169,12 @@ class RuntimeOptions:
             raise StreamrtError(f"--backend: expected torch or nvrtc, got {self.backend!r}")
         if self.evict not in ("event", "sync"):
             raise StreamrtError(f"--evict: expected event or sync, got {self.evict!r}")
+        if self.host_tier not in ("auto", "mapped", "pool"):
+            raise StreamrtError(f"--host-tier: expected auto, mapped or pool, got {self.host_tier!r}")
+        if self.gds not in ("auto", "on", "off"):
+            raise StreamrtError(f"--gds: expected auto, on or off, got {self.gds!r}")
+        if not -1 <= self.read_threads <= MAX_READ_THREADS:
+            raise StreamrtError(f"--read-threads must be auto or 1..{MAX_READ_THREADS}, got {self.read_threads}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RuntimeOptions":
@@ -148,7 +200,19 @@ class RuntimeOptions:
             verify_experts=getattr(args, "verify_experts", "first"),
             device=getattr(args, "device", "auto"),
             backend=getattr(args, "backend", "torch"),
+            host_tier=getattr(args, "host_tier", "auto"),
+            read_threads=parse_read_threads(getattr(args, "read_threads", None)),
+            gds=getattr(args, "gds", "auto"),
         )
+
+    def check_output_paths(self) -> "RuntimeOptions":
+        """Before any work: --stats-json and --trace must be writable files (one line, exit 2)."""
+        from streamrt.checkpoint.fileio import check_output_path
+
+        for flag, path in (("--stats-json", self.stats_json), ("--trace", self.trace)):
+            if path is not None:
+                check_output_path(path, flag)
+        return self
 
     def make_backend(self, device):
         """The ops backend for `device` (a streams.Device); None means the model's default (torch)."""

@@ -57,13 +57,17 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
+from streamrt.errors import StreamrtError
 from streamrt.expert_weights import ExpertWeights
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.predictor import Predictor
 from streamrt.runtime.stats import RuntimeStats, write_stats_json
 from streamrt.runtime.streams import make_device
 from streamrt.store.device_tier import DeviceTier, relocate_views
-from streamrt.store.host_tier import HostMapping, HostTier
+from streamrt.store.disk_reader import DEFAULT_READ_THREADS, DiskReader, FileReader, ReadCancelled, tune_threads
+from streamrt.store.gds import choose_gds
+from streamrt.store.host_tier import HostMapping, HostTier, available_memory, choose_host_tier
+from streamrt.store.pool import PoolEntry, PoolTier
 from streamrt.store.keys import ExpertKey
 from streamrt.store.policies import make_policy
 from streamrt.store.retire import RetireQueue
@@ -75,6 +79,7 @@ from streamrt.trace import NullTracer
 # until it is issued and the unissued rest is dropped when the router speaks, so all of them are
 # queued (session 4, profiling/RESULTS.md §1).
 STAGE_SHARE = 1.0
+POOL_WAIT_S = 30.0  # a routed miss waiting this long for a pool buffer, nothing being read: a bug, said in a line
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -130,6 +135,7 @@ class StreamingRuntime:
         workers: int | None = None,
         record_trace: bool = False,
         tracer=None,
+        file_reader: FileReader | None = None,
     ) -> None:
         self.options = opts = options or RuntimeOptions()
         self.tree, self.cfg, self.layout = tree, tree.config, tree.layout
@@ -140,16 +146,25 @@ class StreamingRuntime:
         self.stats = RuntimeStats(trace=[] if record_trace else None)
         self.tracer = tracer or NullTracer()  # streamrt.trace.Tracer for `--trace`
         self.retire = RetireQueue()
-        self.host = HostTier(
-            lambda key: tree.expert_path(key.layer, key.expert),
-            self.layout.file_bytes,
-            sizes.window,
-            device=self.device,
-            retire=self.retire,
-            stats=self.stats,
-            register=opts.staging,  # the baseline copies from pageable mappings
-            evict=opts.evict,
-        )
+        self.reader: DiskReader | None = None
+        kind, budget, why = choose_host_tier(opts.host_tier if opts.staging else "mapped",
+                                             cfg.expert_files * self.layout.file_bytes, opts.host_mem,
+                                             available_memory() if opts.host_mem is None else None)
+        if kind == "pool":
+            self._init_pool(budget, why, file_reader)
+        else:
+            self.host = HostTier(
+                lambda key: tree.expert_path(key.layer, key.expert),
+                self.layout.file_bytes,
+                sizes.window,
+                device=self.device,
+                retire=self.retire,
+                stats=self.stats,
+                register=opts.staging,  # the baseline copies from pageable mappings
+                evict=opts.evict,
+            )
+            self.host_tier_line = f"host tier mapped ({why}): up to {sizes.window} page-locked file mappings"
+        self.stats.host_tier = kind
         self.gpu = DeviceTier(
             sizes.gpu_experts,
             self.layout.file_bytes,
@@ -177,7 +192,9 @@ class StreamingRuntime:
         self._predicted: dict[int, set[int]] = {}  # layer -> ids predicted for it
         self._staged: dict[int, list[ExpertKey]] = {}  # layer -> keys pinned for it by staging
         self._verified: set[ExpertKey] = set()  # checksummed once in this process (--verify-experts)
-        if opts.preparse:
+        self._read_seq = iter(range(1 << 62))  # FIFO order among reads of one priority class
+        self._background: set[asyncio.Task] = set()  # pool-tier guess reads outliving their step
+        if opts.preparse and not self.pooled:
             self.host.preparse(self._every_key(), lambda buf: parse_expert(buf, self.layout))
 
     # ---- driving the model ----------------------------------------------------------
@@ -230,6 +247,8 @@ class StreamingRuntime:
         #    spoken: guesses still queued are dropped (routed ones are fetched as misses in 3).
         host_ids, guess = await self._route(req)
         self._drop(layer)
+        if self.pooled:
+            self.host.unprotect(layer)  # its read-ahead may be evicted from now on
 
         # 2. finish: the previous layer's compute is queued; mark its slots' last use, unpin.
         self._finish_previous()
@@ -259,7 +278,15 @@ class StreamingRuntime:
                 self._copy_in(key, m)
             else:
                 cold.append(key)
-        if cold:
+        if self.pooled:  # misses submitted first, then the next layer's guesses behind them
+            t = time.perf_counter()
+            fetches = [self.loop.create_task(self._fetch(k)) for k in cold]
+            if guess is not None:
+                self._read_ahead(*guess)
+            if fetches:
+                await _all(fetches)
+                self.stats.stall_s += time.perf_counter() - t
+        elif cold:
             t = time.perf_counter()
             await _all(self._fetch(k) for k in cold)
             self.stats.stall_s += time.perf_counter() - t
@@ -336,11 +363,13 @@ class StreamingRuntime:
         if slot is None:  # every slot pinned: only a request wider than the slab gets here
             if required:
                 buf, ev = self.gpu.fill_transient(m.data, pinned=m.registered)
+                self.host.note_copy(m, ev)
                 self._transient[key] = (relocate_views(parse_expert(m.data, self.layout), m.data, buf), ev)
             return required
         with self.tracer.span("copy", "expert", stream=self.device.copy_stream,
                               layer=key.layer, expert=key.expert, bytes=m.nbytes):
             self.gpu.fill(slot, m.data, pinned=m.registered)
+        self.host.note_copy(m, self.gpu.ready[slot])  # a pool buffer is not reused before it
         # The slot's views (built once, from the first mapping copied into it: same layout).
         self.gpu.views(slot, lambda t: relocate_views(parse_expert(m.data, self.layout), m.data, t))
         return True
@@ -364,6 +393,8 @@ class StreamingRuntime:
                 return m
 
     async def _mapping_once(self, key: ExpertKey) -> HostMapping:
+        if self.pooled:
+            return await self._pool_entry(key)
         m = self.host.lookup(key)
         if m is not None:
             return m
@@ -398,6 +429,139 @@ class StreamingRuntime:
             raise
         return m
 
+    # ---- the pool tier (issue 21): experts read from the drive into page-locked buffers --------
+
+    @property
+    def pooled(self) -> bool:
+        return self.reader is not None
+
+    def _init_pool(self, budget: int, why: str, file_reader: FileReader | None) -> None:
+        """The host tier as a buffer pool under `budget` bytes, its reader threads and the
+        start line saying which read path runs."""
+        opts, fb = self.options, self.layout.file_bytes
+        self.host = PoolTier(lambda key: self.tree.expert_path(key.layer, key.expert), fb, budget,
+                             device=self.device, stats=self.stats)
+        self.file_reader = file_reader or FileReader()
+        threads, tuned = opts.read_threads or DEFAULT_READ_THREADS, ""
+        if opts.read_threads == -1:  # --read-threads auto: a short measurement over expert files
+            paths = [self.tree.expert_path(k.layer, k.expert) for k in self._every_key()[:96]]
+            threads, rates = tune_threads(paths, fb, reader=self.file_reader)
+            tuned = " (auto: " + ", ".join(f"{n}: {r / 1e9:.2f} GB/s" for n, r in rates.items()) + ")"
+        self.reader = DiskReader(threads, thread_init=self.device.thread_init)
+        self.gds = choose_gds(opts.gds, self.device)
+        gds = self.gds.why + ("; misses still read through the pool" if self.gds.active else "")
+        self.host_tier_line = (
+            f"host tier pool ({why}): {self.host.capacity} {'page-locked ' if self.host.registered else ''}buffers "
+            f"x {fb / 2**20:.1f} MiB = {self.host.bytes_allocated / 2**30:.2f} GiB, {threads} reader threads{tuned}, "
+            f"{self.file_reader.mode}, {gds}"
+        )
+
+    async def _pool_entry(self, key: ExpertKey) -> PoolEntry:
+        """A routed miss on the pool tier: its buffer, read completely, when this returns (the
+        caller copies from it before its next await). A read already queued as a guess is raised
+        to miss priority; with every buffer busy, wait for one (a read ends, a copy executes)."""
+        pool, delay, since = self.host, 0.0, None
+        while True:
+            e = pool.peek(key)
+            if e is not None:
+                return e
+            e = pool.reading(key)
+            if e is None:
+                e = pool.take(key)
+                if e is None:
+                    since = since or time.perf_counter()
+                    if time.perf_counter() - since > POOL_WAIT_S and not self.reader.in_flight:
+                        raise StreamrtError(f"--host-mem: no pool buffer came free for {POOL_WAIT_S:.0f} s with no "
+                                            f"read in flight ({pool.capacity} buffers); raise --host-mem")
+                    await asyncio.sleep(delay)
+                    delay = min(1e-4, delay * 2 or 5e-6)
+                    continue
+                self._submit_read(e, (0, next(self._read_seq)))
+            elif e.job is not None and e.job.state == "queued":
+                e.guess = False  # the read-ahead did not get there first
+                e.job.raise_priority((0, next(self._read_seq)))
+            e.pins += 1
+            try:
+                await e.future
+            except ReadCancelled:
+                continue
+            finally:
+                e.pins -= 1
+            if e.live:
+                return e
+
+    def _read_ahead(self, layer: int, ids: list[int]) -> None:
+        """Pool tier, as soon as layer-1's router spoke: `layer`'s predicted experts start
+        reading into the pool (most confident first, behind every routed miss), so the drive
+        never idles at the tail of a layer's misses. Staging copies them later (`_stage`)."""
+        cap = self.options.stage_max if self.options.stage_max is not None else len(ids)
+        for rank, e in enumerate(ids[:cap]):
+            key = ExpertKey(layer, e)
+            if key in self.gpu or key in self.host or key in self._guess_maps:
+                continue
+            self._guess_maps[key] = self.loop.create_task(self._stage_cold(key, rank))
+
+    async def _pool_guess(self, key: ExpertKey, rank: int) -> bool:
+        """Read a predicted expert into the pool behind every routed miss (priority by rank).
+        False when no buffer is idle: a guess never waits for one."""
+        pool = self.host
+        if key in pool:
+            return True
+        e = pool.reading(key)
+        if e is None:
+            e = pool.take(key, guess=True)
+            if e is None:
+                return False
+            self._submit_read(e, (1, rank, next(self._read_seq)))
+        await e.future
+        return e.live
+
+    def _submit_read(self, e: PoolEntry, priority: tuple) -> None:
+        loop = self.loop
+        e.future = loop.create_future()
+
+        def done(result, exc) -> None:  # reader thread
+            loop.call_soon_threadsafe(self._read_done, e, result, exc)
+
+        e.job = self.reader.submit(priority, lambda: self._read_job(e), done)
+
+    def _read_job(self, e: PoolEntry):
+        """Reader thread: the file into `e`'s buffer, then the header (and the checksum, the
+        first time) checked against the key."""
+        key = e.key
+        r = self.file_reader.read_into(e.path, self.host.memory_of(e), e.nbytes)
+        parse_expert(e.data, self.layout, name=str(e.path), expect=(key.layer, key.expert))
+        if self.options.verify_experts == "first" and key not in self._verified:
+            self.tree.check_expert(key.layer, key.expert, data=e.data)
+            self._verified.add(key)
+        return r
+
+    def _read_done(self, e: PoolEntry, r, exc) -> None:
+        """Scheduler thread: the read of `e` ended; its waiters may take it (or its error)."""
+        if e.future.done():  # cancelled meanwhile (its future already answered)
+            return
+        if exc is None:
+            self.host.complete(e, direct=r.direct, cached=r.cached)
+            if self.tracer.enabled:
+                self.tracer.record("disk", "read", r.start_s, r.end_s, layer=e.key.layer, expert=e.key.expert,
+                                   bytes=r.nbytes, direct=r.direct, guess=e.guess)
+            e.future.set_result(e)
+        else:
+            self.host.fail(e)
+            e.future.set_exception(exc)
+            e.future.exception()  # retrieved: waiters re-raise it
+
+    def _cancel_guess_reads(self, layer: int) -> None:
+        """`layer`'s router spoke: its guess reads not started yet cost no disk time (routed ones
+        are read again at miss priority by the fetch)."""
+        for key in [k for k in self._guess_maps if k.layer == layer]:
+            e = self.host.reading(key)
+            if e is not None and e.guess and e.pins == 0 and e.job is not None and e.job.cancel():
+                self.host.fail(e)
+                self.stats.readahead_reads -= 1
+                e.future.set_exception(ReadCancelled(str(key)))
+                e.future.exception()
+
     def _stage_first(self, embeddings: torch.Tensor) -> None:
         """Decode-step start (the model's step_hint): queue the first MoE layer's guess (the
         first --stage-depth issued now) while the dense layers compute, leaving slots for that
@@ -417,14 +581,14 @@ class StreamingRuntime:
         self._staged.setdefault(layer, [])
         cap = self.options.stage_max if self.options.stage_max is not None else math.ceil(STAGE_SHARE * len(ids))
         queue = self._queue.setdefault(layer, [])
-        for e in ids[: max(0, min(budget, cap))]:
+        for rank, e in enumerate(ids[: max(0, min(budget, cap))]):
             key = ExpertKey(layer, e)
             if key in self.gpu or key in queue:
                 continue
             queue.append(key)
             task = self._guess_maps.get(key)
             if key not in self.host and (task is None or task.done()):
-                self._guess_maps[key] = self.loop.create_task(self._stage_cold(key))
+                self._guess_maps[key] = self.loop.create_task(self._stage_cold(key, rank))
         self._pump()
         if self._queue and (self._feeder is None or self._feeder.done()):
             self._feeder = self.loop.create_task(self._feed())
@@ -452,7 +616,8 @@ class StreamingRuntime:
                     else:
                         self.stats.stage_dropped += 1
                     continue
-                if not self._copy_in(key, self.host.lookup(key), required=False):
+                src = self.host.peek(key) if self.pooled else self.host.lookup(key)
+                if not self._copy_in(key, src, required=False):
                     self.stats.stage_dropped += 1
                     continue
                 self.gpu.pin((key,))
@@ -480,10 +645,16 @@ class StreamingRuntime:
             await asyncio.sleep(delay)
             delay = min(1e-4, delay * 2 or 5e-6)
 
-    async def _stage_cold(self, key: ExpertKey) -> None:
-        """A cold guess: map it on the pool; if its turn has come, it is copied at once."""
+    async def _stage_cold(self, key: ExpertKey, rank: int = 0) -> None:
+        """A cold guess: map it on the pool (mapped tier), or read it from disk into a pool buffer
+        behind every routed miss, most confident first (pool tier); if its turn has come, it is
+        copied at once."""
         try:
-            await self._mapping_once(key)
+            if self.pooled:
+                if not await self._pool_guess(key, rank):
+                    return
+            else:
+                await self._mapping_once(key)
         except Exception:  # a guess is no error: if routed, its fetch maps it again and raises
             return
         if self._queue:
@@ -493,6 +664,8 @@ class StreamingRuntime:
         """`layer`'s router has spoken (or the step ended): its unissued guesses cost nothing."""
         queue = self._queue.pop(layer, ())
         self.stats.stage_dropped += sum(1 for key in queue if key not in self.gpu)
+        if self.pooled:
+            self._cancel_guess_reads(layer)
 
     async def _settle(self) -> None:
         """End of a step: drop what is still queued, stop the feeder, let cold guesses still
@@ -503,7 +676,11 @@ class StreamingRuntime:
             self._feeder.cancel()
             await asyncio.gather(self._feeder, return_exceptions=True)
             self._feeder = None
-        if self._guess_maps:
+        if self.pooled:  # reads already started finish into the pool while the next step runs
+            self.host.unprotect()
+            self._background.update(t for t in self._guess_maps.values() if not t.done())
+            self._background = {t for t in self._background if not t.done()}
+        elif self._guess_maps:
             await asyncio.gather(*self._guess_maps.values(), return_exceptions=True)
         self._guess_maps.clear()
         for layer in list(self._staged):
@@ -540,7 +717,7 @@ class StreamingRuntime:
         copies. A long-running process reaches this state by itself; benchmarks that measure
         steady-state decode with "experts in host RAM" start from it. Returns how many."""
         keys = [k for k in (self._every_key() if keys is None else keys) if self.host.lookup(k) is None]
-        keys = keys[: max(0, self.window - len(self.host))]
+        keys = keys[: max(0, (self.host.capacity if self.pooled else self.window) - len(self.host))]
         if keys:
             self.loop.run_until_complete(_all(self._mapping(k) for k in keys))
         self.retire.release()
@@ -554,7 +731,8 @@ class StreamingRuntime:
 
     def payload(self) -> dict:
         """The `--stats-json` object."""
-        return self.stats.payload(retire=self.retire, device=self.device, staging=True)
+        disk = self.pooled or self.options.host_tier != "auto"
+        return self.stats.payload(retire=self.retire, device=self.device, staging=True, disk=disk)
 
     def reset_stats(self) -> None:
         """Zero every counter (e.g. after warm-up steps), retirement and synchronizes included."""
@@ -573,6 +751,10 @@ class StreamingRuntime:
         if self.loop.is_closed():
             return
         self.loop.run_until_complete(self._settle())
+        if self.reader is not None:
+            self.reader.close()  # queued reads cancelled, running ones finished
+            self.loop.run_until_complete(_settled(self._background))
+            self.retire.drain()
         self.host.close()
         self.pool.shutdown(wait=True)
         self.loop.close()
@@ -593,6 +775,12 @@ async def _all(coros) -> list:
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+async def _settled(tasks) -> None:
+    """Wait for every task, ignoring their outcomes (shutdown)."""
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(0)  # callbacks the reader threads queued run now
 
 
 async def _event_done(ev) -> None:

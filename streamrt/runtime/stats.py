@@ -36,6 +36,19 @@ PAYLOAD_KEYS = (
     "effective_gbps",
 )
 STAGING_KEYS = ("staged", "stage_dropped")
+# Disk tier (issue 21): where the expert bytes came from. Added to a runtime's payload when the
+# pool tier runs or --host-tier was given (see DISK_DOC below).
+DISK_KEYS = ("host_tier", "disk_bytes", "page_cache_bytes", "pool_hits", "pool_misses", "readahead_reads",
+             "readahead_used")
+DISK_DOC = """
+  host_tier          mapped | pool
+  disk_bytes         expert bytes that came from the drive: O_DIRECT reads, plus mapped or
+                     buffered bytes not in the page cache when opened (mincore)
+  page_cache_bytes   expert bytes mapped or read that the page cache already held
+  pool_hits / pool_misses   pool-tier references served from a ready buffer / read from disk
+  readahead_reads    predicted experts read into the pool ahead of their router
+  readahead_used     of those, routed later while still in the pool (a read-ahead that paid)
+"""
 
 
 @dataclass
@@ -56,16 +69,24 @@ class RuntimeStats:
     routed: int = 0  # routed experts of requests that had a prediction
     staged: int = 0  # experts copied ahead on a prediction (staged copies issued)
     stage_dropped: int = 0  # queued guesses dropped unissued (mostly: their router spoke first)
+    host_tier: str = "mapped"  # DISK_KEYS, see DISK_DOC
+    disk_bytes: int = 0
+    page_cache_bytes: int = 0
+    pool_hits: int = 0
+    pool_misses: int = 0
+    readahead_reads: int = 0
+    readahead_used: int = 0
     trace: list | None = field(default=None, repr=False)  # [[layer, [experts]], ...] when recording
 
     def reset(self) -> None:
         """Zero every counter in place (the tiers hold a reference to this object)."""
         trace = [] if self.trace is not None else None
+        tier = self.host_tier  # a setting, not a counter
         for f in self.__dataclass_fields__.values():
             setattr(self, f.name, f.default if f.default is not MISSING else f.default_factory())
-        self.trace = trace
+        self.trace, self.host_tier = trace, tier
 
-    def payload(self, *, retire=None, device=None, staging: bool = False) -> dict:
+    def payload(self, *, retire=None, device=None, staging: bool = False, disk: bool = False) -> dict:
         """The `--stats-json` object: exactly PAYLOAD_KEYS, then STAGING_KEYS with `staging`."""
         retired = retire.retired if retire is not None else 0
         released = (retire.released if retire is not None else 0) + self.released_sync
@@ -89,8 +110,15 @@ class RuntimeStats:
         assert tuple(out) == PAYLOAD_KEYS
         if staging:
             out.update(staged=self.staged, stage_dropped=self.stage_dropped)
+        if disk:
+            out.update({k: getattr(self, k) for k in DISK_KEYS})
         return out
 
 
 def write_stats_json(path: str | Path, payload: dict) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    """Atomically (temp name + rename): the file is the old one or the whole new one; a write
+    failure is one CheckpointError naming the path. `run` checks the path before it starts
+    (fileio.check_output_path), so this only fails if the disk changed meanwhile."""
+    from streamrt.checkpoint.fileio import atomic_write
+
+    atomic_write(path, json.dumps(payload, indent=2) + "\n")

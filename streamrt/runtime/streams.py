@@ -76,6 +76,14 @@ class CpuDevice:
     def alloc_buffer(self, nbytes: int) -> Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def alloc_host_arena(self, nbytes: int) -> tuple[Tensor, bool]:
+        """The host pool's buffers, allocated once: page-aligned anonymous memory (so O_DIRECT
+        reads land in it directly). Returns (uint8 tensor, page-locked?)."""
+        return _anonymous_arena(nbytes), False
+
+    def free_host_arena(self, t: Tensor, registered: bool) -> None:
+        pass
+
     def host_register(self, t: Tensor) -> bool:
         return False
 
@@ -145,6 +153,17 @@ class CudaDevice:
         """On the compute stream: freed for reuse once the compute reading it is queued."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
+    def alloc_host_arena(self, nbytes: int) -> tuple[Tensor, bool]:
+        """The host pool's buffers, allocated once: page-aligned anonymous memory page-locked
+        with cudaHostRegister (torch's pinned allocator rounds up to a power of two, which would
+        overshoot --host-mem by up to 2x). Copies from it are async DMA. Returns (tensor, locked)."""
+        t = _anonymous_arena(nbytes)
+        return t, self._register(t.data_ptr(), nbytes, 0)
+
+    def free_host_arena(self, t: Tensor, registered: bool) -> None:
+        if registered:
+            _host_unregister(t.data_ptr())
+
     def host_register(self, t: Tensor) -> bool:
         """Page-lock a read-only host range in place. False when the driver refuses (the
         mapping then stays pageable and copies from it are staged by the driver)."""
@@ -159,6 +178,14 @@ class CudaDevice:
     def thread_init(self) -> None:
         """Worker threads register host memory: bind them to this device's primary context."""
         torch.cuda.set_device(self.torch_device)
+
+
+def _anonymous_arena(nbytes: int) -> Tensor:
+    """A writable uint8 tensor over a fresh anonymous mapping (page-aligned, zero-filled lazily)."""
+    import mmap
+
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8)  # holds the mapping alive
 
 
 def make_device(name: str = "auto"):

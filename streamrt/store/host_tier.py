@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from streamrt.errors import CheckpointError, StreamrtError
+from streamrt.store.disk_reader import resident_bytes
 from streamrt.store.keys import ExpertKey
 from streamrt.store.retire import RetireQueue
 
@@ -35,7 +36,7 @@ from streamrt.store.retire import RetireQueue
 class HostMapping:
     """One expert file mapped read-only; `data` is a zero-copy uint8 tensor over it."""
 
-    __slots__ = ("key", "path", "nbytes", "_mm", "data", "registered", "retired", "_device")
+    __slots__ = ("key", "path", "nbytes", "_mm", "data", "registered", "retired", "_device", "cached")
 
     def __init__(self, key: ExpertKey, path: Path, nbytes: int, device, register: bool) -> None:
         self.key, self.path, self.nbytes, self._device = key, path, nbytes, device
@@ -54,6 +55,8 @@ class HostMapping:
         with warnings.catch_warnings():  # the mapping is read-only on purpose; nothing writes to it
             warnings.simplefilter("ignore", UserWarning)
             self.data: Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # in the page cache before anything touched it (registering faults the rest in from disk)
+        self.cached = resident_bytes(self.data.data_ptr(), nbytes) or 0
         self.registered = register and device.host_register(self.data)
         self.retired = False  # evicted from the window: no new copies may be queued from it
 
@@ -131,6 +134,8 @@ class HostTier:
             return self._open[key]
         self.stats.host_misses += 1
         self.stats.bytes_disk += mapping.nbytes
+        self.stats.page_cache_bytes += mapping.cached
+        self.stats.disk_bytes += mapping.nbytes - mapping.cached
         self._open[key] = mapping
         while len(self._open) > self.window:
             _, old = self._open.popitem(last=False)
@@ -140,6 +145,9 @@ class HostTier:
     def get(self, key: ExpertKey) -> HostMapping:
         """Synchronous lookup-or-open (CPU tests, the synchronous provider)."""
         return self.lookup(key) or self.insert(self.open_mapping(key))
+
+    def note_copy(self, mapping: HostMapping, event) -> None:
+        """An H2D copy from `mapping` was queued (the retire event at eviction covers it)."""
 
     def _evict(self, mapping: HostMapping) -> None:
         self.stats.evictions += 1
@@ -171,3 +179,49 @@ class HostTier:
             _, m = self._open.popitem(last=False)
             self.retire.retire(self.device.record_copy_event(), m)
         self.retire.drain()
+
+
+# ---- which host tier: mapped files (the store fits in RAM) or the buffer pool ----------------
+
+POOL_SHARE_OF_AVAILABLE = 0.5  # pool budget without --host-mem: half the memory available now
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still use: MemAvailable, capped by a cgroup v2 memory.max."""
+    avail = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        cg = open("/proc/self/cgroup").read().strip().split("::", 1)[-1]
+        base = "/sys/fs/cgroup" + cg.rstrip("/")
+        limit = open(f"{base}/memory.max").read().strip()
+        if limit != "max":
+            free = int(limit) - int(open(f"{base}/memory.current").read())
+            avail = free if avail is None else min(avail, free)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None, available: int | None) -> tuple[str, int | None, str]:
+    """(kind, pool budget, why). `auto`: mapped when every expert file fits in --host-mem (or,
+    without it, in the memory available now), else the pool under --host-mem (or half of what
+    is available)."""
+    gib = 1 << 30
+    if mode not in ("auto", "mapped", "pool"):
+        raise StreamrtError(f"--host-tier: expected auto, mapped or pool, got {mode!r}")
+    room, named = (host_mem, "--host-mem") if host_mem is not None else (available, "available memory")
+    fits = room is None or expert_bytes <= room
+    if mode == "mapped" or (mode == "auto" and fits):
+        why = "--host-tier mapped" if mode == "mapped" else (
+            f"{expert_bytes / gib:.1f} GiB of experts fit in {named} {room / gib:.1f} GiB" if room is not None
+            else "memory size unknown")
+        return "mapped", None, why
+    budget = host_mem if host_mem is not None else int(POOL_SHARE_OF_AVAILABLE * (available or 0))
+    budget = min(budget, expert_bytes)
+    why = "--host-tier pool" if mode == "pool" else f"{expert_bytes / gib:.1f} GiB of experts > {named} {room / gib:.1f} GiB"
+    return "pool", budget, why

@@ -149,6 +149,82 @@ class LFUDecay:
         self._rebuild()
 
 
+class FrequencyMRU:
+    """Frequency first, newest-inserted on ties: the host pool's policy (`store/pool.py`).
+
+    The victim is the resident key with the fewest references (counts halve every
+    `reset_every` references, TinyLFU's aging, so popularity can drift); among equals, the one
+    inserted last. Under a cyclic scan with no skew every key has the same count, so the
+    newest arrival leaves first and the rest of the resident set stays: hits are
+    (capacity - 1) / working set, growing with the capacity, where LRU hits 0 %. Under skew
+    the hottest keys have the highest counts and stay. LFUDecay is no help there: its aging
+    makes the most recent reference weigh most, which on an unskewed scan is LRU again.
+    """
+
+    name = "lfu-mru"
+
+    def __init__(self, reset_every: int = 1 << 20) -> None:
+        if reset_every < 1:
+            raise StreamrtError(f"lfu-mru reset_every must be >= 1, got {reset_every}")
+        self.reset_every = reset_every
+        self._refs = 0
+        self._seq = 0
+        self._count: dict[Key, int] = {}
+        self._resident: dict[Key, int] = {}  # key -> insertion sequence number
+        self._heap: list[tuple[int, int, Key]] = []  # (count, -seq, key); lazily invalidated
+
+    def access(self, key: Key) -> None:
+        self._count[key] = self._count.get(key, 0) + 1
+        self._refs += 1
+        if key in self._resident:
+            self._push(key)
+        if self._refs >= self.reset_every:
+            self._age()
+
+    def insert(self, key: Key) -> None:
+        self._seq += 1
+        self._resident[key] = self._seq
+        self._push(key)
+
+    def remove(self, key: Key) -> None:
+        self._resident.pop(key, None)
+
+    def count(self, key: Key) -> int:
+        return self._count.get(key, 0)
+
+    def victim(self, pinned: Container[Key] = ()) -> Key | None:
+        held, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            count, negseq, key = entry
+            if self._resident.get(key) != -negseq or count != self._count.get(key, 0):
+                continue  # stale
+            held.append(entry)
+            if key not in pinned:
+                found = key
+                break
+        for entry in held:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def _push(self, key: Key) -> None:
+        heapq.heappush(self._heap, (self._count.get(key, 0), -self._resident[key], key))
+        if len(self._heap) > 4 * len(self._resident) + 64:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(self._count.get(k, 0), -s, k) for k, s in self._resident.items()]
+        heapq.heapify(self._heap)
+
+    def _age(self) -> None:
+        self._refs = 0
+        self._count = {k: c // 2 for k, c in self._count.items() if c // 2 or k in self._resident}
+        self._rebuild()
+
+
 POLICIES = {"lru": LRU, "lfu": LFUDecay}
 DEFAULT_POLICY = "lfu"
 
