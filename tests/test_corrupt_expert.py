@@ -50,7 +50,8 @@ def test_run_fails_with_a_clear_error(corrupt_tree):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "checksum mismatch" in r.stderr and "Traceback" not in r.stderr
     assert any(p.name in r.stderr for p in victims)
-    assert len(r.stderr.strip().splitlines()) == 1
+    lines = r.stderr.strip().splitlines()  # the start line naming the host tier, then the one-line error
+    assert "checksum mismatch" in lines[-1] and all(x.startswith("streamrt: host tier") for x in lines[:-1])
 
 
 def test_run_without_verification_does_not_check(corrupt_tree):
