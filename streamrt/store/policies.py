@@ -33,6 +33,23 @@ from streamrt.errors import StreamrtError
 Key = Hashable
 
 
+
+def _lazy_heap_victim(heap: list, live, pinned: Container) -> object | None:
+    """The smallest live, unpinned entry's key of a heap with lazy deletion (entries end with the
+    key; stale ones are dropped as they surface, pinned ones pushed back)."""
+    held, found = [], None
+    while heap:
+        entry = heapq.heappop(heap)
+        if not live(entry):
+            continue  # stale
+        held.append(entry)
+        if entry[-1] not in pinned:
+            found = entry[-1]
+            break
+    for entry in held:
+        heapq.heappush(heap, entry)
+    return found
+
 class Policy(Protocol):
     name: str
 
@@ -115,20 +132,11 @@ class LFUDecay:
         self._resident.discard(key)
 
     def victim(self, pinned: Container[Key] = ()) -> Key | None:
-        held: list[tuple[float, int, Key]] = []
-        found = None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
+        def live(entry) -> bool:
             score, last, key = entry
-            if key not in self._resident or score != self._score.get(key, 0.0) or last != self._last.get(key, 0):
-                continue  # stale
-            held.append(entry)
-            if key not in pinned:
-                found = key
-                break
-        for entry in held:
-            heapq.heappush(self._heap, entry)
-        return found
+            return key in self._resident and score == self._score.get(key, 0.0) and last == self._last.get(key, 0)
+
+        return _lazy_heap_victim(self._heap, live, pinned)
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -193,19 +201,11 @@ class FrequencyMRU:
         return self._count.get(key, 0)
 
     def victim(self, pinned: Container[Key] = ()) -> Key | None:
-        held, found = [], None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
+        def live(entry) -> bool:
             count, negseq, key = entry
-            if self._resident.get(key) != -negseq or count != self._count.get(key, 0):
-                continue  # stale
-            held.append(entry)
-            if key not in pinned:
-                found = key
-                break
-        for entry in held:
-            heapq.heappush(self._heap, entry)
-        return found
+            return self._resident.get(key) == -negseq and count == self._count.get(key, 0)
+
+        return _lazy_heap_victim(self._heap, live, pinned)
 
     def __len__(self) -> int:
         return len(self._resident)
