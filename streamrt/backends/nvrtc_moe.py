@@ -49,7 +49,6 @@ class MoeOps:
             self._ready = torch.zeros(max(n, 1024), dtype=torch.int32, device=self.device)
         return self._ready
 
-
     def router(
         self,
         x: Tensor,

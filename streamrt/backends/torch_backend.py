@@ -17,7 +17,7 @@ backend whose every product has a shape that C does not change: `linear` runs fi
 `row_tile` rows (the last one zero-padded; a fixed-shape GEMM gives a row the same bits
 wherever it sits in the tile), and `mla_prefill` runs fixed query tiles against fixed key
 blocks, in ascending block order, with an online softmax (a block a row cannot see leaves its
-running max, sum and accumulator bit-identical). Transcendentals use `sigmoid` below: torch's
+XX
 CPU sigmoid / SiLU take a scalar path for a buffer's tail whose bits differ from the vector
 path, so a position's value would depend on where the buffer ends.
 
