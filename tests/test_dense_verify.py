@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 
@@ -17,22 +16,14 @@ from streamrt.checkpoint import reader
 from streamrt.checkpoint.reader import VERIFIED, open_tree
 from streamrt.checkpoint.verify import verify_tree
 from streamrt.cli import main
-from streamrt.default_model import packaged_model_dir
 from streamrt.errors import CheckpointError
 
 RESIDENT = "dense/resident.safetensors"
 
 
 @pytest.fixture
-def tree(tmp_path, monkeypatch) -> Path:
-    """A private copy of the embedded default model (records and caches under tmp_path)."""
-    monkeypatch.setenv("STREAMRT_CACHE", str(tmp_path / "cache"))
-    src = packaged_model_dir()
-    if src is None:
-        pytest.skip("no packaged default model in this build")
-    dst = tmp_path / "model"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(VERIFIED))
-    return dst
+def tree(default_model_copy) -> Path:
+    return default_model_copy  # conftest.py
 
 
 def _flip_data_byte(path: Path, back: int = 100) -> None:

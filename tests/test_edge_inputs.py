@@ -17,9 +17,8 @@ import pytest
 
 from streamrt import run_cmd
 from streamrt.checkpoint import fileio
-from streamrt.checkpoint.reader import VERIFIED, open_tree, read_manifest
+from streamrt.checkpoint.reader import open_tree, read_manifest
 from streamrt.cli import main
-from streamrt.default_model import packaged_model_dir
 from streamrt.errors import CheckpointError, ConfigError, StreamrtError
 from streamrt.jsonio import json_depth, load_json
 from streamrt.runtime.stats import write_stats_json
@@ -48,14 +47,8 @@ def _one_line_error(capsys, argv, fragment, rc=2):
 
 
 @pytest.fixture
-def tree(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("STREAMRT_CACHE", str(tmp_path / "cache"))
-    src = packaged_model_dir()
-    if src is None:
-        pytest.skip("no packaged default model in this build")
-    dst = tmp_path / "model"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(VERIFIED))
-    return dst
+def tree(default_model_copy) -> Path:
+    return default_model_copy  # conftest.py
 
 
 @pytest.fixture
