@@ -86,16 +86,32 @@ def usage(job: Job) -> S.Usage:
                    total_tokens=len(job.ids) + len(job.tokens))
 
 
+class _Fed:
+    """A job's tokens fed to its reply: yields what each token adds
+    (pieces or text; nothing is yielded for a token that adds nothing), cancels the job once the
+    reply has hit a stop string, and leaves the finish reason ("stop" then) in `reason`."""
+
+    reason = "stop"
+
+    async def feed(self, job: Job, reply):
+        async for t in job.stream():
+            out = reply.feed(t)
+            if out:
+                yield out
+            if reply.stopped:
+                job.cancel()
+                return
+        self.reason = job.finish_reason
+
+
 async def run_to_end(request: Request, job: Job, reply) -> str | None:
     """Feed the job's tokens to the reply until it ends; None when the client went away."""
 
     async def consume() -> str:
-        async for t in job.stream():
-            reply.feed(t)
-            if reply.stopped:
-                job.cancel()
-                return "stop"
-        return job.finish_reason
+        run = _Fed()
+        async for _ in run.feed(job, reply):
+            pass
+        return run.reason
 
     work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
     try:
@@ -215,21 +231,17 @@ async def _chat_events(state: ServerState, request: Request, job: Job, reply: Ch
     gone = watch_disconnect(request, job)
     try:
         yield sse(S.ChatCompletionChunk(**head, choices=[S.ChunkChoice(delta=S.Delta(role="assistant", content=""))]))
-        reason = "stop"
+        run = _Fed()
         try:
-            async for t in job.stream():
-                for piece in reply.feed(t):
+            async for pieces in run.feed(job, reply):
+                for piece in pieces:
                     for c in _delta_chunks(head, piece):
                         yield sse(c)
-                if reply.stopped:
-                    job.cancel()
-                    break
-            else:
-                reason = job.finish_reason
         except EngineError as exc:
             yield sse(error_body(str(exc), type="server_error"))
             yield "data: [DONE]\n\n"
             return
+        reason = run.reason
         if reason == "cancelled":  # the client is gone
             return
         for piece in reply.finish(reason):
@@ -273,22 +285,16 @@ async def _text_events(request: Request, job: Job, reply: TextReply, head: dict,
 
     gone = watch_disconnect(request, job)
     try:
-        reason = "stop"
+        run = _Fed()
         try:
-            async for t in job.stream():
-                text = reply.feed(t)
-                if text:
-                    yield chunk(text)
-                if reply.stopped:
-                    job.cancel()
-                    break
-            else:
-                reason = job.finish_reason
+            async for text in run.feed(job, reply):
+                yield chunk(text)
         except EngineError as exc:
             yield sse(error_body(str(exc), type="server_error"))
             yield "data: [DONE]\n\n"
             return
-        if reason == "cancelled":
+        reason = run.reason
+        if reason == "cancelled":  # the client is gone
             return
         yield chunk(reply.finish(), reply.finish_reason(reason))
         if include_usage:
