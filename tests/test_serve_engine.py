@@ -28,19 +28,16 @@ class ScriptedRunner:
     def _logits(self, tok: int) -> torch.Tensor:
         return torch.nn.functional.one_hot(torch.tensor(tok), V).float()
 
-    async def prefill(self, ids, cache):
-        self.calls.append(("prefill", len(ids)))
-        await asyncio.sleep(0)
-        return self._logits(STOP if ids[0] == STOP else 1)
-
-    async def decode(self, last, cache):
-        self.calls.append(("decode", len(last)))
-        assert cache.batch == len(last)
+    async def step(self, last, cache, prefills):
+        self.calls.append(("step", len(last), tuple(len(ids) for ids, _ in prefills)))
+        if last:
+            assert cache.batch == len(last)
         if self.fail_at is not None and len(self.calls) >= self.fail_at:
             self.fail_at = None
             raise RuntimeError("device fell over")
         await asyncio.sleep(0)
-        return torch.stack([self._logits(1) for _ in last])
+        decoded = torch.stack([self._logits(1) for _ in last]) if last else None
+        return decoded, [self._logits(STOP if ids[0] == STOP else 1) for ids, _ in prefills]
 
 
 def _job(n_prompt: int, max_tokens: int, first: int = 0) -> Job:
@@ -73,12 +70,33 @@ def test_chunked_prefill_interleaves_with_running_decodes():
 
     calls, (ta, tb), reasons = _run(go())
     assert ta == [1] * 8 and tb == [1] * 3 and reasons == ("length", "length")
-    # a joins after its one prefill; b's 150 tokens go in as 64 + 64 + 22, one chunk per decode step of a
-    i = calls.index(("prefill", 64))
-    assert calls[:2] == [("prefill", 10), ("decode", 1)]
-    assert calls[i : i + 6] == [("prefill", 64), ("decode", 1), ("prefill", 64), ("decode", 1), ("prefill", 22),
-                                ("decode", 2)]
-    assert calls.count(("decode", 2)) == 2 and calls[-1] == ("decode", 1)  # b leaves after 3 tokens, a goes on
+    # a joins after its one prefill; b's 150 tokens go in as 64 + 64 + 22, each in one forward with a's
+    # decode step; b's first token comes from its last piece, two decode steps with a give the rest
+    assert calls[0] == ("step", 0, (10,))
+    i = calls.index(("step", 1, (64,)))
+    assert calls[i : i + 5] == [("step", 1, (64,)), ("step", 1, (64,)), ("step", 1, (22,)), ("step", 2, ()),
+                                ("step", 2, ())]
+    assert calls[-1] == ("step", 1, ())  # b left after 3 tokens, a went on alone
+
+
+def test_waiting_prompts_prefill_together_within_the_token_budget():
+    async def go():
+        runner = ScriptedRunner()
+        engine = Engine(runner, max_batch=3, prefill_tokens=100)
+        jobs = [_job(n, 2) for n in (40, 50, 30, 20)]
+        for job in jobs:
+            engine.submit(job)
+        loop = asyncio.ensure_future(engine.run())
+        got = await asyncio.gather(*(_drain(j) for j in jobs))
+        engine.stop()
+        await loop
+        return runner.calls, got
+
+    calls, got = _run(go())
+    assert got == [[1, 1]] * 4
+    # three rows: 40 + 50 fit the 100-token budget, 30 waits a step (decoded with the two rows, which
+    # then leave, two tokens each); the fourth waits for a free row
+    assert calls == [("step", 0, (40, 50)), ("step", 2, (30,)), ("step", 1, (20,)), ("step", 1, ())]
 
 
 def test_stop_token_at_prefill_never_joins_and_cancel_frees_the_row():

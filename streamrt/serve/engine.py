@@ -3,16 +3,18 @@
 Each turn of `Engine.run`, at a step boundary:
   1. drop   rows whose client went away or whose reply hit a stop string (`Job.cancel`), and
             waiting jobs cancelled before they got a row: the batch cache keeps the others
-  2. admit  the oldest waiting job (FIFO) takes the prefill slot while the batch has a free
-            row; each boundary runs one prefill forward of it on its own 1-row cache: the
-            whole prompt, or with `prefill_chunk` its next chunk of that many tokens, so a
-            long prompt is spread over several decode steps of the running rows. After the
-            last piece its first token is sampled and its cache stacked onto the batch's.
+  2. admit  waiting jobs (FIFO) take prefill slots while the batch has free rows; each has
+            its own 1-row cache and goes in whole, or with `prefill_chunk` one chunk of that
+            many tokens per boundary, so a long prompt is spread over several steps; at most
+            `prefill_tokens` prompt tokens go in per boundary (the oldest piece always does).
             (Chunks must be multiples of the KDA chunk, 64, and are exact only on a model
             whose chunked prefill is bit-identical to the one-shot one: default off.)
-  3. decode one step for every row at once (one forward, so the rows' expert fetches are
-            shared per layer), sample each row, hand its token to its client's queue; rows
-            that stop (a stop token or their max_tokens) leave the batch
+  3. step   one forward for everything at this boundary: a decode step of every running row
+            and the next piece of every prefill, driven in lockstep so each layer's experts
+            are fetched once for all of them (the runner's `step`). Each row samples its
+            token and hands it to its client's queue; rows that stop (a stop token or their
+            max_tokens) leave; a prefill that finished samples its first token and its cache
+            is stacked onto the batch's.
   4. yield  to the loop, so the HTTP side reads requests and writes tokens
 
 A row samples with its own generator seeded as `streamrt run --seed S` seeds row 0, so a
@@ -95,11 +97,13 @@ class EngineError(Exception):
 
 
 class Engine:
-    def __init__(self, runner, *, max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 0, metrics=None):
+    def __init__(self, runner, *, max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 0,
+                 prefill_tokens: int = 4096, metrics=None):
         self.runner = runner
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_chunk = prefill_chunk  # 0: a whole prompt per boundary
-        self.prefilling: _Prefill | None = None
+        self.prefill_tokens = prefill_tokens  # prompt tokens per step, beyond the first piece: bounds activations
+        self.prefilling: list[_Prefill] = []
         self.metrics = metrics
         self.waiting: deque[Job] = deque()
         self.rows: list[Job] = []  # row i of self.cache is self.rows[i]
@@ -133,19 +137,15 @@ class Engine:
     async def run(self) -> None:
         while not self._stopping:
             self._drop_cancelled()
-            if not self.rows and not self.waiting and self.prefilling is None:
+            if not self.rows and not self.waiting and not self.prefilling:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self.prefilling is None and self.waiting and len(self.rows) < self.max_batch:
-                self.prefilling = _Prefill(self.waiting.popleft(), self.runner.new_cache())
-            if self.prefilling is not None:
-                await self._guarded(self._admit(self.prefilling), [self.prefilling.job])
-            if self.rows:
-                await self._guarded(self._decode(), list(self.rows))
+            while self.waiting and len(self.rows) + len(self.prefilling) < self.max_batch:
+                self.prefilling.append(_Prefill(self.waiting.popleft(), self.runner.new_cache()))
+            await self._guarded(self._step(), [p.job for p in self.prefilling] + list(self.rows))
             await asyncio.sleep(0)
-        pending = [self.prefilling.job] if self.prefilling is not None else []
-        for job in pending + list(self.rows) + list(self.waiting):
+        for job in [p.job for p in self.prefilling] + list(self.rows) + list(self.waiting):
             self._fail(job, "server shutting down")
 
     async def _guarded(self, step, jobs: list[Job]) -> None:
@@ -156,34 +156,47 @@ class Engine:
             log.exception("streamrt serve: forward failed")
             for job in set(jobs) | set(self.rows):
                 self._fail(job, f"generation failed ({type(exc).__name__}: {exc})")
-            self.rows, self.cache, self.prefilling = [], None, None
+            self.rows, self.cache, self.prefilling = [], None, []
 
-    async def _admit(self, p: "_Prefill") -> None:
-        """One prefill forward of the job in the prefill slot; on its last piece, it joins the batch."""
-        job, n = p.job, len(p.job.ids)
-        step = n if self.prefill_chunk <= 0 else self.prefill_chunk
-        piece = job.ids[p.done : p.done + step]
+    async def _step(self) -> None:
+        """One forward: the running rows' decode step and the next piece of the prefills (the
+        oldest first, as many as `prefill_tokens` allows; the oldest always goes)."""
+        going, pieces, total = [], [], 0
+        for p in self.prefilling:
+            piece = self._next_piece(p)
+            if going and total + len(piece) > self.prefill_tokens:
+                break
+            going.append(p)
+            pieces.append(piece)
+            total += len(piece)
+        last = [job.tokens[-1] for job in self.rows]
         t0 = time.perf_counter()
-        logits = await self.runner.prefill(piece, p.cache)  # [V]
-        p.done += len(piece)
-        if self.metrics is not None:
-            self.metrics.prefill(len(piece), time.perf_counter() - t0)
-        if p.done < n:
-            return
-        self.prefilling = None
-        if self.metrics is not None:
-            self.metrics.first_token(time.perf_counter() - job.submitted)
-        if self._emit(job, logits) and not job.cancelled:
-            self.cache = p.cache if self.cache is None else ModelCache.stack([self.cache, p.cache])
-            self.rows.append(job)
+        decoded, prefilled = await self.runner.step(last, self.cache, [(piece, p.cache) for p, piece in zip(going, pieces)])
+        seconds = time.perf_counter() - t0
+        if self.rows:
+            self.steps += 1
+            if self.metrics is not None:
+                self.metrics.step(len(self.rows))
+            self._keep([i for i, job in enumerate(self.rows) if self._emit(job, decoded[i])])
+        if going and self.metrics is not None:
+            self.metrics.prefill(total, seconds)
+        for p, piece, logits in zip(going, pieces, prefilled):
+            p.done += len(piece)
+            if p.done == len(p.job.ids):
+                self._join(p, logits)
+        self.prefilling = [p for p in self.prefilling if p.done < len(p.job.ids)]
 
-    async def _decode(self) -> None:
-        logits = await self.runner.decode([job.tokens[-1] for job in self.rows], self.cache)  # [B, V]
-        self.steps += 1
+    def _next_piece(self, p: "_Prefill") -> list[int]:
+        n = len(p.job.ids)
+        return p.job.ids[p.done : p.done + (n if self.prefill_chunk <= 0 else self.prefill_chunk)]
+
+    def _join(self, p: "_Prefill", logits) -> None:
+        """A prefill's last piece is in: sample its first token; a live row joins the batch."""
         if self.metrics is not None:
-            self.metrics.step(len(self.rows))
-        keep = [i for i, job in enumerate(self.rows) if self._emit(job, logits[i])]
-        self._keep(keep)
+            self.metrics.first_token(time.perf_counter() - p.job.submitted)
+        if self._emit(p.job, logits) and not p.job.cancelled:
+            self.cache = p.cache if self.cache is None else ModelCache.stack([self.cache, p.cache])
+            self.rows.append(p.job)
 
     def _emit(self, job: Job, logits) -> bool:
         """Sample the job's next token and hand it over; False when the job is finished."""
@@ -203,9 +216,10 @@ class Engine:
         return not job.done
 
     def _drop_cancelled(self) -> None:
-        if self.prefilling is not None and self.prefilling.job.cancelled:
-            self._close(self.prefilling.job, Finished("cancelled"))
-            self.prefilling = None
+        for p in self.prefilling:
+            if p.job.cancelled:
+                self._close(p.job, Finished("cancelled"))
+        self.prefilling = [p for p in self.prefilling if not p.job.cancelled]
         if any(job.cancelled for job in self.waiting):
             for job in self.waiting:
                 if job.cancelled:
@@ -234,7 +248,7 @@ class Engine:
 
 @dataclass(eq=False)
 class _Prefill:
-    """The job in the prefill slot: its 1-row cache and how many prompt tokens it holds."""
+    """A job being prefilled: its 1-row cache and how many prompt tokens it holds."""
 
     job: Job
     cache: ModelCache

@@ -2,11 +2,14 @@
 StreamingRuntime sized for the whole decode batch (`batch=max_batch`: one layer request of
 B rows needs up to B x top-k device slots).
 
-Two forwards, both awaited on the runtime's own loop (the server's loop):
-  prefill(ids, cache) -> logits [V] fp32 of the last position (cache: a 1-row `new_cache()`)
-  decode(last, cache) -> logits [B, V] fp32, one new token per row
-exactly the calls `streamrt.generate.generate` makes, so a row's greedy tokens equal
-`streamrt run`'s for the same prompt whatever shares the batch (decode ops are row-wise).
+One call per step boundary, awaited on the runtime's own loop (the server's loop):
+  step(last, cache, prefills) -> (logits [B, V] fp32, one new token per running row, or None
+                                  without rows; [logits [V] fp32 of each prefill's last position])
+  prefills: (ids, 1-row cache) pairs, a whole prompt or its next chunk each.
+The decode step and the prefills are the forwards `streamrt.generate.generate` runs, driven in
+lockstep (`model/lockstep.py`) so each layer's experts are fetched once for all of them; each
+keeps its own rows and arithmetic, so a row's greedy tokens equal `streamrt run`'s for the same
+prompt whatever shares the step (decode ops are row-wise).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import Tensor
 
 from streamrt.model import ModelCache
+from streamrt.model.lockstep import lockstep
 
 
 class ModelRunner:
@@ -53,18 +57,18 @@ class ModelRunner:
     def new_cache(self) -> ModelCache:
         return self.model.new_cache(1, self._device)
 
-    async def prefill(self, ids: list[int], cache: ModelCache) -> Tensor:
-        """Prefill ids on a 1-row cache (a whole prompt, or its next chunk): logits [V] of the last."""
+    async def step(self, last: list[int], cache: ModelCache | None, prefills: list[tuple[list[int], ModelCache]]):
         with torch.no_grad():
-            x = torch.tensor([ids], device=self._device)  # [1, T]
-            logits = await self.runtime.decode_step(self.model.forward_steps(x, cache, last_only=True))
-        return logits[0, 0].float()  # [V]
-
-    async def decode(self, last: list[int], cache: ModelCache) -> Tensor:
-        with torch.no_grad():
-            x = torch.tensor([[t] for t in last], device=self._device)  # [B, 1]
-            logits = await self.runtime.decode_step(self.model.forward_steps(x, cache), tokens=len(last))
-        return logits[:, 0].float()  # [B, V]
+            gens = []
+            if last:
+                x = torch.tensor([[t] for t in last], device=self._device)  # [B, 1]
+                gens.append(self.model.forward_steps(x, cache))
+            for ids, row_cache in prefills:
+                x = torch.tensor([ids], device=self._device)  # [1, T]
+                gens.append(self.model.forward_steps(x, row_cache, last_only=True))
+            out = await self.runtime.decode_step(lockstep(gens), tokens=len(last))
+        decoded = out.pop(0)[:, 0].float() if last else None  # [B, V]
+        return decoded, [logits[0, 0].float() for logits in out]
 
     def close(self) -> None:
         if self.options.stats_json:

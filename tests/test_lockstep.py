@@ -1,0 +1,58 @@
+"""Forwards driven in lockstep (the server's step: a decode batch and new prompts' prefills in one
+pass): each forward's logits are bit-identical to running it alone, and requests for the same layer
+are served as one (fewer provider calls, the union of the experts)."""
+
+from __future__ import annotations
+
+import torch
+
+from streamrt.backends.torch_backend import TorchBackend
+from streamrt.config import load_config
+from streamrt.loader import DictExpertProvider
+from streamrt.model import KimiLinearForCausalLM, run_sync
+from streamrt.model.lockstep import lockstep
+from streamrt.model.synthetic import init_random_, random_experts
+
+
+def _model():
+    cfg = load_config("tiny-k3.1-pro")
+    model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
+    init_random_(model, 3)
+    return cfg, model, random_experts(cfg, 11)
+
+
+def _forwards(model, cfg, seed: int):
+    """A 2-row decode step on a prefilled cache and two prompts (one in two chunks), fresh caches."""
+    g = torch.Generator().manual_seed(seed)
+    experts = DictExpertProvider(random_experts(cfg, 11))
+    batch = model.new_cache(2)
+    run_sync(model.forward_steps(torch.randint(0, cfg.vocab_size, (2, 5), generator=g), batch), experts)
+    last = torch.randint(0, cfg.vocab_size, (2, 1), generator=g)
+    a = torch.randint(0, cfg.vocab_size, (1, 9), generator=g)
+    b = torch.randint(0, cfg.vocab_size, (1, 13), generator=g)
+    ca, cb = model.new_cache(1), model.new_cache(1)
+    return [
+        lambda: model.forward_steps(last, batch),
+        lambda: model.forward_steps(a, ca, last_only=True),
+        lambda: model.forward_steps(b, cb, last_only=True, prefill_chunk=8),
+    ], (batch, ca, cb)
+
+
+def test_lockstep_is_bit_identical_and_shares_each_layers_fetch():
+    cfg, model, experts = _model()
+    with torch.no_grad():
+        makers, _ = _forwards(model, cfg, 5)
+        alone_provider = DictExpertProvider(experts, record=True)
+        alone = [run_sync(make(), alone_provider) for make in makers]
+        makers, _ = _forwards(model, cfg, 5)
+        merged_provider = DictExpertProvider(experts, record=True)
+        together = run_sync(lockstep([make() for make in makers]), merged_provider)
+    assert len(together) == 3
+    for x, y in zip(alone, together):
+        assert x.shape == y.shape and torch.equal(x, y)
+    n_moe = len(alone_provider.requests) // 4  # decode 1 pass, a 1 pass, b 2 chunks: 4 passes
+    assert len(alone_provider.requests) == 4 * n_moe
+    # b's second chunk runs alone after the three first passes went together: 2 passes' worth
+    assert len(merged_provider.requests) == 2 * n_moe
+    first = merged_provider.requests[0]
+    assert first.ids.shape[0] == 2 + 9 + 8  # the decode rows, a's 9 positions, b's first chunk of 8
