@@ -107,11 +107,27 @@ def child(args, rest: list[str]) -> None:
         "cache_bytes": cache.nbytes(),
         "top1": top1,
         "threads": torch.get_num_threads(),
+        "bytes_h2d": rt.stats.bytes_h2d,  # expert bytes over the link during this prefill
+        "device_misses": rt.stats.device_misses,
     }
     if cuda:
-        out.update(dev_loaded=dev_base, dev_peak=torch.cuda.max_memory_allocated())
+        out.update(dev_loaded=dev_base, dev_peak=torch.cuda.max_memory_allocated(), link_gbps=link_rate_gbps(torch))
     rt.close()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def link_rate_gbps(torch, nbytes: int = 1 << 30) -> float:
+    """Host-to-device rate of one pinned copy (best of three), 1e9 B/s: the TTFT floor's divisor."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
 
 
 def slope(xs, ys) -> float:
@@ -174,7 +190,7 @@ def main(argv=None) -> int:
     hdr = f"{'tokens':>8} {'chunk':>6} {'TTFT s':>8} {'tok/s':>9} {'RSS load MB':>12} {'RSS peak MB':>12} {'cache MB':>9}"
     cuda = any(r == "cuda" or r.startswith("cuda") for r in rest)
     if cuda:
-        hdr += f" {'dev peak MB':>12}"
+        hdr += f" {'dev peak MB':>12} {'link GB':>8} {'link GB/s':>9} {'floor s':>8}"
     print(hdr)
     for n in lengths:
         r = run_length(mdir, n, args, rest)
@@ -182,7 +198,8 @@ def main(argv=None) -> int:
         line = (f"{n:>8} {r['chunk']:>6} {r['ttft_s']:>8.2f} {r['tok_s']:>9.1f} {r['rss_loaded'] / 1e6:>12.1f} "
                 f"{r['rss_peak'] / 1e6:>12.1f} {r['cache_bytes'] / 1e6:>9.2f}")
         if "dev_peak" in r:
-            line += f" {r['dev_peak'] / 1e6:>12.1f}"
+            floor = r["bytes_h2d"] / 1e9 / r["link_gbps"]  # the expert bytes at the measured link rate
+            line += f" {r['dev_peak'] / 1e6:>12.1f} {r['bytes_h2d'] / 1e9:>8.2f} {r['link_gbps']:>9.1f} {floor:>8.2f}"
         print(line, flush=True)
     if len(rows) > 1:
         xs = [r["length"] / 1000 for r in rows]
