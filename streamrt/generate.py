@@ -89,12 +89,47 @@ def generate(
     max_context: a row stops ("length") once prompt + generated tokens reach it; a prompt
     longer than it is an error (the caller truncates or refuses first).
     """
+    prompts, single = _as_batch(prompts)
+    _check_request(prompts, max_new_tokens, top_p, max_context)
+    runner = runner or (lambda gen: run_sync(gen, provider))
+    rows = _Rows([len(p) for p in prompts], max_new_tokens, max_context,
+                 set(stop_ids) if stop_ids is not None else {model.config.eos_token_id})
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + row) for row in range(len(prompts))]
+    emit = on_token if on_token is None or not single else (lambda row, tok: on_token(tok))
+
+    t0 = time.perf_counter()
+    caches, prefill_logits = _prefill(model, prompts, runner, prefill_chunk)
+    t1 = time.perf_counter()
+    cache = ModelCache.stack(caches) if len(prompts) > 1 else caches[0]
+
+    def draw(row: int, logits: Tensor) -> int:
+        return sample(logits, temperature, top_p, gens[row])
+
+    steps = _decode(model, runner, cache, prefill_logits, rows, draw, emit, hash_steps)
+    t2 = time.perf_counter()
+    return GenerationResult(
+        tokens=rows.tokens,
+        finish_reasons=rows.reasons,
+        prefill_logits=prefill_logits,
+        prefill_hashes=[logits_hash(l) for l in prefill_logits],
+        step_hashes=rows.step_hashes,
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        decode_steps=steps,
+    )
+
+
+def _as_batch(prompts: Sequence[Sequence[int]] | Sequence[int] | Tensor) -> tuple[list[list[int]], bool]:
+    """(a list of prompts, whether one bare prompt was given)."""
     if isinstance(prompts, Tensor):
         prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)
     if single:
         prompts = [prompts]
-    prompts = [list(p) for p in prompts]
+    return [list(p) for p in prompts], single
+
+
+def _check_request(prompts: list[list[int]], max_new_tokens: int, top_p: float, max_context: int | None) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise StreamrtError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -103,62 +138,76 @@ def generate(
         raise StreamrtError(f"generate: top_p must be in (0, 1], got {top_p}")
     if max_context is not None and max(len(p) for p in prompts) > max_context:
         raise StreamrtError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens exceeds the context of {max_context}")
-    runner = runner or (lambda gen: run_sync(gen, provider))
-    stops = set(stop_ids) if stop_ids is not None else {model.config.eos_token_id}
-    device = model.lm_head.weight.device
-    B = len(prompts)
-    gens = [torch.Generator().manual_seed(seed * 1_000_003 + row) for row in range(B)]
 
-    t0 = time.perf_counter()
+
+def _prefill(
+    model: KimiLinearForCausalLM, prompts: list[list[int]], runner: Runner, prefill_chunk: int | None
+) -> tuple[list[ModelCache], Tensor]:
+    """Each prompt prefilled on its own: (its cache, the logits of its last position) per row."""
+    device = model.lm_head.weight.device
     caches, last = [], []
     with torch.no_grad():
-        for p in prompts:  # per-sequence prefill
+        for p in prompts:
             cache = model.new_cache(1, device)
             ids = torch.tensor([p], device=device)
             logits = runner(model.forward_steps(ids, cache, last_only=True, prefill_chunk=prefill_chunk))  # [1, 1, V]
             caches.append(cache)
             last.append(logits[0, 0].float())
-    prefill_logits = torch.stack(last)  # [B, V]
-    t1 = time.perf_counter()
+    return caches, torch.stack(last)  # [B, V]
 
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    reasons = ["length"] * B
-    step_hashes: list[list[str]] = [[] for _ in range(B)]
-    cache = ModelCache.stack(caches) if B > 1 else caches[0]
-    active = list(range(B))  # original row of each cache row
-    logits = prefill_logits
+
+class _Rows:
+    """The decode loop's bookkeeping per original row: its tokens, why it stopped, its step hashes."""
+
+    def __init__(self, prompt_lens: list[int], max_new_tokens: int, max_context: int | None, stops: set[int]):
+        B = len(prompt_lens)
+        self.prompt_lens, self.max_new_tokens, self.max_context, self.stops = prompt_lens, max_new_tokens, max_context, stops
+        self.tokens: list[list[int]] = [[] for _ in range(B)]
+        self.reasons = ["length"] * B
+        self.step_hashes: list[list[str]] = [[] for _ in range(B)]
+        self.active = list(range(B))  # original row of each cache row
+
+    def continues(self, row: int, tok: int) -> bool:
+        """After `tok` was appended: False once the row hit a stop token, its budget or the context."""
+        if tok in self.stops:
+            self.reasons[row] = "stop"
+            return False
+        n = len(self.tokens[row])
+        return n < self.max_new_tokens and (self.max_context is None or self.prompt_lens[row] + n < self.max_context)
+
+
+def _decode(
+    model: KimiLinearForCausalLM,
+    runner: Runner,
+    cache: ModelCache,
+    logits: Tensor,
+    rows: _Rows,
+    draw: Callable[[int, Tensor], int],
+    emit: Callable[[int, int], None] | None,
+    hash_steps: bool,
+) -> int:
+    """Sample every running row, let finished rows leave the batch, one batched forward for the
+    rest; until no row runs. Returns the number of decode forwards."""
+    device = model.lm_head.weight.device
     steps = 0
     with torch.no_grad():
         while True:
             still = []
-            for i, row in enumerate(active):
-                tok = sample(logits[i], temperature, top_p, gens[row])
-                tokens[row].append(tok)
-                if on_token is not None:
-                    on_token(tok) if single else on_token(row, tok)
-                if tok in stops:
-                    reasons[row] = "stop"
-                elif len(tokens[row]) < max_new_tokens and (max_context is None or len(prompts[row]) + len(tokens[row]) < max_context):
+            for i, row in enumerate(rows.active):
+                tok = draw(row, logits[i])
+                rows.tokens[row].append(tok)
+                if emit is not None:
+                    emit(row, tok)
+                if rows.continues(row, tok):
                     still.append(i)
             if not still:
-                break
-            if len(still) < len(active):
+                return steps
+            if len(still) < len(rows.active):
                 cache = cache.select(still)
-                active = [active[i] for i in still]
-            ids = torch.tensor([[tokens[row][-1]] for row in active], device=device)  # [B', 1]
+                rows.active = [rows.active[i] for i in still]
+            ids = torch.tensor([[rows.tokens[row][-1]] for row in rows.active], device=device)  # [B', 1]
             logits = runner(model.forward_steps(ids, cache))[:, 0].float()  # [B', V]
             steps += 1
             if hash_steps:
-                for i, row in enumerate(active):
-                    step_hashes[row].append(logits_hash(logits[i]))
-    t2 = time.perf_counter()
-    return GenerationResult(
-        tokens=tokens,
-        finish_reasons=reasons,
-        prefill_logits=prefill_logits,
-        prefill_hashes=[logits_hash(l) for l in prefill_logits],
-        step_hashes=step_hashes,
-        prefill_s=t1 - t0,
-        decode_s=t2 - t1,
-        decode_steps=steps,
-    )
+                for i, row in enumerate(rows.active):
+                    rows.step_hashes[row].append(logits_hash(logits[i]))
