@@ -478,6 +478,28 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
             assert torch.equal(alone[0], out[t]), f"expert_ffn row {t} differs alone vs in the batch"
 
 
+@pytest.mark.parametrize("T,k,E,Dl,I", [(40, 16, 24, 3584, 3072), (7, 4, 6, 64, 96), (300, 8, 12, 256, 512)])
+def test_expert_ffn_grouped_prefill(gen, T, k, E, Dl, I):
+    """The prefill view's grouped GEMMs (nvfp4_gemm.py): within the tolerance of the float64
+    reference and of the decode kernels; the same bits when rerun."""
+    if CPU_DRY and Dl > 1000:
+        pytest.skip("slice geometry: GPU only")
+    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
+    weights = rand(gen, T, k, lo=0.01, hi=1.0)
+    weights = weights / weights.sum(-1, keepdim=True)
+    z = randn(gen, T, Dl)
+    ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
+    tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    if NV is None:
+        return
+    pre = NV.for_prefill()
+    assert pre.grouped_prefill and not NV.grouped_prefill
+    out = check(f"grouped expert_ffn T={T} k={k} Dl={Dl} I={I}", gen, ref, tb, lambda: pre.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+    assert rel(out, NV.expert_ffn(z, ids, weights, experts, 4.0, 25.0)) < 2 * TOL
+    assert torch.equal(pre.expert_ffn(z, ids.cpu(), weights, experts, 4.0, 25.0), out)
+
+
 @pytest.mark.skipif(NV is None, reason="kernel property")
 def test_expert_ffn_tc_shapes_same_bits(gen):
     """Warps per block, pipeline shape and programmatic launch of the tensor-core kernels change

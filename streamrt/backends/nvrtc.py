@@ -21,6 +21,8 @@ chunks of 64 (row, expert) pairs: correct, not tuned for prefill.
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 import torch
@@ -56,6 +58,7 @@ class NvrtcBackend(MoeOps):
     router and expert FFN come from `MoeOps`."""
 
     name = "nvrtc"
+    grouped_prefill = False  # True on the prefill view (for_prefill): expert FFN as grouped GEMMs
 
     def __init__(self, device: torch.device | str | int | None = None, rowwise_max: int = 64, nvfp4_impl: str | None = None):
         if not torch.cuda.is_available():
@@ -94,6 +97,14 @@ class NvrtcBackend(MoeOps):
 
     def _k(self, program: str, name: str) -> Kernel:
         return kernel(program, name, self._dev)
+
+    def for_prefill(self) -> "NvrtcBackend":
+        """This backend for a prefill chunk: the routed experts as grouped GEMMs (one per expert
+        and matrix, weights read once per chunk) instead of per-pair GEMVs. Decode stays on the
+        per-pair kernels (batch-invariant)."""
+        view = copy.copy(self)
+        view.grouped_prefill = True
+        return view
 
 
     def _empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -1,7 +1,9 @@
 """The nvrtc backend's MoE ops: the router and the routed NVFP4 expert FFN.
 
 `MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
-and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `pdl`, `pair_ready` the backend sets).
+and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `pdl`, `pair_ready`, `grouped_prefill`
+the backend sets). Decode runs the NVFP4 kernels per (row, expert) pair (batch-invariant);
+the prefill view (`for_prefill`) runs grouped GEMMs per expert (`nvfp4_gemm.py`).
 Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables
 (`expert_pointers.py`); the kernels: `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`:
 `profiling/RESULTS.md` (bench_kernels.py --variants).
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from streamrt.backends.expert_pointers import scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
+from streamrt.backends.nvfp4_gemm import grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr
 from streamrt.expert_weights import ExpertWeights
 from streamrt.ops import route, sigmoid
@@ -119,6 +122,10 @@ class MoeOps:
         out = self._empty(T, Dl, dtype=torch.float32)
         if P == 0:
             return out.zero_()
+        if self.grouped_prefill:  # a prefill chunk: one GEMM per expert and matrix (nvfp4_gemm.py)
+            y = grouped_expert_pairs(z, id_rows, experts, beta, linear_beta, late)
+            self._combine(y, w, out, T, k, Dl, None)
+            return out
         pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
         groups = [[q for q in pairs if q[2] not in late], [q for q in pairs if q[2] in late]]
         ptrs, I = {}, None
@@ -147,13 +154,17 @@ class MoeOps:
             if ready is not None:  # the sum that zeroes the counts will not run (queued after any launch made)
                 ready.zero_()
             raise
+        self._combine(y, w, out, T, k, Dl, ready)
+        return out
+
+    def _combine(self, y: Tensor, w: Tensor, out: Tensor, T: int, k: int, Dl: int, ready: Tensor | None) -> None:
+        """out[t] = sum_j (j ascending) w[t, j] * y[t*k + j] (and the pair counts zeroed)."""
         n = T * Dl
         self._k("nvfp4_moe", "srt_moe_combine")(
             (min(math.ceil(n / 256), 4096),), (256,),
             [ptr(y), ptr(w), ptr(out), i32(T), i32(k), i32(Dl), ptr(ready)],
             pdl=self.pdl,  # only y is the kernel before's output: read after pdl_wait()
         )
-        return out
 
     def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup) -> None:
         """gate+up+SiTU into h and down into y for up to 64 pairs (the tensor-core kernels count

@@ -1,0 +1,85 @@
+"""The routed expert FFN of a prefill chunk as grouped GEMMs on the tensor cores (cuBLAS).
+
+A prefill chunk routes hundreds to thousands of rows to each expert; the decode kernels
+(one GEMV per (row, expert) pair) read the expert's weights once per 64 pairs. Here each
+expert is expanded once per call and its rows are gathered into one GEMM per matrix:
+
+  weights  e2m1 * e4m3 is exact in fp16 (at most 6 significant bits, 2^-10 .. 2688), so the
+           expanded matrix loses nothing; the per-row global scale is applied to the fp32
+           product, as the decode kernels do.
+  rows     fp32 activations as two fp16 halves (hi + lo, after a power-of-two row scale that
+           keeps them in range: about 22 significant bits), stacked into one GEMM of 2m rows
+           with fp32 accumulation and output; the halves are summed in fp32.
+
+Same arithmetic as the decode path up to the order of the fp32 accumulation (a tolerance,
+not bits; `tests/test_kernels_gpu.py`). The result per (row, slot) pair goes to the same
+fixed-order weighted sum as decode.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.fp4 import E2M1_VALUES
+from streamrt.ops import situ_glu
+
+_LUT: dict[torch.device, Tensor] = {}
+
+
+def fp16_weights(m: NVFP4Matrix) -> Tensor:
+    """[out, in] fp16 = e2m1(nibble) * e4m3(block scale), exact; the global scale is left out."""
+    lut = _LUT.get(m.packed.device)
+    if lut is None:
+        lut = _LUT[m.packed.device] = torch.tensor(E2M1_VALUES, dtype=torch.float16, device=m.packed.device)
+    out, half = m.packed.shape
+    p = m.packed.to(torch.int32)
+    vals = torch.stack((lut[p & 15], lut[p >> 4]), dim=-1).view(out, half // 8, 16)
+    scales = m.scales.view(torch.float8_e4m3fn).to(torch.float16)  # [out, in/16]
+    return (vals * scales[..., None]).view(out, half * 2)
+
+
+def mm_nvfp4(x: Tensor, m: NVFP4Matrix, w16: Tensor | None = None) -> Tensor:
+    """x [n, in] fp32 @ m.T -> [n, out] fp32 on the tensor cores (see the module doc)."""
+    w16 = fp16_weights(m) if w16 is None else w16
+    n = x.shape[0]
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(2.0**-100))))  # |x / scale| <= 1
+    xs = x / scale
+    hi = xs.to(torch.float16)
+    lo = (xs - hi.float()).to(torch.float16)
+    halves = torch.cat((hi, lo))
+    if x.is_cuda:
+        y = torch.mm(halves, w16.T, out_dtype=torch.float32)  # [2n, out]
+    else:  # the CPU twin (tests): the same fp16 operands, every product exact in fp32
+        y = halves.float() @ w16.float().T
+    return (y[:n] + y[n:]) * scale * m.global_scale.float()[None, :]
+
+
+def grouped_expert_pairs(
+    z: Tensor, id_rows: list[list[int]], experts: Mapping[int, ExpertWeights], beta: float, linear_beta: float | None,
+    late: set[int] = frozenset(),
+) -> Tensor:
+    """z [T, Dl] fp32, id_rows [T][k] (host) -> y [T*k, Dl] fp32: y[t*k + j] = E_ids[t][j](z_t).
+    Experts in `late` (copies still in flight) are computed last."""
+    T, Dl = z.shape
+    k = len(id_rows[0]) if id_rows else 0
+    by_expert: dict[int, list[int]] = {}
+    for t, row in enumerate(id_rows):
+        for j, e in enumerate(row):
+            by_expert.setdefault(e, []).append(t * k + j)
+    order = sorted(by_expert, key=lambda e: (e in late, e))
+    flat = torch.tensor([p for e in order for p in by_expert[e]], dtype=torch.int64).to(z.device, non_blocking=True)
+    y = torch.empty(T * k, Dl, dtype=torch.float32, device=z.device)
+    at = 0
+    for e in order:
+        pairs = flat[at : at + len(by_expert[e])]
+        at += len(by_expert[e])
+        ew = experts[e]  # a streamed expert: the compute stream waits for its copy here
+        zr = z.index_select(0, pairs // k)
+        h = situ_glu(mm_nvfp4(zr, ew.gate), mm_nvfp4(zr, ew.up), beta, linear_beta)
+        y.index_copy_(0, pairs, mm_nvfp4(h, ew.down))
+    return y
