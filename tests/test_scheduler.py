@@ -14,6 +14,7 @@ from streamrt.model import ModelCache, run_sync
 from streamrt.loader import DirectExpertProvider, load_model
 from streamrt.runtime.options import RuntimeOptions, add_runtime_flags
 from streamrt.runtime.scheduler import StreamedExperts, StreamingRuntime
+from streamrt.runtime.stager import Stager
 from streamrt.runtime.stats import PAYLOAD_KEYS, STAGING_KEYS
 from streamrt.store.keys import ExpertKey
 
@@ -235,11 +236,15 @@ def test_lagging_copy_events_hold_mappings_and_gate_compute(tree, model, referen
 def test_decode_step_stages_the_first_moe_layer_from_the_embeddings(tree, model, reference):
     """Each decode step's first MoE layer is staged before its router speaks (the model's
     step_hint); the hint is removed after the step, and the logits do not change."""
-    rt = runtime(tree, model, window=WS, gpu_experts=2 * WS)
     staged_layers = []
-    stage = rt._stage
-    rt._stage = lambda layer, ids, budget: (staged_layers.append((layer, len(rt._staged.get(layer, ())))),
-                                            stage(layer, ids, budget=budget))
+
+    class Recording(Stager):
+        def stage(self, layer, ids, *, budget):
+            staged_layers.append((layer, len(self.staged.get(layer, ()))))
+            super().stage(layer, ids, budget=budget)
+
+    rt = StreamingRuntime(tree, model, RuntimeOptions(device="cpu", window=WS, gpu_experts=2 * WS), workers=2,
+                          record_trace=True, stager=Recording)
     try:
         got = decode(model, lambda g, n: rt.run(g, tokens=n))
     finally:
@@ -285,15 +290,54 @@ def test_default_queues_every_guess_and_stage_max_caps_it(tree, model, reference
 # ---- just-in-time staging ------------------------------------------------------------------
 
 
+class LoggingStager(Stager):
+    """The staging machinery as it runs, observed through the runtime's `stager` seam: what each
+    pump issued (and whether the feeder or `stage` did), what each drop dropped, how many staged
+    copies were pending right after each `stage`."""
+
+    def __init__(self, rt, predictor, log):
+        super().__init__(rt, predictor)
+        self.log = log
+
+    def pump(self):
+        log = self.log
+        log["pumps"] += 1
+        log["in_pump"] = True
+        try:
+            n = super().pump()
+        finally:
+            log["in_pump"] = False
+        if not log["in_stage"]:
+            log["fed"] += n  # issued later than at stage time: by the feeder
+        return n
+
+    def drop(self, layer):
+        gpu = self.rt.gpu
+        self.log["dropped"].append((self.log["step"], layer, [k for k in self.queue.get(layer, ()) if k not in gpu]))
+        super().drop(layer)
+
+    def stage(self, layer, ids, *, budget):
+        self.log["in_stage"] = True
+        try:
+            super().stage(layer, ids, budget=budget)
+        finally:
+            self.log["in_stage"] = False
+        # implementation-agnostic: staged keys whose copy event has not completed, right after staging
+        gpu = self.rt.gpu
+        pending = sum(1 for keys in self.staged.values() for k in keys
+                      if k in gpu and not gpu.ready[gpu.slot_of(k)].query())
+        self.log["after_stage"].append(pending)
+
+
 def jit_runtime(tree, model, dev, *, depth, lag_steps, **kw):
     """A runtime on `dev` (a LaggyDevice) with every mapping open, whose route waits while the
     copy stream executes `lag_steps` more copies, one per feeder poll (the CUDA path awaits the
     ids' event the same way). Logs what staging issued, what it dropped, and every slot fill."""
-    rt = StreamingRuntime(tree, model, RuntimeOptions(window=65536, stage_depth=depth, **kw), device=dev,
-                          workers=2, record_trace=True)
-    rt.warm_host()  # open mappings only: the test is deterministic (no pool timing)
     log = dict(step=0, max_out=0, pumps=0, fed=0, in_pump=False, in_stage=False, staged_seqs=[], dropped=[], fills=[],
                after_stage=[])
+    rt = StreamingRuntime(tree, model, RuntimeOptions(window=65536, stage_depth=depth, **kw), device=dev,
+                          workers=2, record_trace=True, stager=lambda rt, p: LoggingStager(rt, p, log))
+    rt.warm_host()  # open mappings only: the test is deterministic (no pool timing)
 
     record = dev.record_copy_event
 
@@ -307,38 +351,15 @@ def jit_runtime(tree, model, dev, *, depth, lag_steps, **kw):
 
     dev.record_copy_event = record_copy_event
 
-    pump = rt._pump
-
-    def counted_pump():
-        log["pumps"] += 1
-        log["in_pump"] = True
-        try:
-            n = pump()
-        finally:
-            log["in_pump"] = False
-        if not log["in_stage"]:
-            log["fed"] += n  # issued later than at stage time: by the feeder
-        return n
-
-    rt._pump = counted_pump
-
     async def to_host(t):
         for _ in range(lag_steps):
             dev.done_upto = min(dev.seq, dev.done_upto + 1)
             seen = log["pumps"]
-            while rt._queue and log["pumps"] == seen:  # let the feeder see the completed copy
+            while rt.stager.queue and log["pumps"] == seen:  # let the feeder see the completed copy
                 await asyncio.sleep(1e-4)
         return t.cpu()
 
-    rt._to_host = to_host
-
-    drop = rt._drop
-
-    def logged_drop(layer):
-        log["dropped"].append((log["step"], layer, [k for k in rt._queue.get(layer, ()) if k not in rt.gpu]))
-        drop(layer)
-
-    rt._drop = logged_drop
+    rt._to_host = to_host  # the route's wait for the ids, lagging as a device's would
 
     fill = rt.gpu.fill
 
@@ -347,21 +368,6 @@ def jit_runtime(tree, model, dev, *, depth, lag_steps, **kw):
         fill(slot, src, pinned=pinned)
 
     rt.gpu.fill = logged_fill
-
-    stage = rt._stage
-
-    def checked_stage(layer, ids, *, budget):
-        log["in_stage"] = True
-        try:
-            stage(layer, ids, budget=budget)
-        finally:
-            log["in_stage"] = False
-        # implementation-agnostic: staged keys whose copy event has not completed, right after staging
-        pending = sum(1 for keys in rt._staged.values() for k in keys
-                      if k in rt.gpu and not rt.gpu.ready[rt.gpu.slot_of(k)].query())
-        log["after_stage"].append(pending)
-
-    rt._stage = checked_stage
 
     def run(gen, tokens):
         out = rt.run(gen, tokens=tokens)
@@ -429,7 +435,7 @@ def test_cpu_device_issues_every_open_guess_at_once(tree, model, reference):
     finally:
         rt.close()
     assert same(out, reference)
-    assert p["staged"] > 0 and p["stage_dropped"] == 0 and rt._feeder is None and not rt._queue
+    assert p["staged"] > 0 and p["stage_dropped"] == 0 and rt.stager.feeder is None and not rt.stager.queue
 
 
 def test_stage_depth_flag():

@@ -1,5 +1,6 @@
-"""The streaming runtime: asyncio scheduler, copy/compute streams and events, staging predictor,
-runtime flags and counters.
+"""The streaming runtime: asyncio scheduler (`scheduler`), staging (`stager`, with the
+predictor's guesses), the pool tier's disk reads (`pool_reads`), copy/compute streams and
+events (`streams`), loop helpers (`aio`), runtime flags (`options`) and counters (`stats`).
 
     opts = RuntimeOptions.from_args(args)            # flags from add_runtime_flags(parser)
     rt = StreamingRuntime(tree, model, opts, device=make_device(opts.device), batch=B)

@@ -34,15 +34,6 @@ class Predictor:
                 routers[layer.layer_idx] = (moe.gate.weight, moe.gate.e_score_correction_bias)
         return cls(routers, tuple(cfg.moe_layers), cfg.experts_per_token)
 
-    @classmethod
-    def from_state_dict(cls, sd: Mapping[str, Tensor], cfg, device=None) -> "Predictor":
-        routers = {}
-        for i in cfg.moe_layers:
-            w = sd[f"model.layers.{i}.block_sparse_moe.gate.weight"]
-            b = sd[f"model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias"]
-            routers[i] = (w.to(device) if device is not None else w, b.to(device) if device is not None else b)
-        return cls(routers, tuple(cfg.moe_layers), cfg.experts_per_token)
-
     def target(self, layer: int) -> int | None:
         """The MoE layer a prediction made at `layer` is for."""
         nxt = self.next_layer.get(layer)
