@@ -1,7 +1,10 @@
 """Runtime flags shared by `run`, `selfcheck` and the profiling scripts.
 
-    add_runtime_flags(parser)          adds the flags below
+    add_runtime_flags(parser)          adds the flags: one per RuntimeOptions field, made from its `Flag`
     RuntimeOptions.from_args(args)     validates them (StreamrtError naming the flag)
+
+Each flag's default, choices and help are stated once, on its field; the tiers take the
+validated values and do not check them again.
     opts.resolve(cfg, file_bytes, device)  -> ResolvedSizes(window, gpu_experts)
 
 The failure-mode switches reproduce the seed's engine for the sweep and are off by default:
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 from streamrt.errors import StreamrtError
+from streamrt.store.disk_reader import DEFAULT_READ_THREADS
 from streamrt.store.policies import DEFAULT_POLICY, POLICIES
 
 DEFAULT_WINDOW_FLOOR = 65536
@@ -30,7 +35,6 @@ MAX_STAGE = 1 << 16  # --stage-max / --stage-depth
 MAX_BYTES = 1 << 50  # --host-mem / --gpu-mem: 1 PiB
 
 MAX_READ_THREADS = 256
-DEFAULT_READ_THREADS = 16  # store/disk_reader.py: 16 whole-file reads in flight
 
 
 def parse_read_threads(text) -> int:
@@ -66,57 +70,57 @@ def parse_bytes(text: str, flag: str) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Flag:
+    """How a RuntimeOptions field is a command-line flag (`--` + its name, dashed). The flag's
+    default is the field's unless `default` names another (a string the field's `parse` reads);
+    `parse` turns the parsed flag value into the field's (default: as it is); `choices`, when
+    the field holds one of them, are also checked on construction."""
+
+    help: str
+    choices: tuple | None = None
+    metavar: str | None = None
+    type: Callable | None = None
+    action: str | None = None
+    default: object = None  # None: the field's
+    parse: Callable | None = None
+
+
+def _flag(value, help: str, **kw):
+    """A field whose default is `value`, and its flag."""
+    return field(default=value, metadata={"flag": Flag(help, **kw)})
+
+
+def _bytes_of(flag: str) -> Callable:
+    return lambda text: parse_bytes(text, flag) if text is not None else None
+
+
+def _on_off(value) -> bool:
+    if value not in ("on", "off", True, False):
+        raise StreamrtError(f"--staging: expected on or off, got {value!r}")
+    return value in ("on", True)
+
+
+def _one_of(choices) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
+
+
+def flag_name(f) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
 def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The runtime flags, one per RuntimeOptions field, in its order, under one group."""
     g = parser.add_argument_group("streaming runtime")
-    g.add_argument("--window", type=int, default=None, metavar="N",
-                   help="expert mappings kept open in host memory (LRU); default max(2 x working set, 65536), "
-                        "capped by --host-mem")
-    g.add_argument("--host-mem", default=None, metavar="BYTES", help="cap on mapped expert bytes (e.g. 96G)")
-    g.add_argument("--gpu-experts", type=int, default=None, metavar="M",
-                   help="expert slots on the device; default from --gpu-mem or free device memory")
-    g.add_argument("--gpu-mem", default=None, metavar="BYTES", help="device memory for expert slots (e.g. 40G)")
-    g.add_argument("--gpu-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
-                   help=f"device-tier replacement policy (default {DEFAULT_POLICY}: frequency with aging)")
-    g.add_argument("--staging", default="on", choices=("on", "off"),
-                   help="on: copy stream, page-locked mappings, stage predicted experts of the next layer; "
-                        "off: pageable synchronous copies, no staging (the baseline)")
-    g.add_argument("--stage-max", type=int, default=None, metavar="N",
-                   help="queue at most the N most confident guesses for the next layer for staging (default: "
-                        "every guess that fits in free device slots); a wrong guess that is "
-                        "issued costs link time and a device slot")
-    g.add_argument("--stage-depth", type=int, default=DEFAULT_STAGE_DEPTH, metavar="N",
-                   help="staged guesses in flight on the copy stream at once (default %(default)s): the rest wait "
-                        "in a queue, most confident first, and are issued one by one as earlier copies finish; "
-                        "those still waiting when the layer's router speaks are dropped (a routed one is then "
-                        "fetched as an ordinary miss), so real misses queue behind at most N guesses")
-    g.add_argument("--preparse", action="store_true", help="failure mode: eagerly map and parse experts at load")
-    g.add_argument("--prefetch", default="none", choices=("none", "discard"),
-                   help="failure mode 'discard': read each routed file into a throwaway buffer first")
-    g.add_argument("--evict", default="event", choices=("event", "sync"),
-                   help="event: retire evicted mappings behind a copy-stream event (FIFO); "
-                        "sync: synchronize the device per eviction (failure mode)")
-    g.add_argument("--stats-json", default=None, metavar="FILE", help="write runtime counters as JSON")
-    g.add_argument("--trace", default=None, metavar="FILE",
-                   help="write a Chrome-trace JSON of every step (open in Perfetto; `streamrt trace summarize FILE`)")
-    g.add_argument("--verify-experts", default="first", choices=("first", "off"),
-                   help="first (default): check each expert file's checksum against the manifest the first "
-                        "time this process maps it, on the I/O pool, so a corrupt file is an error, never "
-                        "wrong numbers; off: header checks only")
-    g.add_argument("--host-tier", default="auto", choices=("auto", "mapped", "pool"),
-                   help="mapped: expert files mapped and page-locked in place (the store fits in RAM); pool: a "
-                        "pool of page-locked buffers under --host-mem filled by O_DIRECT reads (checkpoints "
-                        "bigger than RAM); auto (default): mapped when the experts fit in --host-mem or in "
-                        "the memory available, else pool")
-    g.add_argument("--read-threads", default=str(DEFAULT_READ_THREADS), metavar="N|auto",
-                   help="pool tier: reader threads, each one whole-file O_DIRECT read in flight (default "
-                        "%(default)s; auto: the fewest of 4/8/16/32 within 5%% of the best, measured at start)")
-    g.add_argument("--gds", default="auto", choices=("auto", "on", "off"),
-                   help="pool tier: GPUDirect Storage through kvikio/cuFile where present (auto), required "
-                        "(on) or not used (off); the start line says which path runs")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--backend", default="torch", choices=("torch", "nvrtc"),
-                   help="ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
-                        "time; decode path; prefill GEMMs stay on cuBLAS)")
+    for f in fields(RuntimeOptions):
+        spec: Flag = f.metadata["flag"]
+        kw = {k: v for k, v in (("choices", spec.choices), ("metavar", spec.metavar), ("type", spec.type))
+              if v is not None}
+        if spec.action is not None:
+            kw["action"] = spec.action
+        else:
+            kw["default"] = f.default if spec.default is None else spec.default
+        g.add_argument(flag_name(f), help=spec.help, **kw)
     return parser
 
 
@@ -128,25 +132,57 @@ class ResolvedSizes:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    window: int | None = None
-    host_mem: int | None = None
-    gpu_experts: int | None = None
-    gpu_mem: int | None = None
-    gpu_policy: str = DEFAULT_POLICY
-    staging: bool = True
-    stage_max: int | None = None
-    stage_depth: int = DEFAULT_STAGE_DEPTH
-    preparse: bool = False
-    prefetch: str = "none"
-    evict: str = "event"
-    stats_json: str | None = None
-    trace: str | None = None
-    verify_experts: str = "first"
-    device: str = "auto"
-    backend: str = "torch"
-    host_tier: str = "auto"  # issue 21: mapped | pool | auto
-    read_threads: int = 0  # 0: DEFAULT_READ_THREADS; -1: auto-tuned at start
-    gds: str = "auto"
+    window: int | None = _flag(
+        None, "expert mappings kept open in host memory (LRU); default max(2 x working set, 65536), "
+              "capped by --host-mem", type=int, metavar="N")
+    host_mem: int | None = _flag(None, "cap on mapped expert bytes (e.g. 96G)", metavar="BYTES",
+                                 parse=_bytes_of("--host-mem"))
+    gpu_experts: int | None = _flag(None, "expert slots on the device; default from --gpu-mem or free device memory",
+                                    type=int, metavar="M")
+    gpu_mem: int | None = _flag(None, "device memory for expert slots (e.g. 40G)", metavar="BYTES",
+                                parse=_bytes_of("--gpu-mem"))
+    gpu_policy: str = _flag(DEFAULT_POLICY, f"device-tier replacement policy (default {DEFAULT_POLICY}: frequency with "
+                                            f"aging)", choices=tuple(sorted(POLICIES)))
+    staging: bool = _flag(True, "on: copy stream, page-locked mappings, stage predicted experts of the next layer; "
+                                "off: pageable synchronous copies, no staging (the baseline)",
+                          default="on", choices=("on", "off"), parse=_on_off)
+    stage_max: int | None = _flag(
+        None, "queue at most the N most confident guesses for the next layer for staging (default: every guess "
+              "that fits in free device slots); a wrong guess that is issued costs link time and a device slot",
+        type=int, metavar="N")
+    stage_depth: int = _flag(
+        DEFAULT_STAGE_DEPTH, "staged guesses in flight on the copy stream at once (default %(default)s): the rest "
+        "wait in a queue, most confident first, and are issued one by one as earlier copies finish; those still "
+        "waiting when the layer's router speaks are dropped (a routed one is then fetched as an ordinary miss), so "
+        "real misses queue behind at most N guesses", type=int, metavar="N")
+    preparse: bool = _flag(False, "failure mode: eagerly map and parse experts at load", action="store_true",
+                           parse=bool)
+    prefetch: str = _flag("none", "failure mode 'discard': read each routed file into a throwaway buffer first",
+                          choices=("none", "discard"))
+    evict: str = _flag("event", "event: retire evicted mappings behind a copy-stream event (FIFO); "
+                                "sync: synchronize the device per eviction (failure mode)", choices=("event", "sync"))
+    stats_json: str | None = _flag(None, "write runtime counters as JSON", metavar="FILE")
+    trace: str | None = _flag(None, "write a Chrome-trace JSON of every step (open in Perfetto; `streamrt trace "
+                                    "summarize FILE`)", metavar="FILE")
+    verify_experts: str = _flag(
+        "first", "first (default): check each expert file's checksum against the manifest the first time this "
+                 "process maps it, on the I/O pool, so a corrupt file is an error, never wrong numbers; off: header "
+                 "checks only", choices=("first", "off"))
+    host_tier: str = _flag(
+        "auto", "mapped: expert files mapped and page-locked in place (the store fits in RAM); pool: a pool of "
+                "page-locked buffers under --host-mem filled by O_DIRECT reads (checkpoints bigger than RAM); auto "
+                "(default): mapped when the experts fit in --host-mem or in the memory available, else pool",
+        choices=("auto", "mapped", "pool"))
+    read_threads: int = _flag(  # 0: DEFAULT_READ_THREADS; -1: auto-tuned at start
+        0, "pool tier: reader threads, each one whole-file O_DIRECT read in flight (default %(default)s; auto: the "
+           "fewest of 4/8/16/32 within 5%% of the best, measured at start)",
+        default=str(DEFAULT_READ_THREADS), metavar="N|auto", parse=parse_read_threads)
+    gds: str = _flag("auto", "pool tier: GPUDirect Storage through kvikio/cuFile where present (auto), required "
+                             "(on) or not used (off); the start line says which path runs",
+                     choices=("auto", "on", "off"))
+    device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
+    backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
+                                  "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -163,47 +199,23 @@ class RuntimeOptions:
                 raise StreamrtError(f"{flag} must be at most {hi}, got {value}")
         if self.gpu_policy not in POLICIES:
             raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.prefetch not in ("none", "discard"):
-            raise StreamrtError(f"--prefetch: expected none or discard, got {self.prefetch!r}")
-        if self.backend not in ("torch", "nvrtc"):
-            raise StreamrtError(f"--backend: expected torch or nvrtc, got {self.backend!r}")
-        if self.evict not in ("event", "sync"):
-            raise StreamrtError(f"--evict: expected event or sync, got {self.evict!r}")
-        if self.host_tier not in ("auto", "mapped", "pool"):
-            raise StreamrtError(f"--host-tier: expected auto, mapped or pool, got {self.host_tier!r}")
-        if self.gds not in ("auto", "on", "off"):
-            raise StreamrtError(f"--gds: expected auto, on or off, got {self.gds!r}")
+        for f in fields(self):
+            choices, value = f.metadata["flag"].choices, getattr(self, f.name)
+            if choices and isinstance(value, str) and f.name != "gpu_policy" and value not in choices:
+                raise StreamrtError(f"{flag_name(f)}: expected {_one_of(choices)}, got {value!r}")
         if not -1 <= self.read_threads <= MAX_READ_THREADS:
             raise StreamrtError(f"--read-threads must be auto or 1..{MAX_READ_THREADS}, got {self.read_threads}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RuntimeOptions":
-        staging = getattr(args, "staging", "on")
-        if staging not in ("on", "off", True, False):
-            raise StreamrtError(f"--staging: expected on or off, got {staging!r}")
-        host_mem = getattr(args, "host_mem", None)
-        gpu_mem = getattr(args, "gpu_mem", None)
-        return cls(
-            window=getattr(args, "window", None),
-            host_mem=parse_bytes(host_mem, "--host-mem") if host_mem is not None else None,
-            gpu_experts=getattr(args, "gpu_experts", None),
-            gpu_mem=parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None,
-            gpu_policy=getattr(args, "gpu_policy", DEFAULT_POLICY),
-            staging=staging in ("on", True),
-            stage_max=getattr(args, "stage_max", None),
-            stage_depth=getattr(args, "stage_depth", DEFAULT_STAGE_DEPTH),
-            preparse=bool(getattr(args, "preparse", False)),
-            prefetch=getattr(args, "prefetch", "none"),
-            evict=getattr(args, "evict", "event"),
-            stats_json=getattr(args, "stats_json", None),
-            trace=getattr(args, "trace", None),
-            verify_experts=getattr(args, "verify_experts", "first"),
-            device=getattr(args, "device", "auto"),
-            backend=getattr(args, "backend", "torch"),
-            host_tier=getattr(args, "host_tier", "auto"),
-            read_threads=parse_read_threads(getattr(args, "read_threads", None)),
-            gds=getattr(args, "gds", "auto"),
-        )
+        """The options from parsed runtime flags (a flag the parser lacks keeps the field's default)."""
+        values = {}
+        for f in fields(cls):
+            if hasattr(args, f.name):
+                parse = f.metadata["flag"].parse
+                value = getattr(args, f.name)
+                values[f.name] = parse(value) if parse is not None else value
+        return cls(**values)
 
     def check_output_paths(self) -> "RuntimeOptions":
         """Before any work: --stats-json and --trace must be writable files (one line, exit 2)."""
