@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from streamrt import run_cmd
+from streamrt import selfcheck
 from streamrt.cli import main
 from streamrt.errors import StreamrtError
-from streamrt.run_cmd import NOISE_ENV, Session, child_cycles, run_cycles
+from streamrt.selfcheck import child_cycles, run_cycles
+from streamrt.session import Session, _ModelSession
 from streamrt.tokenizer import ByteTokenizer
 
 
@@ -27,14 +28,27 @@ class FixedSession(Session):
         return torch.randn(512, generator=g)
 
 
+class NoisySession(FixedSession):
+    """Nondeterminism in miniature: a different nudge on every call."""
+
+    calls = 0
+
+    def control_logits(self, ids):
+        NoisySession.calls += 1
+        return super().control_logits(ids) + 1e-3 * torch.randn(512, generator=torch.Generator().manual_seed(self.calls))
+
+
+def scripted(monkeypatch, tmp_path, session):
+    (tmp_path / "manifest.json").write_text("{}")
+    monkeypatch.setattr(selfcheck, "open_session", lambda *a, **k: session)
+    # The spawned half runs the same session in this process; the real spawn is tested below.
+    monkeypatch.setattr(selfcheck, "child_cycles", lambda d, n, extra: run_cycles(session, n, 2))
+    return tmp_path
+
+
 @pytest.fixture
 def fixed(monkeypatch, tmp_path):
-    (tmp_path / "manifest.json").write_text("{}")
-    session = FixedSession()
-    monkeypatch.setattr(run_cmd, "open_session", lambda *a, **k: session)
-    # The spawned half runs the same session in this process; the real spawn is tested below.
-    monkeypatch.setattr(run_cmd, "child_cycles", lambda d, n, extra: run_cycles(session, n, 2))
-    return tmp_path
+    return scripted(monkeypatch, tmp_path, FixedSession())
 
 
 def test_deterministic_session_passes(fixed, capsys):
@@ -44,9 +58,9 @@ def test_deterministic_session_passes(fixed, capsys):
     assert "process 2" in out
 
 
-def test_injected_nondeterminism_fails_with_exit_1(fixed, capsys, monkeypatch):
-    monkeypatch.setenv(NOISE_ENV, "1")
-    assert main(["selfcheck", "--model", str(fixed), "--cycles", "2", "--json"]) == 1
+def test_injected_nondeterminism_fails_with_exit_1(capsys, monkeypatch, tmp_path):
+    noisy = scripted(monkeypatch, tmp_path, NoisySession())
+    assert main(["selfcheck", "--model", str(noisy), "--cycles", "2", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["result"] == "FAIL" and len(data["cycles"]) == 4
     assert len({c["logits_hash"] for c in data["cycles"]}) > 1
@@ -71,7 +85,7 @@ def test_runtime_flags_are_forwarded_to_the_child():
     p.add_argument("--trace", action="store_true")
     p.add_argument("--device", default=None)
     args = p.parse_args(["--model", "m", "--cycles", "2", "--window", "8", "--trace"])
-    assert run_cmd._forwarded_flags(p, args) == ["--window", "8", "--trace"]
+    assert selfcheck._forwarded_flags(p, args) == ["--window", "8", "--trace"]
 
 
 # ---- the real thing: a synthetic tiny-k3.1-pro tree, in-process and spawned ----------
@@ -87,12 +101,12 @@ def tiny_tree(tmp_path_factory):
 
 
 def test_selfcheck_passes_on_tiny_and_fails_with_injected_noise(tiny_tree, capsys, monkeypatch):
-    monkeypatch.delenv(NOISE_ENV, raising=False)
     assert main(["selfcheck", "--model", str(tiny_tree), "--cycles", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["result"] == "PASS" and data["model"].startswith("tiny-k3.1-pro")
     assert [c["process"] for c in data["cycles"]] == [1, 1, 2, 2]
     assert len({c["pid"] for c in data["cycles"]}) == 2
-    monkeypatch.setenv(NOISE_ENV, "1")
+    control_logits = _ModelSession.control_logits  # this process's cycles nudged; the spawned one's not
+    monkeypatch.setattr(_ModelSession, "control_logits", lambda self, ids: control_logits(self, ids) + 1e-3)
     assert main(["selfcheck", "--model", str(tiny_tree), "--cycles", "1"]) == 1
     assert "FAIL" in capsys.readouterr().out

@@ -13,6 +13,9 @@ import sys
 import time
 
 from streamrt.errors import StreamrtError
+from streamrt.run_args import check_runtime_flags, parse_int
+from streamrt.runtime.options import add_runtime_flags
+from streamrt.session import resolve_model_dir
 
 DEFAULT_PORT = 8000
 
@@ -40,25 +43,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "greedy output equals `streamrt run`'s either way")
     p.add_argument("--threads", metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
-    from streamrt.run_cmd import _runtime_flags
-
-    _runtime_flags(p)
+    add_runtime_flags(p)
     p.set_defaults(func=serve_command)
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from streamrt.run_cmd import _check_runtime_flags, _int, resolve_model_dir
-
-    port = _int(args.port, "--port", 0)
+    port = parse_int(args.port, "--port", 0)
     if port > 65535:
         raise StreamrtError(f"--port must be <= 65535, got {port}")
-    max_batch, max_queue = _int(args.max_batch, "--max-batch", 1), _int(args.max_queue, "--max-queue", 0)
-    context = _int(args.max_context, "--max-context", 2) if args.max_context is not None else None
-    threads = _int(args.threads, "--threads", 1) if args.threads is not None else None
-    chunk = _int(args.prefill_chunk, "--prefill-chunk", 0)
+    max_batch, max_queue = parse_int(args.max_batch, "--max-batch", 1), parse_int(args.max_queue, "--max-queue", 0)
+    context = parse_int(args.max_context, "--max-context", 2) if args.max_context is not None else None
+    threads = parse_int(args.threads, "--threads", 1) if args.threads is not None else None
+    chunk = parse_int(args.prefill_chunk, "--prefill-chunk", 0)
     if chunk % 64:
         raise StreamrtError(f"--prefill-chunk must be a multiple of 64 (the KDA chunk), got {chunk}")
-    _check_runtime_flags(args)
+    check_runtime_flags(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

@@ -1,0 +1,105 @@
+"""Command-line values of `run`, `selfcheck` and `serve`, checked at the edge: parsed here
+rather than by argparse `type=`, so a bad value is one `streamrt: …` line (exit 2) and not a
+usage dump. Sampling flags, --prefill-chunk, text from the command line or stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import TextIO
+
+from streamrt.errors import StreamrtError
+from streamrt.runtime.options import RuntimeOptions
+
+MAX_SEED = 2**44 - 1  # generate seeds row r with seed * 1_000_003 + r, which must fit torch's 64 bits
+MAX_NEW_TOKENS = 1 << 20  # the longest context any supported model has
+
+
+def parse_int(value: str, flag: str, lo: int, hi: int | None = None) -> int:
+    text = str(value)
+    if len(text) > 40:  # int() of a 10^6-digit string is slow and its error is a traceback
+        raise StreamrtError(f"{flag} must be an integer of at most 40 characters, got {text[:20]}...")
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise StreamrtError(f"{flag} must be an integer, got {text!r}") from None
+    if n < lo:
+        raise StreamrtError(f"{flag} must be >= {lo}, got {n}")
+    if hi is not None and n > hi:
+        raise StreamrtError(f"{flag} must be at most {hi}, got {n}")
+    return n
+
+
+def user_text(text: str, flag: str) -> str:
+    """Text from the command line or stdin, checked at the edge: undecodable bytes (which
+    Python carries as lone surrogates) are one line naming the flag and the byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"character U+{ch:04X}"
+        raise StreamrtError(f"{flag}: not valid UTF-8 ({what} at position {e.start}); "
+                            "give the text in UTF-8") from None
+    return text
+
+
+def read_user_line(stdin: TextIO) -> "str | StreamrtError | None":
+    """One line of --chat input: the text, None at EOF, or (not raised) a StreamrtError saying
+    why the line cannot be used (not UTF-8), so the caller rejects that line and goes on.
+    Reads bytes when the stream has them, so a bad byte costs only its own line."""
+    raw = getattr(stdin, "buffer", None)
+    try:
+        line = raw.readline().decode("utf-8") if raw is not None else stdin.readline()
+    except UnicodeDecodeError as e:
+        return StreamrtError(f"chat input not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})")
+    if not line:
+        return None
+    try:
+        return user_text(line, "chat input")
+    except StreamrtError as e:
+        return e
+
+
+def parse_float(value: str, flag: str) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise StreamrtError(f"{flag} must be a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise StreamrtError(f"{flag} must be finite, got {value!r}")
+    return x
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    greedy: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Sampling":
+        n = parse_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
+        t = parse_float(args.temperature, "--temperature")
+        if t < 0:
+            raise StreamrtError(f"--temperature must be >= 0, got {args.temperature}")
+        p = parse_float(args.top_p, "--top-p")
+        if not 0 < p <= 1:
+            raise StreamrtError(f"--top-p must be in (0, 1], got {args.top_p}")
+        seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
+        return cls(n, t, p, seed, bool(args.greedy) or t == 0)
+
+
+def prefill_chunk(args: argparse.Namespace) -> int | None:
+    """--prefill-chunk: tokens per chunk, or None for auto (the model picks from free memory)."""
+    value = getattr(args, "prefill_chunk", "auto")
+    return None if value in (None, "auto") else parse_int(value, "--prefill-chunk", 1, 1 << 20)
+
+
+def check_runtime_flags(args: argparse.Namespace) -> None:
+    """Validate the runtime flags up front, before a default model is built or a tree opened;
+    the output files (--stats-json, --trace) too, so a bad path never costs a generation."""
+    RuntimeOptions.from_args(args).check_output_paths()

@@ -1,0 +1,88 @@
+"""What `streamrt run` prints: the reply streamed to the terminal as it is decoded (response
+text, thinking on request, tool calls as JSON), one JSON object per reply with --json, and the
+one-line stats report on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from typing import TextIO
+
+from streamrt.chat import Reply, ResponseText, ThinkText, ToolCall
+from streamrt.run_args import Sampling
+from streamrt.session import GenStats
+
+
+
+# ---- run ------------------------------------------------------------------------------------
+
+
+class StreamPrinter:
+    """Chat events -> terminal: response text as it comes, thinking on request, calls as JSON."""
+
+    def __init__(self, out: TextIO, *, show_thinking: bool):
+        self.out = out
+        self.show_thinking = show_thinking
+        self.in_think = False
+        self.at_line_start = True
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.at_line_start = text.endswith("\n")
+
+    def _end_think(self) -> None:
+        if self.in_think:
+            self._write(("" if self.at_line_start else "\n") + "</think>\n")
+            self.in_think = False
+
+    def event(self, e) -> None:
+        if isinstance(e, ThinkText):
+            if self.show_thinking:
+                if not self.in_think:
+                    self._write("<think>\n")
+                    self.in_think = True
+                self._write(e.text)
+        elif isinstance(e, ResponseText):
+            self._end_think()
+            self._write(e.text)
+        elif isinstance(e, ToolCall):
+            self._end_think()
+            if not self.at_line_start:
+                self._write("\n")
+            call = {"name": e.name, "index": e.index, "arguments": e.arguments}
+            self._write(json.dumps({"tool_call": call}, ensure_ascii=False) + "\n")
+
+    def finish(self) -> None:
+        self._end_think()
+        if not self.at_line_start:
+            self._write("\n")
+
+
+
+def reply_json(name: str, reply: Reply, stats: GenStats) -> str:
+    return json.dumps(
+        {
+            "model": name,
+            "thinking": reply.thinking,
+            "content": reply.content,
+            "tool_calls": [{"name": c.name, "index": c.index, "arguments": c.arguments} for c in reply.tool_calls],
+            "parse_errors": reply.errors,
+            "finish_reason": "tool_calls" if reply.tool_calls else ("length" if reply.truncated else stats.stop),
+            "stats": {**asdict(stats), "decode_tok_s": stats.decode_rate},
+        },
+        ensure_ascii=False,
+    )
+
+
+def report(reply: Reply, stats: GenStats, sampling: Sampling) -> None:
+    if reply.truncated:
+        print(f"streamrt: reply cut at --max-new-tokens {sampling.max_new_tokens}", file=sys.stderr)
+    if reply.errors:
+        print(
+            f"streamrt: {len(reply.errors)} malformed frame(s) in the model output (first: {reply.errors[0]})",
+            file=sys.stderr,
+        )
+    print(f"streamrt: {stats.line()}", file=sys.stderr)

@@ -1,0 +1,196 @@
+"""`Session`: a loaded model, what `streamrt run` and `streamrt selfcheck` need from the runtime
+(tokenizer, generate with a per-token callback, last-position logits of a prompt), the real one
+on a converted tree (tree -> model -> StreamingRuntime -> generate), and which tree `--model`
+names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from streamrt.chat import ChatProfile
+from streamrt.errors import StreamrtError
+from streamrt.run_args import Sampling, prefill_chunk
+from streamrt.tokenizer import Tokenizer
+
+
+def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
+    """The streamrt tree to run: `--model DIR`, checked here so the error names the directory."""
+    if model is None:
+        from streamrt.default_model import default_model_dir
+
+        return default_model_dir(notice)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise StreamrtError(f"--model {model}: no such directory")
+    if not path.is_dir():
+        raise StreamrtError(f"--model {model}: not a directory (give a converted streamrt tree)")
+    if not (path / "manifest.json").is_file():
+        if (path / "config.json").is_file():
+            raise StreamrtError(
+                f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
+                f"streamrt convert {model} OUT_DIR"
+            )
+        raise StreamrtError(f"--model {model}: no manifest.json (not a converted streamrt tree)")
+    return path
+
+
+@dataclass
+class GenStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop: str = "length"  # "stop" (a stop token) or "length" (--max-new-tokens)
+    hits: dict = field(default_factory=dict)  # e.g. {"device": 0.41, "host": 0.98}
+    logits_hash: str = ""  # over the prefill's and every decode step's logits: any divergence shows
+
+    @property
+    def decode_rate(self) -> float:
+        # The first new token comes from the prefill; the decode steps make the rest.
+        return max(0, self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def line(self) -> str:
+        hits = ", ".join(f"{k} {v:.1%}" for k, v in self.hits.items()) or "n/a"
+        return (
+            f"{self.new_tokens} tokens, {self.decode_rate:.2f} tok/s decode; prefill {self.prompt_tokens} tokens "
+            f"in {self.prefill_s:.2f} s; expert hit rate: {hits}"
+        )
+
+
+class Session:
+    """A loaded model: what `run` and `selfcheck` need from the runtime."""
+
+    name: str
+    tokenizer: Tokenizer
+    chat: ChatProfile = ChatProfile()  # the framing the model was trained with (its tree says)
+    context: int | None = None  # the model's context (max_position_embeddings), None: unchecked
+
+    def generate(self, ids: list[int], sampling: Sampling, on_token: Callable[[int], None]) -> GenStats:
+        raise NotImplementedError
+
+    def control_logits(self, ids: list[int]):
+        """fp32 logits [V] of the last prompt position, from a fresh state."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def open_session(model_dir: Path, args: argparse.Namespace, *, progress: bool) -> Session:
+    return _ModelSession(model_dir, args, progress=progress)
+
+
+class _ModelSession(Session):
+    """The real runtime: tree -> model -> StreamingRuntime (host + device tiers) -> generate."""
+
+    def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool):
+        from streamrt.checkpoint.reader import open_tree
+        from streamrt.loader import load_model
+        from streamrt.runtime.options import RuntimeOptions
+        from streamrt.runtime.scheduler import StreamingRuntime
+        from streamrt.runtime.streams import make_device
+        from streamrt.tokenizer import load_tokenizer
+
+        self.options = RuntimeOptions.from_args(args)  # flag errors before any loading
+        with _LoadBar(enabled=progress, desc=f"loading {model_dir.name}", total=3) as bar:
+            tree = open_tree(model_dir)
+            self.name = tree.config.name
+            self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
+            self.chat = ChatProfile.from_tree(tree.root)
+            bar.step("dense weights")
+            device = make_device(self.options.device)
+            self.model = load_model(tree, device.torch_device, backend=self.options.make_backend(device))
+            self.model.prefill_chunk = prefill_chunk(args)
+            self.context = tree.config.max_position_embeddings
+            bar.step("expert store")
+            from streamrt.trace import make_tracer
+
+            self.tracer = make_tracer(bool(self.options.trace))
+            self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer)
+            print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
+            bar.step("ready")
+
+    def _runner(self):
+        """generate's forward driver: the first forward is the prefill, each later one a decode step."""
+        calls = [0]
+
+        def run(gen):
+            calls[0] += 1
+            if calls[0] == 1:
+                logits = self.runtime.run(gen, tokens=0)
+                # The counters describe decoding: the prefill's compulsory misses would hide the
+                # steady state the window and cache sizes are chosen for.
+                self.runtime.reset_stats()
+                return logits
+            return self.runtime.run(gen, tokens=1)
+
+        return run
+
+    def control_logits(self, ids):
+        import torch
+
+        cache = self.model.new_cache()
+        x = torch.tensor(ids, dtype=torch.long)
+        with torch.no_grad():
+            return self.runtime.run(self.model.forward_steps(x, cache, last_only=True)).reshape(-1).float()
+
+    def generate(self, ids, sampling, on_token):
+        from streamrt.generate import generate
+
+        r = generate(
+            self.model,
+            ids,
+            runner=self._runner(),
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop_ids=sorted(self.tokenizer.stop_ids),
+            on_token=on_token,
+            hash_steps=True,
+            max_context=self.context,
+        )
+        st = self.runtime.stats
+        hits = {}
+        for tier in ("device", "host"):
+            h, m = getattr(st, f"{tier}_hits"), getattr(st, f"{tier}_misses")
+            if h + m:
+                hits[tier] = h / (h + m)
+        digest = hashlib.sha256(" ".join(r.prefill_hashes + [h for row in r.step_hashes for h in row]).encode())
+        return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits, digest.hexdigest()[:16])
+
+    def close(self) -> None:
+        if self.options.stats_json:
+            self.runtime.write_stats()
+        if self.options.trace:
+            self.tracer.write(self.options.trace)
+        self.runtime.close()
+
+
+class _LoadBar:
+    """A tqdm bar on stderr over the loading stages; silent when not a terminal or in --json mode."""
+
+    def __init__(self, *, enabled: bool, desc: str, total: int):
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(desc=desc, total=total, file=sys.stderr, leave=False, bar_format="{desc}: {bar} {n}/{total} {postfix}")
+
+    def step(self, what: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(what, refresh=False)
+            self._bar.update(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.close()
