@@ -92,9 +92,7 @@ def test_bad_files_name_the_file(files, tmp_path):
         host.get(ExpertKey(0, 0))
 
 
-def test_window_zero_is_a_one_line_error_naming_the_flag(files):
-    with pytest.raises(StreamrtError, match="--window"):
-        host_tier(files, window=0)
+def test_window_zero_is_a_one_line_error_naming_the_flag():
     with pytest.raises(StreamrtError, match="--window must be >= 1"):
         RuntimeOptions(window=0)
     p = add_runtime_flags(argparse.ArgumentParser())

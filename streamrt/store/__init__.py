@@ -1,6 +1,7 @@
 """The expert store: host tier (mapped files, retention window; or, for checkpoints bigger than
 RAM, a pool of page-locked buffers filled by O_DIRECT reads), device tier (slot cache),
-retirement FIFO, replacement policies.
+retirement FIFO, replacement policies. Values that come from flags (window, slots, modes) arrive
+checked by `RuntimeOptions`; the store does not check them again.
 
     ExpertKey(layer, expert)
     HostTier(path_of, file_bytes, window, device=, retire=, stats=, register=, evict=)

@@ -27,9 +27,7 @@ from streamrt.store.policies import Policy
 
 class DeviceTier:
     def __init__(self, slots: int, slot_bytes: int, *, device, policy: Policy, stats) -> None:
-        if slots < 1:
-            raise StreamrtError(f"--gpu-experts must be >= 1, got {slots}")
-        self.slots = slots
+        self.slots = slots  # >= 1: RuntimeOptions.resolve gives at least one layer request's worth
         self.slot_bytes = slot_bytes
         self.device = device
         self.policy = policy

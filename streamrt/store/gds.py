@@ -22,9 +22,7 @@ class GdsChoice:
 
 def choose_gds(mode: str, device, *, import_kvikio=None) -> GdsChoice:
     """`--gds auto|on|off` on `device`. `on` where it cannot run is a one-line error.
-    `import_kvikio` is injectable (tests)."""
-    if mode not in ("auto", "on", "off"):
-        raise StreamrtError(f"--gds: expected auto, on or off, got {mode!r}")
+    `mode` is RuntimeOptions.gds, checked there; `import_kvikio` is injectable (tests)."""
     if mode == "off":
         return GdsChoice(False, "cuFile off (--gds off)")
     why = None

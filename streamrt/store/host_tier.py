@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from streamrt.errors import CheckpointError, StreamrtError
+from streamrt.errors import CheckpointError
 from streamrt.store.disk_reader import resident_bytes
 from streamrt.store.keys import ExpertKey
 from streamrt.store.retire import RetireQueue
@@ -91,10 +91,7 @@ class HostTier:
         register: bool = True,
         evict: str = "event",
     ) -> None:
-        if window < 1:
-            raise StreamrtError(f"--window must be >= 1 (mappings kept open), got {window}")
-        if evict not in ("event", "sync"):
-            raise StreamrtError(f"--evict: expected event or sync, got {evict!r}")
+        # window >= 1 and evict in (event, sync): RuntimeOptions checked the flags they come from
         self.path_of = path_of
         self.file_bytes = file_bytes
         self.window = window
@@ -210,10 +207,8 @@ def available_memory() -> int | None:
 def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None, available: int | None) -> tuple[str, int | None, str]:
     """(kind, pool budget, why). `auto`: mapped when every expert file fits in --host-mem (or,
     without it, in the memory available now), else the pool under --host-mem (or half of what
-    is available)."""
+    is available). `mode` is RuntimeOptions.host_tier, checked there."""
     gib = 1 << 30
-    if mode not in ("auto", "mapped", "pool"):
-        raise StreamrtError(f"--host-tier: expected auto, mapped or pool, got {mode!r}")
     room, named = (host_mem, "--host-mem") if host_mem is not None else (available, "available memory")
     fits = room is None or expert_bytes <= room
     if mode == "mapped" or (mode == "auto" and fits):
