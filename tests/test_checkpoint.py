@@ -17,7 +17,7 @@ import torch
 
 from streamrt import fp4
 from streamrt.checkpoint import convert as convert_mod
-from streamrt.checkpoint import fileio
+from streamrt import fileio
 from streamrt.checkpoint.convert import convert
 from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert, write_expert_file
 from streamrt.checkpoint.names import dense_specs, strip_prefix, tensor_specs

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrt.checkpoint import fileio
+from streamrt import fileio
 from streamrt.checkpoint.convert import convert
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth

@@ -14,7 +14,7 @@ import pytest
 
 from streamrt.checkpoint import convert as conv
 from streamrt.checkpoint.dst import STATE_DIR
-from streamrt.checkpoint import fileio
+from streamrt import fileio
 from streamrt.checkpoint.names import expert_relpath
 from streamrt.checkpoint.synth import synth
 from streamrt.checkpoint.verify import verify_tree

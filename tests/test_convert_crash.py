@@ -18,7 +18,7 @@ import pytest
 
 from streamrt.checkpoint.convert import convert
 from streamrt.checkpoint.expert_file import ExpertLayout
-from streamrt.checkpoint.fileio import is_tmp
+from streamrt.fileio import is_tmp
 from streamrt.checkpoint.synth import synth
 from streamrt.checkpoint.verify import verify_tree
 from streamrt.config import load_config

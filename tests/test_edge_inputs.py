@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from streamrt import run_cmd
-from streamrt.checkpoint import fileio
+from streamrt import fileio
 from streamrt.checkpoint.reader import open_tree, read_manifest
 from streamrt.cli import main
 from streamrt.errors import CheckpointError, ConfigError, StreamrtError

@@ -21,11 +21,11 @@ import functools
 import hashlib
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from streamrt.backends.kernel_defines import defines
-from streamrt.errors import StreamrtError
+from streamrt.errors import CheckpointError, StreamrtError
+from streamrt.fileio import atomic_write
 
 BASE_OPTIONS = ("--std=c++17", "-default-device")
 
@@ -158,7 +158,10 @@ def compile_cubin(
             return data
     data = nvrtc_compile(_source(program, kdir), f"{program}.cu", _options(arch, extra_options, program, kdir))
     if use_cache:
-        _atomic_write(path, data)
+        try:
+            atomic_write(path, data)
+        except CheckpointError:
+            pass  # a read-only cache is not an error: we just compile again next time
     return data
 
 
@@ -209,14 +212,3 @@ def _log(nvrtc, prog) -> str:
     buf = b" " * size
     nvrtc.nvrtcGetProgramLog(prog, buf)
     return buf.rstrip(b"\0").decode(errors="replace")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache is not an error: we just compile again next time

@@ -46,7 +46,7 @@ from typing import Callable
 from streamrt import fp4
 from streamrt.checkpoint.dst import JOURNAL, STATE_DIR, DstLock, check_paths, prepare_dst
 from streamrt.checkpoint.expert_file import HEADER_BYTES, ExpertLayout, parse_header, write_expert_file
-from streamrt.checkpoint.fileio import AtomicWriter, RangeWriter, file_digest, fsync_dir
+from streamrt.fileio import AtomicWriter, RangeWriter, file_digest, fsync_dir
 from streamrt.checkpoint.manifest import dense_files, write_manifest
 from streamrt.checkpoint.names import TensorSpec, expert_prefix, expert_relpath, is_expert_tensor, strip_prefix
 from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint, shard_fingerprints

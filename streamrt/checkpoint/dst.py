@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from streamrt.checkpoint.fileio import LEGACY_RULE, remove_stale_tmp, rule_name, write_bytes_atomic
+from streamrt.fileio import LEGACY_RULE, remove_stale_tmp, rule_name, write_bytes_atomic
 from streamrt.checkpoint.manifest import MANIFEST, manifest_rule
 from streamrt.errors import CheckpointError
 

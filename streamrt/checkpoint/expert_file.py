@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from streamrt.checkpoint.fileio import AtomicWriter
+from streamrt.fileio import AtomicWriter
 from streamrt.config import ModelConfig
 from streamrt.errors import CheckpointError
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from streamrt.checkpoint.expert_file import ExpertLayout
-from streamrt.checkpoint.fileio import LEGACY_RULE, rule_name, write_bytes_atomic
+from streamrt.fileio import LEGACY_RULE, rule_name, write_bytes_atomic
 from streamrt.checkpoint.names import TensorSpec, dense_group
 from streamrt.checkpoint.safetensors_io import order_for_alignment
 from streamrt.config import ModelConfig

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from streamrt.checkpoint.manifest import FORMAT, MANIFEST, READ_VERSIONS, dense_files, geometry, manifest_rule
 from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert
-from streamrt.checkpoint.fileio import (buffer_digest, file_digest, new_hash, rule_chunk, writable_dir_error,
+from streamrt.fileio import (buffer_digest, file_digest, new_hash, rule_chunk, writable_dir_error,
                                        write_bytes_atomic)
 from streamrt.checkpoint.names import TensorSpec, dense_specs, expert_relpath, strip_prefix
 from streamrt.checkpoint.safetensors_io import STHeader, read_header

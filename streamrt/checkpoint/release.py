@@ -242,7 +242,7 @@ def shard_fingerprints(root: Path, *, content: bool = False) -> dict[str, dict]:
     """Per shard: size, mtime and a digest of its header; with `content`, of all its bytes too
     (`convert --verify-source`). A rewritten shard changes its mtime even when its size and
     header stay the same."""
-    from streamrt.checkpoint.fileio import file_digest, new_hash
+    from streamrt.fileio import file_digest, new_hash
 
     out = {}
     for f in sorted(root.glob("*.safetensors")):
@@ -263,7 +263,7 @@ def release_fingerprint(root: Path) -> str:
     """Identifies a source tree: config and index bytes and every shard's name. What each
     shard holds is tracked apart, per shard (`shard_fingerprints`), so a changed shard
     re-converts only the files made from it."""
-    from streamrt.checkpoint.fileio import new_hash
+    from streamrt.fileio import new_hash
 
     h = new_hash()
     for name in ("config.json", INDEX):

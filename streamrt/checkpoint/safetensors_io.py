@@ -16,8 +16,8 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
-from streamrt.checkpoint import fileio
-from streamrt.checkpoint.fileio import AtomicWriter
+from streamrt import fileio
+from streamrt.fileio import AtomicWriter
 from streamrt.checkpoint.names import DTYPE_BYTES
 from streamrt.errors import CheckpointError, clip
 from streamrt.jsonio import load_json

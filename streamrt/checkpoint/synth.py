@@ -247,7 +247,7 @@ def _config_json(cfg: ModelConfig) -> bytes:
 
 
 def synth_release(cfg: ModelConfig, out: Path, gen: Generator, *, shards: int, workers: int, bar) -> dict:
-    from streamrt.checkpoint.fileio import write_bytes_atomic
+    from streamrt.fileio import write_bytes_atomic
     from streamrt.checkpoint.release import INDEX
 
     planned = plan_shards(release_order(cfg, gen.seed), shards)
@@ -311,7 +311,7 @@ def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int,
     """Write a converted tree directly (no release on disk): dense files, expert files, manifest."""
     from streamrt.checkpoint.manifest import dense_files, write_manifest
     from streamrt.checkpoint.expert_file import ExpertLayout, write_expert_file
-    from streamrt.checkpoint.fileio import write_bytes_atomic
+    from streamrt.fileio import write_bytes_atomic
     from streamrt.checkpoint.names import expert_relpath
 
     lock = threading.Lock()

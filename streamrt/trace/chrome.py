@@ -90,7 +90,7 @@ def _fit_lane(lanes: list[list[float]], ts: float, end: float) -> int:
 def write_trace(path: str | os.PathLike, trace: dict) -> Path:
     """Write JSON atomically (fileio.atomic_write: temp name in the same directory, fsync,
     rename); a failure is one StreamrtError naming the file."""
-    from streamrt.checkpoint.fileio import atomic_write
+    from streamrt.fileio import atomic_write
 
     return atomic_write(path, json.dumps(trace, separators=(",", ":")))
 
