@@ -431,6 +431,16 @@ def dequant64(m: NVFP4Matrix) -> torch.Tensor:
     return vals * sc * m.global_scale.double()[:, None]
 
 
+def ffn_case(gen, T, k, E, Dl, I):
+    """E random NVFP4 experts, T rows routed to k distinct of them, normalised weights, z."""
+    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
+    weights = rand(gen, T, k, lo=0.01, hi=1.0)
+    weights = weights / weights.sum(-1, keepdim=True)
+    z = randn(gen, T, Dl)
+    return experts, ids, weights, z
+
+
 def ffn_ref(z, ids, weights, experts, beta, lbeta):
     z64 = z.double()
     T, k = ids.shape
@@ -462,11 +472,7 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
     nv = NV_IMPLS[impl]
     if CPU_DRY and Dl > 1000:
         pytest.skip("slice geometry: GPU only")
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
-    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
-    weights = rand(gen, T, k, lo=0.01, hi=1.0)
-    weights = weights / weights.sum(-1, keepdim=True)
-    z = randn(gen, T, Dl)
+    experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
     ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     out = check(f"expert_ffn[{impl}] T={T} k={k} Dl={Dl} I={I}", gen, ref, tb, lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
@@ -484,11 +490,7 @@ def test_expert_ffn_grouped_prefill(gen, T, k, E, Dl, I):
     reference and of the decode kernels; the same bits when rerun."""
     if CPU_DRY and Dl > 1000:
         pytest.skip("slice geometry: GPU only")
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
-    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
-    weights = rand(gen, T, k, lo=0.01, hi=1.0)
-    weights = weights / weights.sum(-1, keepdim=True)
-    z = randn(gen, T, Dl)
+    experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
     ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     if NV is None:
