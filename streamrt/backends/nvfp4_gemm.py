@@ -30,28 +30,38 @@ from streamrt.ops import situ_glu
 _LUT: dict[torch.device, Tensor] = {}
 
 
-def fp16_weights(m: NVFP4Matrix) -> Tensor:
-    """[out, in] fp16 = e2m1(nibble) * e4m3(block scale), exact; the global scale is left out."""
-    lut = _LUT.get(m.packed.device)
-    if lut is None:
-        lut = _LUT[m.packed.device] = torch.tensor(E2M1_VALUES, dtype=torch.float16, device=m.packed.device)
-    out, half = m.packed.shape
-    p = m.packed.to(torch.int32)
-    vals = torch.stack((lut[p & 15], lut[p >> 4]), dim=-1).view(out, half // 8, 16)
-    scales = m.scales.view(torch.float8_e4m3fn).to(torch.float16)  # [out, in/16]
-    return (vals * scales[..., None]).view(out, half * 2)
+class TorchFp16:
+    """The two conversions in torch ops (any device; the CPU twin). The nvrtc backend has a
+    kernel for each (kernels/nvfp4_gemm.cu) with the same methods and the same results."""
+
+    def fp16_weights(self, m: NVFP4Matrix) -> Tensor:
+        """[out, in] fp16 = e2m1(nibble) * e4m3(block scale), exact; the global scale is left out."""
+        lut = _LUT.get(m.packed.device)
+        if lut is None:
+            lut = _LUT[m.packed.device] = torch.tensor(E2M1_VALUES, dtype=torch.float16, device=m.packed.device)
+        out, half = m.packed.shape
+        p = m.packed.to(torch.int32)
+        vals = torch.stack((lut[p & 15], lut[p >> 4]), dim=-1).view(out, half // 8, 16)
+        scales = m.scales.view(torch.float8_e4m3fn).to(torch.float16)  # [out, in/16]
+        return (vals * scales[..., None]).view(out, half * 2)
+
+    def fp16_halves(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [n, in] fp32 -> (hi and lo rows [2n, in] fp16, row scale [n, 1] fp32): x = s * (hi + lo)."""
+        amax = x.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax))), torch.ones_like(amax))
+        xs = x / scale  # |xs| <= 1
+        hi = xs.to(torch.float16)
+        return torch.cat((hi, (xs - hi.float()).to(torch.float16))), scale
 
 
-def mm_nvfp4(x: Tensor, m: NVFP4Matrix, w16: Tensor | None = None) -> Tensor:
+TORCH_FP16 = TorchFp16()
+
+
+def mm_nvfp4(x: Tensor, m: NVFP4Matrix, conv=TORCH_FP16) -> Tensor:
     """x [n, in] fp32 @ m.T -> [n, out] fp32 on the tensor cores (see the module doc)."""
-    w16 = fp16_weights(m) if w16 is None else w16
     n = x.shape[0]
-    amax = x.abs().amax(dim=1, keepdim=True)
-    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(2.0**-100))))  # |x / scale| <= 1
-    xs = x / scale
-    hi = xs.to(torch.float16)
-    lo = (xs - hi.float()).to(torch.float16)
-    halves = torch.cat((hi, lo))
+    halves, scale = conv.fp16_halves(x)
+    w16 = conv.fp16_weights(m)
     if x.is_cuda:
         y = torch.mm(halves, w16.T, out_dtype=torch.float32)  # [2n, out]
     else:  # the CPU twin (tests): the same fp16 operands, every product exact in fp32
@@ -61,10 +71,11 @@ def mm_nvfp4(x: Tensor, m: NVFP4Matrix, w16: Tensor | None = None) -> Tensor:
 
 def grouped_expert_pairs(
     z: Tensor, id_rows: list[list[int]], experts: Mapping[int, ExpertWeights], beta: float, linear_beta: float | None,
-    late: set[int] = frozenset(),
+    late: set[int] = frozenset(), conv=TORCH_FP16,
 ) -> Tensor:
     """z [T, Dl] fp32, id_rows [T][k] (host) -> y [T*k, Dl] fp32: y[t*k + j] = E_ids[t][j](z_t).
-    Experts in `late` (copies still in flight) are computed last."""
+    Experts in `late` (copies still in flight) are computed last; `conv` does the two fp16
+    conversions (TorchFp16, or the nvrtc backend's kernels)."""
     T, Dl = z.shape
     k = len(id_rows[0]) if id_rows else 0
     by_expert: dict[int, list[int]] = {}
@@ -80,6 +91,6 @@ def grouped_expert_pairs(
         at += len(by_expert[e])
         ew = experts[e]  # a streamed expert: the compute stream waits for its copy here
         zr = z.index_select(0, pairs // k)
-        h = situ_glu(mm_nvfp4(zr, ew.gate), mm_nvfp4(zr, ew.up), beta, linear_beta)
-        y.index_copy_(0, pairs, mm_nvfp4(h, ew.down))
+        h = situ_glu(mm_nvfp4(zr, ew.gate, conv), mm_nvfp4(zr, ew.up, conv), beta, linear_beta)
+        y.index_copy_(0, pairs, mm_nvfp4(h, ew.down, conv))
     return y

@@ -19,9 +19,9 @@ from torch import Tensor
 
 from streamrt.backends.expert_pointers import scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
-from streamrt.backends.nvfp4_gemm import grouped_expert_pairs
+from streamrt.backends.nvfp4_gemm import TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr
-from streamrt.expert_weights import ExpertWeights
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 from streamrt.ops import route, sigmoid
 
 # Tensor-core NVFP4 kernels: warps per block (gate+up, down), cp.async stages per warp, 128-column
@@ -123,7 +123,7 @@ class MoeOps:
         if P == 0:
             return out.zero_()
         if self.grouped_prefill:  # a prefill chunk: one GEMM per expert and matrix (nvfp4_gemm.py)
-            y = grouped_expert_pairs(z, id_rows, experts, beta, linear_beta, late)
+            y = grouped_expert_pairs(z, id_rows, experts, beta, linear_beta, late, conv=self)
             self._combine(y, w, out, T, k, Dl, None)
             return out
         pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
@@ -156,6 +156,27 @@ class MoeOps:
             raise
         self._combine(y, w, out, T, k, Dl, ready)
         return out
+
+    # ---- the grouped prefill GEMM's conversions (kernels/nvfp4_gemm.cu; TorchFp16's contract) ----
+
+    def fp16_weights(self, m: NVFP4Matrix) -> Tensor:
+        out, half = m.packed.shape
+        if not (m.packed.is_contiguous() and m.scales.is_contiguous() and aligned(m.packed, 4) and half % 8 == 0):
+            return TORCH_FP16.fp16_weights(m)
+        w16 = torch.empty(out, half * 2, dtype=torch.float16, device=self.device)
+        words = out * half // 4
+        self._k("nvfp4_gemm", "srt_nvfp4_to_f16")(
+            (min(math.ceil(words / 256), 8192),), (256,), [ptr(m.packed), ptr(m.scales), ptr(w16), i32(words), i32(half // 4)])
+        return w16
+
+    def fp16_halves(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = x.contiguous()
+        n, cols = x.shape
+        halves = torch.empty(2 * n, cols, dtype=torch.float16, device=self.device)
+        scale = torch.empty(n, 1, dtype=torch.float32, device=self.device)
+        if n:
+            self._k("nvfp4_gemm", "srt_f16_halves")((n,), (256,), [ptr(x), ptr(halves), ptr(scale), i32(n), i32(cols)])
+        return halves, scale
 
     def _combine(self, y: Tensor, w: Tensor, out: Tensor, T: int, k: int, Dl: int, ready: Tensor | None) -> None:
         """out[t] = sum_j (j ascending) w[t, j] * y[t*k + j] (and the pair counts zeroed)."""
