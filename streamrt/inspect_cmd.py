@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from streamrt.config import BUNDLED, load_config
+from streamrt.placement import layer_ranges as _ranges
 from streamrt.plan import GIB, MIB, budget, link_floor_s_per_token
 
 
@@ -25,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print the placement plan for a card with this much free memory (e.g. 80G); several "
                    "sizes (24G,48G,80G) print one row each")
     p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache the plan reserves (default 4096)")
+    p.add_argument("--dense-buffers", type=int, default=2, metavar="N",
+                   help="device buffers streamed layers rotate through (default 2: double buffer; 3: triple)")
     p.add_argument("--hbm-gbps", type=float, default=3350.0,
                    help="GPU memory bandwidth for the compute floor of the projection (default 3350, an H100 SXM)")
     # issue 21 (disk tier): the disk floor for a host RAM budget
@@ -48,18 +51,6 @@ def _tensor_counts(cfg, path: Path) -> dict:
         return {"tensor_count": len(names), "text_tensor_count": text, "vision_tensor_count": len(names) - text, "counted_from": "index"}
     text, vision = tensor_count(cfg), len(vision_specs(cfg))
     return {"tensor_count": text + vision, "text_tensor_count": text, "vision_tensor_count": vision, "counted_from": "config"}
-
-
-def _ranges(xs: list[int]) -> str:
-    """[0,1,2,5] -> '0-2, 5' so a 93-layer schedule fits on a line."""
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ", ".join(out) or "-"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,26 +129,23 @@ def _disk_floor(cfg, args: argparse.Namespace, b: dict):
 def _placement(cfg, args: argparse.Namespace) -> int:
     """`--gpu-mem`: the placement plan (placement.py) for one card, or a row per card size."""
     from streamrt.errors import StreamrtError
-    from streamrt.placement import describe, plan_placement
+    from streamrt.placement import format_plan, plan_placement
     from streamrt.runtime.options import parse_bytes
 
     if args.hbm_gbps <= 0 or args.context < 1:
         raise StreamrtError(f"--hbm-gbps must be > 0 and --context >= 1, got {args.hbm_gbps} and {args.context}")
     sizes = [parse_bytes(x, "--gpu-mem") for x in str(args.gpu_mem).split(",")]
     if len(sizes) == 1:
-        p = plan_placement(cfg, sizes[0], context=args.context)
-        rows = describe(cfg, p, args.link_gbps, args.hbm_gbps)
+        p = plan_placement(cfg, sizes[0], context=args.context, buffers=args.dense_buffers)
         if args.json:
             proj = p.projected_s_per_token(cfg, args.link_gbps, args.hbm_gbps)
             print(json.dumps({"resident_layers": list(p.resident_layers), "streamed_layers": list(p.streamed_layers),
-                              "expert_slots": p.expert_slots, "fixed_bytes": p.fixed_bytes, "host_bytes": p.host_bytes,
+                              "expert_slots": p.expert_slots, "buffers": p.buffers, "fixed_bytes": p.fixed_bytes,
+                              "host_bytes": p.host_bytes,
                               "streamed_bytes_per_token": p.streamed_bytes_per_token,
                               "link_bytes_per_token": p.link_bytes_per_token(cfg), **proj}, indent=2))
             return 0
-        width = max(len(k) for k, _ in rows)
-        print(f"{cfg.name}: placement")
-        for k, v in rows:
-            print(f"  {k:<{width}}  {v}")
+        print(format_plan(cfg, p, args.link_gbps, args.hbm_gbps))
         return 0
     print(f"{cfg.name}: placement per card (context {args.context:,}, link {args.link_gbps:g} GB/s, "
           f"HBM {args.hbm_gbps:g} GB/s, uniform expert hits)")
@@ -165,7 +153,7 @@ def _placement(cfg, args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|")
     for size in sizes:
         try:
-            p = plan_placement(cfg, size, context=args.context)
+            p = plan_placement(cfg, size, context=args.context, buffers=args.dense_buffers)
         except StreamrtError as e:
             print(f"| {size / GIB:g} GiB | does not fit: {str(e).split(': it needs ')[-1]} | | | | |")
             continue

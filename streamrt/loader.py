@@ -4,6 +4,10 @@ The composition room: a tree (checkpoint/), the model (model/) and a backend (ba
 the torch reference unless the caller passes another). gpt-fast `_load_model`: build on the meta device, then `load_state_dict(assign=True)` with
 the tree's (mmap'd) tensors, so nothing is materialised twice. The names must match
 exactly; the K3 / K3.1 Pro mismatch in either direction gets its own message.
+
+With a placement plan (placement.py) whose streamed layers are not empty, those layers' dense
+weights go to page-locked host memory and stream through device buffers
+(runtime/dense_stream.py); the embedding table stays on the host too. Same arithmetic, same bits.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from streamrt.errors import CheckpointError
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 from streamrt.model.model import KimiLinearForCausalLM
 from streamrt.model.moe import ExpertRequest
+from streamrt.placement import Placement, plan_placement
 
 # The tensors the release stores as F32 stay fp32 whatever `dtype` asks: the reference ports
 # run them in fp32 modules.
@@ -76,11 +81,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def load_model(tree_or_path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.bfloat16, backend=None) -> KimiLinearForCausalLM:
+def load_model(
+    tree_or_path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.bfloat16, backend=None, *,
+    placement: Placement | None = None, runtime_device=None, tracer=None,
+) -> KimiLinearForCausalLM:
     """A ready-to-run model from a converted tree (an opened tree or its path).
 
     device may be 'auto'. Dense tensors as loaded, cast to `dtype` (None: keep); experts stay in the tree
-    (pair the model with `DirectExpertProvider(tree)` or the store).
+    (pair the model with `DirectExpertProvider(tree)` or the store). `placement`: the plan's streamed
+    layers stream (`model.layer_weights` is their `DenseStream`) on the copy stream of `runtime_device`
+    (the runtime's streams.Device, so dense and expert copies share one queue; default: a new one).
     """
     tree = tree_or_path
     if isinstance(tree_or_path, (str, Path)):
@@ -90,8 +100,60 @@ def load_model(tree_or_path, device: str | torch.device = "cpu", dtype: torch.dt
     with torch.device("meta"):
         model = KimiLinearForCausalLM(tree.config, backend=backend or TorchBackend())
     load_weights(model, tree.dense_state_dict(), dtype=dtype, source=str(getattr(tree, "root", "tree")))
-    model = model.to(resolve_device(device)).eval().requires_grad_(False)
-    return model
+    target = resolve_device(device)
+    if placement is not None and placement.streamed_layers:
+        stream_dense(model, placement, runtime_device or _runtime_device(target), tracer=tracer)
+        embed = model.model.embed_tokens  # stays on the host: one row per token is gathered there
+        model.model.embed_tokens = None
+        model = model.to(target)  # (a tied lm_head moves the shared table with it)
+        model.model.embed_tokens = embed
+    else:
+        model = model.to(target)
+    return model.eval().requires_grad_(False)
+
+
+def stream_dense(model: KimiLinearForCausalLM, placement: Placement, device, *, tracer=None):
+    """Stream the plan's layers of a loaded model (weights still on the host) through
+    `placement.buffers` buffers on `device` (a streams.Device): the model's `layer_weights`."""
+    from streamrt.runtime.dense_stream import DenseStream
+
+    model.layer_weights = DenseStream(model, placement.streamed_layers, device, buffers=placement.buffers, tracer=tracer)
+    return model.layer_weights
+
+
+def _runtime_device(target: torch.device):
+    from streamrt.runtime.streams import CpuDevice, CudaDevice
+
+    return CudaDevice(target.index) if target.type == "cuda" else CpuDevice()
+
+
+def load_placed(
+    tree, device, *, gpu_mem: int | None = None, buffers: int = 2, batch: int = 1, context: int = 4096,
+    dtype: torch.dtype | None = torch.bfloat16, backend=None, tracer=None,
+) -> tuple[KimiLinearForCausalLM, Placement | None]:
+    """A model placed on `device` (the runtime's streams.Device) by the plan `dense_placement`
+    makes: (model, plan); plan None when everything is resident without one. Give the runtime the
+    plan's `expert_slots` and this same `device`, so dense and expert copies share one queue."""
+    plan = dense_placement(tree.config, gpu_mem, device, context=context, buffers=buffers, batch=batch)
+    model = load_model(tree, device.torch_device, dtype=dtype, backend=backend, placement=plan, runtime_device=device,
+                       tracer=tracer)
+    return model, plan
+
+
+def dense_placement(
+    cfg, gpu_mem: int | None, device, *, context: int = 4096, buffers: int = 2, batch: int = 1,
+) -> Placement | None:
+    """The placement plan for a run: from `gpu_mem` (`--gpu-mem`, the card's budget) when given;
+    else, on a CUDA device (a streams.Device), from its free memory, and only when some layers must
+    stream there (None: everything resident, as without a plan). StreamrtError, one line naming
+    the shortfall, when even the working buffers do not fit."""
+    if gpu_mem is None:
+        free = device.free_bytes() if device.kind == "cuda" else None
+        if free is None:
+            return None
+        p = plan_placement(cfg, free, context=context, buffers=buffers, batch=batch)
+        return p if p.streamed_layers else None
+    return plan_placement(cfg, gpu_mem, context=context, buffers=buffers, batch=batch)
 
 
 def _to(ew: ExpertWeights, device) -> ExpertWeights:

@@ -7,6 +7,7 @@ names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import sys
 from dataclasses import dataclass, field
@@ -91,7 +92,8 @@ class _ModelSession(Session):
 
     def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool):
         from streamrt.checkpoint.reader import open_tree
-        from streamrt.loader import load_model
+        from streamrt.loader import load_placed
+        from streamrt.placement import format_plan
         from streamrt.runtime.options import RuntimeOptions
         from streamrt.runtime.scheduler import StreamingRuntime
         from streamrt.runtime.streams import make_device
@@ -105,13 +107,21 @@ class _ModelSession(Session):
             self.chat = ChatProfile.from_tree(tree.root)
             bar.step("dense weights")
             device = make_device(self.options.device)
-            self.model = load_model(tree, device.torch_device, backend=self.options.make_backend(device))
-            self.model.prefill_chunk = prefill_chunk(args)
-            self.context = tree.config.max_position_embeddings
-            bar.step("expert store")
             from streamrt.trace import make_tracer
 
             self.tracer = make_tracer(bool(self.options.trace))
+            # issue 22: --gpu-mem (else a card too small for the dense plane) -> the placement plan;
+            # its streamed layers stream on this device's copy stream, its expert slots are the runtime's
+            self.model, plan = load_placed(tree, device, gpu_mem=self.options.gpu_mem,
+                                           backend=self.options.make_backend(device), tracer=self.tracer)
+            if plan is not None:
+                self.options = dataclasses.replace(self.options, gpu_experts=self.options.gpu_experts or plan.expert_slots)
+                if plan.streamed_layers:
+                    print(format_plan(tree.config, plan), file=sys.stderr)
+                    print(f"streamrt: {self.model.layer_weights.line()}", file=sys.stderr)
+            self.model.prefill_chunk = prefill_chunk(args)
+            self.context = tree.config.max_position_embeddings
+            bar.step("expert store")
             self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer)
             print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
             bar.step("ready")

@@ -7,7 +7,8 @@ import pytest
 from streamrt.cli import main as cli_main
 from streamrt.config import load_config
 from streamrt.errors import StreamrtError
-from streamrt.placement import plan_placement
+from streamrt.checkpoint.names import dense_layer_specs
+from streamrt.placement import ROUTER_SUFFIXES, format_plan, layer_dense_bytes, plan_placement, router_bytes
 from streamrt.plan import expert_bytes_nvfp4
 
 GIB = 1 << 30
@@ -25,8 +26,8 @@ def _used(cfg, p) -> int:
 def test_dense_plane_is_the_106_gib_of_the_inventory(k31):
     p = plan_placement(k31, 1 << 50)
     # DESIGN.md: 106 GiB BF16 dense plane (73.5 resident set + 32.5 per-layer planes); layers plus
-    # lm_head plus the embedding, with the released F32 tensors a little larger
-    total = sum(p.layer_bytes) + p.fixed_bytes["lm_head and norms"] + p.fixed_bytes["embedding"]
+    # lm_head plus the embedding plus the routers, with the released F32 tensors a little larger
+    total = sum(p.layer_bytes) + p.fixed_bytes["lm_head and norms"] + p.fixed_bytes["embedding"] + p.fixed_bytes["routers"]
     assert 105.5 * GIB < total < 106.5 * GIB
 
 
@@ -45,10 +46,13 @@ def test_smaller_cards_stream_the_layers_that_do_not_fit(k31, gib):
     assert p.streamed_layers and set(p.resident_layers) | set(p.streamed_layers) == set(range(k31.num_layers))
     assert p.resident_layers == tuple(range(len(p.resident_layers)))  # a contiguous run from layer 0
     assert "embedding" in p.host_bytes and p.host_bytes["streamed dense"] == p.streamed_bytes_per_token
-    assert p.fixed_bytes["stream buffers"] == 2 * max(p.layer_bytes)
+    assert p.fixed_bytes["stream buffers"] == 2 * max(p.layer_bytes[i] for i in p.streamed_layers)
     assert _used(k31, p) <= gib * GIB
-    nxt = p.layer_bytes[p.streamed_layers[0]]
-    assert gib * GIB - _used(k31, p) < nxt + expert_bytes_nvfp4(k31)  # the next layer really did not fit
+    # the next layer really did not fit (resident, it would also have shrunk the buffers)
+    r = len(p.resident_layers)
+    rest = p.layer_bytes[r + 1 :]
+    base = sum(v for k, v in p.fixed_bytes.items() if k != "stream buffers")
+    assert base + sum(p.layer_bytes[: r + 1]) + (2 * max(rest) if rest else 0) > gib * GIB
     assert p.expert_slots >= 2 * k31.experts_per_token
 
 
@@ -83,3 +87,102 @@ def test_inspect_prints_a_row_per_card(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| 24") or line.startswith("| 80") or line.startswith("| 192")]
     assert len(rows) == 3 and "93 of 93" in rows[2]
     assert cli_main(["inspect", "kimi-k3.1-pro", "--gpu-mem", "2G"]) == 2
+
+
+# ---- every decision on a small geometry, byte for byte -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_config("tiny-k3.1-pro")
+
+
+def _need(cfg, r, buffers=2):
+    """What a plan with layers 0..r-1 resident needs: the fixed reserve (embedding not included),
+    those layers, and `buffers` buffers of the largest streamed layer."""
+    p = plan_placement(cfg, 1 << 40)
+    base = sum(v for k, v in p.fixed_bytes.items() if k != "embedding")
+    layers = layer_dense_bytes(cfg)
+    return base + sum(layers[:r]) + (buffers * max(layers[r:]) if r < len(layers) else 0)
+
+
+def test_routers_stay_resident_and_are_not_streamed(tiny):
+    p = plan_placement(tiny, 1 << 40)
+    for i in range(tiny.num_layers):
+        specs = dense_layer_specs(tiny, i)
+        assert p.layer_bytes[i] == sum(s.nbytes for s in specs if not s.name.endswith(ROUTER_SUFFIXES))
+    assert p.fixed_bytes["routers"] == router_bytes(tiny) > 0
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_the_longest_prefix_that_fits_is_resident(tiny, buffers):
+    """For every budget of the form need(r) + spare: the longest run of layers from 0 that fits
+    beside buffers of the largest streamed layer stays resident, the rest streams, and what is
+    left becomes expert slots beyond the minimum."""
+    layers = layer_dense_bytes(tiny)
+    n = len(layers)
+    for r in range(n + 1):
+        for spare in (0, 1000):
+            budget = _need(tiny, r, buffers) + spare
+            p = plan_placement(tiny, budget, buffers=buffers)
+            want = max(q for q in range(n + 1) if _need(tiny, q, buffers) <= budget)
+            assert p.resident_layers == tuple(range(want)) and p.streamed_layers == tuple(range(want, n))
+            assert p.buffers == buffers and p.streamed_bytes_per_token == sum(layers[want:])
+            left = budget - _need(tiny, want, buffers)
+            if want < n:
+                assert p.fixed_bytes["stream buffers"] == buffers * max(layers[want:])
+                assert "embedding" in p.host_bytes and p.host_bytes["streamed dense"] == sum(layers[want:])
+                assert p.expert_slots == 2 * tiny.experts_per_token + left // expert_bytes_nvfp4(tiny)
+            else:
+                assert "stream buffers" not in p.fixed_bytes
+
+
+def test_buffers_are_sized_by_the_largest_streamed_layer(k31):
+    """Layer 0 (the dense FFN) is the largest; once it is resident the buffers shrink to the
+    largest streamed layer, and those bytes went to more resident layers or slots."""
+    layers = layer_dense_bytes(k31)
+    assert layers[0] == max(layers) > 1.5 * max(layers[1:])
+    p = plan_placement(k31, 24 * GIB)
+    assert 0 in p.resident_layers
+    assert p.fixed_bytes["stream buffers"] == 2 * max(layers[len(p.resident_layers):]) < 2 * layers[0]
+
+
+def test_when_every_layer_fits_nothing_streams_and_the_embedding_moves_in(tiny):
+    layers = layer_dense_bytes(tiny)
+    embed = plan_placement(tiny, 1 << 40).fixed_bytes["embedding"]
+    p = plan_placement(tiny, _need(tiny, len(layers)))  # every layer, no buffers, no room for the table
+    assert p.streamed_layers == () and "stream buffers" not in p.fixed_bytes and "embedding" in p.host_bytes
+    p = plan_placement(tiny, _need(tiny, len(layers)) + embed)
+    assert p.fixed_bytes.get("embedding") == embed and p.expert_slots == 2 * tiny.experts_per_token
+
+
+def test_a_third_buffer_costs_one_largest_streamed_layer(tiny):
+    layers = layer_dense_bytes(tiny)
+    budget = _need(tiny, 4, 2)
+    two, three = plan_placement(tiny, budget, buffers=2), plan_placement(tiny, budget, buffers=3)
+    assert len(three.resident_layers) < len(two.resident_layers) == 4
+    assert three.fixed_bytes["stream buffers"] == 3 * max(layers[len(three.resident_layers):])
+    with pytest.raises(StreamrtError, match="at least 2 device buffers"):
+        plan_placement(tiny, budget, buffers=1)
+
+
+def test_the_working_buffers_not_fitting_is_refused_in_one_line(tiny):
+    n = len(layer_dense_bytes(tiny))
+    need = min(_need(tiny, r) for r in range(n + 1))
+    p = plan_placement(tiny, need)  # exactly the working buffers: minimum expert slots
+    assert p.expert_slots == 2 * tiny.experts_per_token and p.streamed_layers
+    with pytest.raises(StreamrtError) as ei:
+        plan_placement(tiny, need - 1)
+    msg = str(ei.value)
+    assert "\n" not in msg and "even streaming every layer" in msg and "short" in msg
+    assert "stream buffers" in msg and "minimum expert slots" in msg and "routers" in msg
+    with pytest.raises(StreamrtError, match="must be > 0"):
+        plan_placement(tiny, 0)
+
+
+def test_the_plan_text_names_the_streamed_layers(tiny):
+    layers = layer_dense_bytes(tiny)
+    p = plan_placement(tiny, _need(tiny, 2, 3), buffers=3)
+    text = format_plan(tiny, p)
+    assert text.splitlines()[0] == "tiny-k3.1-pro: placement"
+    assert f"layers 2-{tiny.num_layers - 1}; 3 device buffers" in text and "s/token" in text

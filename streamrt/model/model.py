@@ -11,7 +11,7 @@ D hidden, V vocabulary.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Generator, Mapping
+from typing import Callable, Generator, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,33 @@ ExpertProvider = Callable[[ExpertRequest], Mapping[int, ExpertWeights]]
 ForwardSteps = Generator[ExpertRequest, Mapping[int, ExpertWeights], Tensor]
 
 PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 64, 4096
+
+
+class LayerWeights(Protocol):
+    """Where a layer's dense weights are while it computes. The forward calls `acquire(l)` before
+    layer l and `release(l)` once its compute is queued; `prefetch(l)` is for the scheduler (layer
+    l's weights are certainly needed next). The runtime's dense streaming (runtime/dense_stream.py)
+    copies streamed layers into device buffers there; timing only, never numbers."""
+
+    def acquire(self, layer: int) -> None: ...
+    def release(self, layer: int) -> None: ...
+    def prefetch(self, layer: int) -> None: ...
+
+
+class ResidentWeights:
+    """Every layer's weights stay where they were loaded: nothing to do."""
+
+    def acquire(self, layer: int) -> None:
+        pass
+
+    def release(self, layer: int) -> None:
+        pass
+
+    def prefetch(self, layer: int) -> None:
+        pass
+
+
+RESIDENT = ResidentWeights()
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -126,6 +153,8 @@ class KimiLinearForCausalLM(nn.Module):
         # Tokens per prefill chunk on a cache (None: `default_prefill_chunk` from free memory).
         # Timing and memory only: a position's logits do not depend on it on the torch backend.
         self.prefill_chunk: int | None = None
+        # Around every layer: acquire / release its dense weights (RESIDENT: they never move).
+        self.layer_weights: LayerWeights = RESIDENT
         self.model = KimiLinearModel(cfg, float_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -195,12 +224,17 @@ class KimiLinearForCausalLM(nn.Module):
             be = be.for_prefill()  # fixed-tile products: chunk-invariant rows
         step = Step(be=be, batch=B, seqlen=T, cache=cache, start=cache.lengths[0] if cache is not None else 0)
 
-        h = F.embedding(ids.reshape(-1), self.model.embed_tokens.weight).float()  # [N, D]
+        emb = self.model.embed_tokens.weight  # on the host when dense layers stream (placement.py)
+        h = F.embedding(ids.reshape(-1).to(emb.device), emb).to(ids.device).float()  # [N, D]
         if self.step_hint is not None and cache is not None and T == 1:
             self.step_hint(h)
-        partial, blocks = h, []
+        partial, blocks, weights = h, [], self.layer_weights
         for layer in self.model.layers:
-            partial, blocks = yield from layer.forward_steps(partial, blocks, step)
+            weights.acquire(layer.layer_idx)  # streamed: the compute waits for its copy (GPU-side)
+            try:
+                partial, blocks = yield from layer.forward_steps(partial, blocks, step)
+            finally:  # also when the forward is closed or fails inside the layer
+                weights.release(layer.layer_idx)  # its buffer may be refilled once this compute ran
         if cache is not None:
             cache.lengths = [n + T for n in cache.lengths]
         if last_only:  # every op below is row-wise

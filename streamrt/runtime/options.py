@@ -139,8 +139,10 @@ class RuntimeOptions:
                                  parse=_bytes_of("--host-mem"))
     gpu_experts: int | None = _flag(None, "expert slots on the device; default from --gpu-mem or free device memory",
                                     type=int, metavar="M")
-    gpu_mem: int | None = _flag(None, "device memory for expert slots (e.g. 40G)", metavar="BYTES",
-                                parse=_bytes_of("--gpu-mem"))
+    gpu_mem: int | None = _flag(None, "device memory streamrt may use (e.g. 40G): the placement plan keeps the dense "
+                                      "weights that fit resident, streams the other layers' through device buffers and "
+                                      "makes the rest expert slots (`streamrt inspect --gpu-mem` prints it)",
+                                metavar="BYTES", parse=_bytes_of("--gpu-mem"))
     gpu_policy: str = _flag(DEFAULT_POLICY, f"device-tier replacement policy (default {DEFAULT_POLICY}: frequency with "
                                             f"aging)", choices=tuple(sorted(POLICIES)))
     staging: bool = _flag(True, "on: copy stream, page-locked mappings, stage predicted experts of the next layer; "
@@ -250,10 +252,12 @@ class RuntimeOptions:
         per_layer = min(cfg.num_experts, batch * cfg.experts_per_token)
         if self.gpu_experts is not None:
             slots = self.gpu_experts
+        elif self.gpu_mem is not None:  # the card's budget: the placement plan's slots (issue 22)
+            from streamrt.placement import plan_placement
+
+            slots = plan_placement(cfg, self.gpu_mem, batch=batch).expert_slots
         else:
-            if self.gpu_mem is not None:
-                budget = self.gpu_mem
-            elif device.kind == "cuda":
+            if device.kind == "cuda":
                 budget = max(0, (device.free_bytes() or 0) - GPU_RESERVE_BYTES)
             else:
                 budget = CPU_SLAB_BYTES

@@ -16,7 +16,8 @@ The whole I/O story of a decode step is in `decode_step` and `serve`, top to bot
                 is open is copied now on the copy stream (one event per expert); cold files
                 are mapped (and page-locked) by a bounded thread pool, each copied the moment
                 its mapping arrives
-    3b.         (`_before_staging`: nothing yet; issue 22's dense-weight prefetch of layer+1 goes here)
+    3b. dense   layer+1's streamed dense weights (certain bytes) are queued on the copy stream behind
+                this layer's misses, ahead of its guesses (`model.layer_weights.prefetch`)
     4. stage    the next layer's predicted experts are queued (most confident first) and fed
                 to the copy stream just in time, behind this layer's misses: at most
                 --stage-depth staged copies are in flight at once, so when the next router
@@ -318,8 +319,12 @@ class StreamingRuntime:
 
     def _before_staging(self, layer: int) -> None:
         """Step 3b, between fetch and stage: `layer`'s misses are all queued on the copy stream
-        and layer+1's guesses not yet. Nothing today; the place for the next layer's dense
-        weights when they stream too (issue 22: `self.dense.prefetch(layer + 1)`)."""
+        and layer+1's guesses not yet: the next streamed layer's dense weights go on the link
+        here, certain bytes behind this layer's misses and ahead of speculative ones (issue 22,
+        runtime/dense_stream.py; the model's `layer_weights`, a no-op when all is resident)."""
+        dense = getattr(self.model, "layer_weights", None)  # None: no model given
+        if dense is not None:
+            dense.prefetch(layer + 1)
 
     def _views(self, keys: list[ExpertKey]) -> tuple[dict[int, ExpertWeights], dict[int, object]]:
         """Step 6: each expert's views of its slot (or transient buffer), and the copy events the

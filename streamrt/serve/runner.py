@@ -15,19 +15,20 @@ prompt whatever shares the step (decode ops are row-wise).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from streamrt.model import ModelCache
 from streamrt.model.lockstep import lockstep
+from streamrt.model.model import RESIDENT, default_prefill_chunk
 
 
 class ModelRunner:
     def __init__(self, model_dir: Path, args: argparse.Namespace, *, max_batch: int):
         from streamrt.checkpoint.reader import open_tree
-        from streamrt.loader import load_model
+        from streamrt.loader import load_placed
         from streamrt.runtime.options import RuntimeOptions
         from streamrt.runtime.scheduler import StreamingRuntime
         from streamrt.runtime.streams import make_device
@@ -39,8 +40,11 @@ class ModelRunner:
         self.name = tree.config.name
         self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
         device = make_device(self.options.device)
-        self.model = load_model(tree, device.torch_device, backend=self.options.make_backend(device))
         self.tracer = make_tracer(bool(self.options.trace))
+        self.model, plan = load_placed(tree, device, gpu_mem=self.options.gpu_mem, batch=max_batch,
+                                       backend=self.options.make_backend(device), tracer=self.tracer)
+        if plan is not None:
+            self.options = dataclasses.replace(self.options, gpu_experts=self.options.gpu_experts or plan.expert_slots)
         self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer,
                                         batch=max_batch)
         self.max_context = tree.config.max_position_embeddings
@@ -58,17 +62,31 @@ class ModelRunner:
         return self.model.new_cache(1, self._device)
 
     async def step(self, last: list[int], cache: ModelCache | None, prefills: list[tuple[list[int], ModelCache]]):
+        together, alone = self._passes(prefills)
         with torch.no_grad():
             gens = []
             if last:
                 x = torch.tensor([[t] for t in last], device=self._device)  # [B, 1]
                 gens.append(self.model.forward_steps(x, cache))
-            for ids, row_cache in prefills:
-                x = torch.tensor([ids], device=self._device)  # [1, T]
-                gens.append(self.model.forward_steps(x, row_cache, last_only=True))
+            gens += [self._prefill(ids, row_cache) for ids, row_cache in together]
             out = await self.runtime.decode_step(lockstep(gens), tokens=len(last))
+            for ids, row_cache in alone:
+                out.append(await self.runtime.decode_step(self._prefill(ids, row_cache)))
         decoded = out.pop(0)[:, 0].float() if last else None  # [B, V]
-        return decoded, [logits[0, 0].float() for logits in out]
+        logits = dict(zip([id(c) for _, c in together + alone], out))
+        return decoded, [logits[id(c)][0, 0].float() for _, c in prefills]
+
+    def _prefill(self, ids: list[int], cache: ModelCache):
+        return self.model.forward_steps(torch.tensor([ids], device=self._device), cache, last_only=True)
+
+    def _passes(self, prefills):
+        """(prefills run in lockstep with the decode step, prefills run alone after it). Streamed
+        dense weights are shared by forwards at the same layer only, so with them a piece longer
+        than one model chunk (several passes through the layers) runs alone."""
+        if self.model.layer_weights is RESIDENT:
+            return prefills, []
+        chunk = self.model.prefill_chunk or default_prefill_chunk(self.model.config, self._device)
+        return [p for p in prefills if len(p[0]) <= chunk], [p for p in prefills if len(p[0]) > chunk]
 
     def close(self) -> None:
         if self.options.stats_json:
