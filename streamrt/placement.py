@@ -9,7 +9,7 @@ card in that order (DESIGN.md, "Where the bytes live"):
    the activation workspace, every layer's router (the predictor applies layer l+1's router before
    l+1's dense weights are on the link), `buffers` device buffers for streamed layers (each the
    size of the largest streamed layer: 2 double-buffer, 3 triple) and the minimum expert slots
-   (this layer's routed experts and the next layer's staged ones); the embedding table stays in
+   (`MIN_SLOT_LAYERS` layers' routed experts); the embedding table stays in
    host memory (a decode step gathers one row per token);
 2. the longest run of layers from layer 0 whose dense weights fit beside that (every layer is
    used once per token, so which ones is free; contiguous runs keep the copy queue simple; a
@@ -34,6 +34,11 @@ from streamrt.plan import GIB, expert_bytes_nvfp4, kda_state_scalars, kv_cache_b
 
 WORKSPACE_BYTES = 1 << 30  # activations, logits, kernel scratch: a fixed reserve
 STREAM_BUFFERS = 2  # layer l+1 copies in while layer l computes
+# Expert slots kept whatever the card, in layers' worth of routed experts: the layer computing
+# (pinned), the next layer's staged guesses, the previous layer's slots its queued compute still
+# reads, and one layer of slack. Measured on the H200 (deep-k3.1-pro): 38 slots, 2.4 layers'
+# worth, ran 2.2 s/token against a 0.62 s link floor (profiling/RESULTS.md, issue 22).
+MIN_SLOT_LAYERS = 4
 ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", "block_sparse_moe.gate.e_score_correction_bias")
 
 
@@ -86,6 +91,11 @@ def router_bytes(cfg: ModelConfig) -> int:
     return sum(s.nbytes for i in range(cfg.num_layers) for s in dense_layer_specs(cfg, i) if s.name.endswith(ROUTER_SUFFIXES))
 
 
+def min_expert_slots(cfg: ModelConfig, batch: int = 1) -> int:
+    """The slots a plan keeps whatever the card: MIN_SLOT_LAYERS layers' unique routed experts."""
+    return MIN_SLOT_LAYERS * min(cfg.num_experts, batch * cfg.experts_per_token)
+
+
 def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, batch: int = 1,
                    buffers: int = STREAM_BUFFERS) -> Placement:
     """The placement for a card with `gpu_bytes` free; StreamrtError naming the shortfall when
@@ -105,7 +115,7 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
         "KV cache": kv_cache_bytes_per_token(cfg) * context * batch,
         "KDA state": kda_state_scalars(cfg) * 4 * batch,
         "workspace": WORKSPACE_BYTES,
-        "minimum expert slots": 2 * cfg.experts_per_token * expert_bytes_nvfp4(cfg),
+        "minimum expert slots": min_expert_slots(cfg, batch) * expert_bytes_nvfp4(cfg),
     }
     # Layers 0..r-1 resident, r.. streamed through buffers sized by the largest streamed layer.
     n, base = len(layers), sum(fixed.values())
@@ -135,7 +145,7 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
     if not streamed and embed <= free:  # nothing streams: the embedding may move in
         free -= embed
         fixed["embedding"] = host.pop("embedding")
-    slots = 2 * cfg.experts_per_token + int(free // expert_bytes_nvfp4(cfg))
+    slots = min_expert_slots(cfg, batch) + int(free // expert_bytes_nvfp4(cfg))
     slots = min(slots, cfg.expert_files)
     return Placement(
         gpu_bytes=gpu_bytes,

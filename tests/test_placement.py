@@ -8,7 +8,15 @@ from streamrt.cli import main as cli_main
 from streamrt.config import load_config
 from streamrt.errors import StreamrtError
 from streamrt.checkpoint.names import dense_layer_specs
-from streamrt.placement import ROUTER_SUFFIXES, format_plan, layer_dense_bytes, plan_placement, router_bytes
+from streamrt.placement import (
+    MIN_SLOT_LAYERS,
+    ROUTER_SUFFIXES,
+    format_plan,
+    layer_dense_bytes,
+    min_expert_slots,
+    plan_placement,
+    router_bytes,
+)
 from streamrt.plan import expert_bytes_nvfp4
 
 GIB = 1 << 30
@@ -20,7 +28,7 @@ def k31():
 
 
 def _used(cfg, p) -> int:
-    return sum(p.fixed_bytes.values()) + p.resident_dense_bytes + (p.expert_slots - 2 * cfg.experts_per_token) * expert_bytes_nvfp4(cfg)
+    return sum(p.fixed_bytes.values()) + p.resident_dense_bytes + (p.expert_slots - min_expert_slots(cfg)) * expert_bytes_nvfp4(cfg)
 
 
 def test_dense_plane_is_the_106_gib_of_the_inventory(k31):
@@ -53,7 +61,7 @@ def test_smaller_cards_stream_the_layers_that_do_not_fit(k31, gib):
     rest = p.layer_bytes[r + 1 :]
     base = sum(v for k, v in p.fixed_bytes.items() if k != "stream buffers")
     assert base + sum(p.layer_bytes[: r + 1]) + (2 * max(rest) if rest else 0) > gib * GIB
-    assert p.expert_slots >= 2 * k31.experts_per_token
+    assert p.expert_slots >= min_expert_slots(k31)
 
 
 def test_more_memory_never_streams_more(k31):
@@ -132,7 +140,7 @@ def test_the_longest_prefix_that_fits_is_resident(tiny, buffers):
             if want < n:
                 assert p.fixed_bytes["stream buffers"] == buffers * max(layers[want:])
                 assert "embedding" in p.host_bytes and p.host_bytes["streamed dense"] == sum(layers[want:])
-                assert p.expert_slots == 2 * tiny.experts_per_token + left // expert_bytes_nvfp4(tiny)
+                assert p.expert_slots == min_expert_slots(tiny) + left // expert_bytes_nvfp4(tiny)
             else:
                 assert "stream buffers" not in p.fixed_bytes
 
@@ -153,7 +161,7 @@ def test_when_every_layer_fits_nothing_streams_and_the_embedding_moves_in(tiny):
     p = plan_placement(tiny, _need(tiny, len(layers)))  # every layer, no buffers, no room for the table
     assert p.streamed_layers == () and "stream buffers" not in p.fixed_bytes and "embedding" in p.host_bytes
     p = plan_placement(tiny, _need(tiny, len(layers)) + embed)
-    assert p.fixed_bytes.get("embedding") == embed and p.expert_slots == 2 * tiny.experts_per_token
+    assert p.fixed_bytes.get("embedding") == embed and p.expert_slots == min_expert_slots(tiny)
 
 
 def test_a_third_buffer_costs_one_largest_streamed_layer(tiny):
@@ -170,7 +178,7 @@ def test_the_working_buffers_not_fitting_is_refused_in_one_line(tiny):
     n = len(layer_dense_bytes(tiny))
     need = min(_need(tiny, r) for r in range(n + 1))
     p = plan_placement(tiny, need)  # exactly the working buffers: minimum expert slots
-    assert p.expert_slots == 2 * tiny.experts_per_token and p.streamed_layers
+    assert p.expert_slots == min_expert_slots(tiny) and p.streamed_layers
     with pytest.raises(StreamrtError) as ei:
         plan_placement(tiny, need - 1)
     msg = str(ei.value)
@@ -186,3 +194,18 @@ def test_the_plan_text_names_the_streamed_layers(tiny):
     text = format_plan(tiny, p)
     assert text.splitlines()[0] == "tiny-k3.1-pro: placement"
     assert f"layers 2-{tiny.num_layers - 1}; 3 device buffers" in text and "s/token" in text
+
+
+def test_minimum_slots_hold_four_layers_of_routed_experts_for_the_batch():
+    """However small the card, the plan keeps the slots the pipeline needs (the computing layer,
+    the next one's guesses, the previous one's still read, one spare): per batch row's experts."""
+    k31 = load_config("kimi-k3.1-pro")
+    assert MIN_SLOT_LAYERS == 4
+    assert min_expert_slots(k31) == 4 * k31.experts_per_token
+    assert min_expert_slots(k31, batch=8) == 4 * 8 * k31.experts_per_token
+    assert min_expert_slots(k31, batch=1000) == 4 * k31.num_experts  # a layer has no more unique experts
+    small = plan_placement(k31, 24 * GIB)
+    assert small.expert_slots >= min_expert_slots(k31) and small.fixed_bytes["minimum expert slots"] > 0
+    wide = plan_placement(k31, 48 * GIB, batch=4)
+    assert wide.expert_slots >= min_expert_slots(k31, batch=4)
+    assert wide.fixed_bytes["minimum expert slots"] == 4 * plan_placement(k31, 48 * GIB).fixed_bytes["minimum expert slots"]
