@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem", default=None, metavar="BYTES[,BYTES...]",
                    help="print the placement plan for a card with this much free memory (e.g. 80G); several "
                    "sizes (24G,48G,80G) print one row each")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="with --gpu-mem: the expert-parallel placement on N such GPUs (dense replicated, experts "
+                        "sharded): experts, slots and link bytes per rank, projected s/token")
     p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache the plan reserves (default 4096)")
     p.add_argument("--dense-buffers", type=int, default=2, metavar="N",
                    help="device buffers streamed layers rotate through (default 2: double buffer; 3: triple)")
@@ -135,6 +138,8 @@ def _placement(cfg, args: argparse.Namespace) -> int:
     if args.hbm_gbps <= 0 or args.context < 1:
         raise StreamrtError(f"--hbm-gbps must be > 0 and --context >= 1, got {args.hbm_gbps} and {args.context}")
     sizes = [parse_bytes(x, "--gpu-mem") for x in str(args.gpu_mem).split(",")]
+    if getattr(args, "gpus", None) is not None:
+        return _rank_placement(cfg, sizes, args)
     if len(sizes) == 1:
         p = plan_placement(cfg, sizes[0], context=args.context, buffers=args.dense_buffers)
         if args.json:
@@ -160,4 +165,26 @@ def _placement(cfg, args: argparse.Namespace) -> int:
         proj = p.projected_s_per_token(cfg, args.link_gbps, args.hbm_gbps)
         print(f"| {size / GIB:g} GiB | {len(p.resident_layers)} of {cfg.num_layers} | {p.streamed_bytes_per_token / GIB:.1f} GiB "
               f"| {p.expert_slots:,} | {p.link_bytes_per_token(cfg) / GIB:.1f} GiB | {proj['s_per_token']:.2f} |")
+    return 0
+
+
+def _rank_placement(cfg, sizes: list[int], args: argparse.Namespace) -> int:
+    """`--gpus N --gpu-mem B`: the expert-parallel plan per rank (streamrt.parallel.plan)."""
+    from dataclasses import asdict
+
+    from streamrt.errors import StreamrtError
+    from streamrt.parallel.plan import format_rank_plan, plan_ranks, projected_s_per_token
+
+    if len(sizes) != 1 or args.gpus < 1:
+        raise StreamrtError(f"--gpus N takes one --gpu-mem size and N >= 1, got {len(sizes)} sizes and N = {args.gpus}")
+    if args.gpus > cfg.num_experts:
+        raise StreamrtError(f"--gpus {args.gpus}: more ranks than the {cfg.num_experts} experts of a layer")
+    if args.json:
+        p, ranks = plan_ranks(cfg, sizes[0], args.gpus, context=args.context, buffers=args.dense_buffers)
+        print(json.dumps({"gpus": args.gpus, "resident_layers": list(p.resident_layers),
+                          "streamed_layers": list(p.streamed_layers), "ranks": [asdict(r) for r in ranks],
+                          **projected_s_per_token(cfg, ranks, args.link_gbps, args.hbm_gbps)}, indent=2))
+        return 0
+    print(format_rank_plan(cfg, sizes[0], args.gpus, args.link_gbps, args.hbm_gbps, context=args.context,
+                           buffers=args.dense_buffers))
     return 0

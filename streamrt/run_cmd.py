@@ -9,6 +9,7 @@ is chat framing: the history, the context-length policy, the chat loop.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TextIO
 
@@ -53,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", default="auto", metavar="N",
                    help="prompt tokens per prefill chunk (default auto: from free memory, 64..4096); "
                         "changes time and peak memory, never the logits on the torch backend")
+    p.add_argument("--gpus", default=None, metavar="N",
+                   help="expert parallelism: N processes, one per GPU, the routed experts sharded over them "
+                        "(one all-reduce per MoE layer; the same tokens and logits as one process); "
+                        "under torchrun the ranks come from its environment")
     add_runtime_flags(p)
     p.set_defaults(func=run_command)
     selfcheck.register(sub)
@@ -108,6 +113,12 @@ def run_command(args: argparse.Namespace) -> int:
     elif not args.chat:
         raise StreamrtError("give --prompt TEXT, --chat or --messages FILE.json")
     model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
+    if args.gpus is not None and "RANK" not in os.environ:  # spawn the ranks; each runs this command
+        from streamrt.parallel.launch import check_gpus, run_ranks
+
+        if args.chat:
+            raise StreamrtError("--chat with --gpus is not supported yet (give --prompt or --messages)")
+        return run_ranks(run_command, args, check_gpus(args.gpus))
     session = open_session(model_dir, args, progress=not args.json)
     try:
         return _run(session, history, tools, sampling, thinking, args)

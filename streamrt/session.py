@@ -84,13 +84,18 @@ class Session:
 
 
 def open_session(model_dir: Path, args: argparse.Namespace, *, progress: bool) -> Session:
-    return _ModelSession(model_dir, args, progress=progress)
+    """Under torchrun, or as a rank `run --gpus N` spawned (RANK / WORLD_SIZE set): this
+    rank's part of an expert-parallel run (streamrt.parallel)."""
+    from streamrt.parallel.group import Ranks
+
+    ranks = Ranks.from_env()
+    return _ModelSession(model_dir, args, progress=progress and (ranks is None or ranks.rank == 0), ranks=ranks)
 
 
 class _ModelSession(Session):
     """The real runtime: tree -> model -> StreamingRuntime (host + device tiers) -> generate."""
 
-    def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool):
+    def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool, ranks=None):
         from streamrt.checkpoint.reader import open_tree
         from streamrt.loader import load_placed
         from streamrt.placement import format_plan
@@ -106,14 +111,23 @@ class _ModelSession(Session):
             self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
             self.chat = ChatProfile.from_tree(tree.root)
             bar.step("dense weights")
+            self.ep = None  # expert parallelism: this rank's shard and its all-reduce (streamrt.parallel)
+            if ranks is not None:
+                from streamrt.parallel.rank import ExpertParallel
+
+                self.ep = ExpertParallel.for_options(ranks, tree.config, self.options)
+                self.options = self.ep.rank_options(self.options)
             device = make_device(self.options.device)
+            backend = self.options.make_backend(device)
+            if self.ep is not None:
+                backend = self.ep.wrap(backend)
             from streamrt.trace import make_tracer
 
             self.tracer = make_tracer(bool(self.options.trace))
             # issue 22: --gpu-mem (else a card too small for the dense plane) -> the placement plan;
             # its streamed layers stream on this device's copy stream, its expert slots are the runtime's
             self.model, plan = load_placed(tree, device, gpu_mem=self.options.gpu_mem,
-                                           backend=self.options.make_backend(device), tracer=self.tracer)
+                                           backend=backend, tracer=self.tracer)
             if plan is not None:
                 self.options = dataclasses.replace(self.options, gpu_experts=self.options.gpu_experts or plan.expert_slots)
                 if plan.streamed_layers:
@@ -122,8 +136,16 @@ class _ModelSession(Session):
             self.model.prefill_chunk = prefill_chunk(args)
             self.context = tree.config.max_position_embeddings
             bar.step("expert store")
-            self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer)
-            print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
+            predictor = None
+            if self.ep is not None:
+                self.options = self.ep.shard_slots(self.options)
+                predictor = self.ep.predictor(self.model)
+            self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer,
+                                            predictor=predictor)
+            if self.ep is None or self.ep.rank == 0:
+                print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
+                if self.ep is not None:
+                    print(f"streamrt: {self.ep.line()}", file=sys.stderr)
             bar.step("ready")
 
     def _runner(self):
@@ -131,6 +153,7 @@ class _ModelSession(Session):
         calls = [0]
 
         def run(gen):
+            gen = self.ep.shard(gen) if self.ep is not None else gen
             calls[0] += 1
             if calls[0] == 1:
                 logits = self.runtime.run(gen, tokens=0)
@@ -148,7 +171,8 @@ class _ModelSession(Session):
         cache = self.model.new_cache()
         x = torch.tensor(ids, dtype=torch.long)
         with torch.no_grad():
-            return self.runtime.run(self.model.forward_steps(x, cache, last_only=True)).reshape(-1).float()
+            gen = self.model.forward_steps(x, cache, last_only=True)
+            return self.runtime.run(self.ep.shard(gen) if self.ep is not None else gen).reshape(-1).float()
 
     def generate(self, ids, sampling, on_token):
         from streamrt.generate import generate

@@ -75,6 +75,11 @@ class _RowsOf(Mapping):
         pending = getattr(self._experts, "pending", None)
         return bool(pending(e)) if pending is not None else False
 
+    def is_local(self, e: int) -> bool:
+        """Whether expert e's weights are on this rank (expert parallelism's stand-ins are not)."""
+        is_local = getattr(self._experts, "is_local", None)
+        return bool(is_local(e)) if is_local is not None else True
+
     def __iter__(self):
         return iter(self._experts)
 
