@@ -343,3 +343,13 @@ def test_run_gpus_2_answers_as_one_process(capfd):
     assert len(out) == 1
     two = json.loads(out[0])
     assert two["stats"]["logits_hash"] == alone["stats"]["logits_hash"] and two["thinking"] == alone["thinking"]
+
+
+def test_gpus_flag_is_checked_before_any_rank_starts():
+    from streamrt.errors import StreamrtError
+    from streamrt.parallel.launch import check_gpus
+
+    assert check_gpus("2") == 2
+    for bad, words in (("abc", "expected a process count"), ("0", "must be >= 1"), ("99999", "at most")):
+        with pytest.raises(StreamrtError, match=words):
+            check_gpus(bad)

@@ -118,7 +118,8 @@ def launch(job: Job, gpus: int) -> int:
 
 
 def check_gpus(text) -> int:
-    """--gpus N: an integer >= 1 (not more than the GPUs here, where there are GPUs)."""
+    """--gpus N: an integer >= 1, not more than the GPUs here (without GPUs the ranks are CPU
+    processes: not more than max(8, cores))."""
     try:
         n = int(str(text).strip())
     except ValueError:
@@ -127,6 +128,10 @@ def check_gpus(text) -> int:
         raise StreamrtError(f"--gpus must be >= 1, got {n}")
     if torch.cuda.is_available() and n > torch.cuda.device_count():
         raise StreamrtError(f"--gpus {n}: this machine has {torch.cuda.device_count()} GPUs")
+    cores = os.cpu_count() or 1
+    if not torch.cuda.is_available() and n > max(8, cores):
+        raise StreamrtError(f"--gpus {n}: no GPU here, so each rank is a CPU process: at most {max(8, cores)} "
+                            f"(this machine has {cores} cores)")
     return n
 
 
