@@ -25,12 +25,8 @@ COMMAND_MODULES = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on bad flags already; keep its message to one line plus usage."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="streamrt",
         description="Run KimiLinear MoE models (Kimi K3, Kimi K3.1 Pro) on one GPU by streaming the "
         "routed experts from a host-side store. With no --model, `streamrt run` uses the small "
@@ -39,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         "streamrt run --messages examples/weather.json --show-thinking",
     )
     parser.add_argument("--version", action="version", version=f"streamrt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

@@ -45,6 +45,7 @@ Runs on CPU by default (`--threads 2`); `--device cuda` works too.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -66,6 +67,7 @@ import corpus as corpus_mod  # noqa: E402
 from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.chat import encode_chat  # noqa: E402
 from streamrt.config import load_config  # noqa: E402
+from streamrt.fileio import atomic_write  # noqa: E402
 from streamrt.model import KimiLinearForCausalLM  # noqa: E402
 from streamrt.ops import topk_mask  # noqa: E402
 from streamrt.loader import FP32_TENSORS  # noqa: E402
@@ -365,9 +367,9 @@ def install(converted: Path, target: Path = ASSET_DIR) -> None:
 
 
 def save_ckpt(path: Path, model, opt, step: int, elapsed: float, be) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed}, tmp)
-    os.replace(tmp, path)
+    buf = io.BytesIO()  # a few MB: written whole through the one atomic writer
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed}, buf)
+    atomic_write(path, buf.getvalue())
 
 
 # ---- training ---------------------------------------------------------------------------

@@ -79,15 +79,6 @@ def expert_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"w1": (i, dl), "w3": (i, dl), "w2": (dl, i)}
 
 
-def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> list[TensorSpec]:
-    p = expert_prefix(layer, expert)
-    out = []
-    for w, (o, k) in expert_matrix_shapes(cfg).items():
-        out.append(TensorSpec(f"{p}{w}.weight_packed", (o, k // 2), U8))
-        out.append(TensorSpec(f"{p}{w}.weight_scale", (o, k // 32), U8))
-    return out
-
-
 def is_expert_tensor(name: str) -> bool:
     return ".block_sparse_moe.experts." in name
 

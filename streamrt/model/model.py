@@ -167,12 +167,6 @@ class KimiLinearForCausalLM(nn.Module):
     def new_cache(self, batch: int = 1, device=None) -> ModelCache:
         return ModelCache.empty(self.config, batch, device or self.lm_head.weight.device)
 
-    def check_weights(self) -> None:
-        """Checks the loader cannot express as names and shapes (A_log padding)."""
-        for layer in self.model.layers:
-            if isinstance(layer.self_attn, KimiDeltaAttention):
-                layer.self_attn.check_a_log()
-
     def forward_steps(
         self, input_ids: Tensor, cache: ModelCache | None = None, *, last_only: bool = False, prefill_chunk: int | None = None
     ) -> ForwardSteps:
@@ -217,7 +211,7 @@ class KimiLinearForCausalLM(nn.Module):
     def _forward(self, ids: Tensor, cache: ModelCache | None, last_only: bool) -> ForwardSteps:
         """One forward over ids [B, T] (one prefill chunk, a decode step, or the cache-less
         form) -> logits [B, T or 1, V]."""
-        be, cfg = self.backend, self.config
+        be = self.backend
         B, T = ids.shape
         decode = cache is not None and T == 1
         if not decode and hasattr(be, "for_prefill"):
