@@ -116,10 +116,10 @@ def measure_link(device, tree, reps: int = 64) -> dict:
 
 def decode_run(
     tree, model, device, opts: RuntimeOptions, prompt: list[int], cont: list[int], warmup: int, *, preload: bool = False,
-    warm_host: bool = True,
+    warm_host: bool = True, on_reset=None,
 ) -> dict:
-    """Prefill `prompt`, decode `warmup` forced tokens untimed, reset the counters, decode the
-    rest timed. Returns the payload and every decode step's logits (CPU). `preload` fills the
+    """Prefill `prompt`, decode `warmup` forced tokens untimed, reset the counters (and call
+    `on_reset()`, for counters outside the runtime), decode the rest timed. Returns the payload and every decode step's logits (CPU). `preload` fills the
     device tier with every expert first (the all-resident run); otherwise `warm_host` maps every
     expert into the host window first (steady state: no first-map checksums or page-locking
     inside the timed steps)."""
@@ -138,6 +138,8 @@ def decode_run(
             for i, t in enumerate(cont):
                 if i == warmup:
                     rt.reset_stats()
+                    if on_reset is not None:
+                        on_reset()
                 lg = rt.run(model.forward_steps(torch.tensor([[t]]), cache), tokens=1)
                 logits.append(lg.float().cpu())
         p = rt.payload()

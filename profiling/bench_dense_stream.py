@@ -31,13 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_decode import ensure_tree, git_commit, machine, measure_link, warm_page_cache  # noqa: E402
+from bench_decode import decode_run, ensure_tree, git_commit, machine, measure_link, warm_page_cache  # noqa: E402
 
 from streamrt.loader import load_model  # noqa: E402
 from streamrt.placement import format_plan, layer_dense_bytes, plan_placement  # noqa: E402
 from streamrt.plan import GIB  # noqa: E402
 from streamrt.runtime.options import RuntimeOptions  # noqa: E402
-from streamrt.runtime.scheduler import StreamingRuntime  # noqa: E402
 from streamrt.runtime.streams import make_device  # noqa: E402
 
 TARGET = 1.10
@@ -83,35 +82,13 @@ def pinned_rate(device, nbytes: int, reps: int = 8) -> float:
 
 
 def decode(tree, model, device, opts, prompt, cont, warmup) -> dict:
-    """Prefill, `warmup` untimed forced steps, then the timed rest: payload, dense counters,
-    every decode step's logits (CPU)."""
-    rt = StreamingRuntime(tree, model, opts, device=device)
+    """bench_decode's forced decode, with the dense stream's counters reset with the runtime's:
+    payload (plus dense bytes and late copies), every decode step's logits (CPU)."""
     dense = getattr(model.layer_weights, "stats", None)
-    logits = []
-    try:
-        t = time.perf_counter()
-        n = rt.warm_host()
-        print(f"  host tier warmed: {n} mappings in {time.perf_counter() - t:.1f} s", flush=True)
-        cache = model.new_cache(1)
-        with torch.no_grad():
-            rt.run(model.forward_steps(torch.tensor([prompt]), cache, last_only=True))
-            for i, tok in enumerate(cont):
-                if i == warmup:
-                    rt.reset_stats()
-                    if dense is not None:
-                        dense.reset()
-                logits.append(rt.run(model.forward_steps(torch.tensor([[tok]]), cache), tokens=1).float().cpu())
-        p = rt.payload()
-        p["decode_bytes_h2d"] = rt.stats.decode_bytes_h2d
-        p["dense_bytes"] = dense.bytes_h2d if dense is not None else 0
-        p["dense_late"] = dense.late if dense is not None else 0
-    finally:
-        rt.close()
-        del rt
-        gc.collect()
-        if device.kind == "cuda":
-            torch.cuda.empty_cache()
-    return {"payload": p, "logits": logits}
+    run = decode_run(tree, model, device, opts, prompt, cont, warmup, on_reset=dense.reset if dense is not None else None)
+    run["payload"]["dense_bytes"] = dense.bytes_h2d if dense is not None else 0
+    run["payload"]["dense_late"] = dense.late if dense is not None else 0
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
