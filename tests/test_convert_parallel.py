@@ -106,7 +106,7 @@ def test_kill_9_mid_chunked_file_then_resume(release, tmp_path, small_chunks):
     before = sum(v["size"] for k, v in files.items() if not k.endswith(".nvfp4") and k != RESIDENT)
     kill_at = before + files[RESIDENT]["size"] // 2
     code = (
-        "import os, signal, sys; from streamrt import fileio, convert as c; "
+        "import os, signal, sys; from streamrt import fileio; from streamrt.checkpoint import convert as c; "
         f"fileio.CHUNK_BYTES = {SMALL}; c.PIECE_BYTES = 1000; "
         f"c.convert(sys.argv[1], sys.argv[2], workers=2, progress=False, "
         f"on_written=lambda n: n >= {kill_at} and os.kill(os.getpid(), signal.SIGKILL))"
