@@ -1,4 +1,4 @@
-"""One routed expert in NVFP4, as the model consumes it.
+"""One routed expert in NVFP4, as the model consumes it, and the answer to a layer's request.
 
 The tensors are views: of a CPU file mapping, of a pinned host buffer, or of a GPU slot.
 Nothing here copies or dequantises.
@@ -6,6 +6,7 @@ Nothing here copies or dequantises.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -27,3 +28,67 @@ class ExpertWeights:
     gate: NVFP4Matrix  # w1 [I, Dl]
     up: NVFP4Matrix  # w3 [I, Dl]
     down: NVFP4Matrix  # w2 [Dl, I]
+
+
+class RoutedExperts:
+    """The answer to one ExpertRequest, the one type the model, the providers, the runtime and
+    the backends share: the request's routed ids on the host (`host_ids` [N, k]), its unique ids
+    once, ascending (`unique`), and each expert's weights by `take(e)`.
+
+    The runtime's answer (runtime/streamed.py) makes the compute stream wait for an expert's copy
+    when it is taken, and `pending(e)` says whether it would; expert parallelism's
+    (parallel/shard.py) says `is_local(e)`. Asking `has`, `pending` or `is_local` never waits."""
+
+    def __init__(self, views: Mapping[int, ExpertWeights], host_ids: Tensor, unique: list[int] | None = None,
+                 layer: int = -1):
+        self._views = views
+        self.host_ids = host_ids
+        self.unique = unique if unique is not None else sorted(set(host_ids.reshape(-1).tolist()))
+        self.layer = layer
+
+    def take(self, e: int) -> ExpertWeights:
+        return self._views[e]
+
+    def has(self, e: int) -> bool:
+        return e in self._views
+
+    def pending(self, e: int) -> bool:
+        return False
+
+    def is_local(self, e: int) -> bool:
+        return True
+
+    def missing(self) -> list[int]:
+        """Routed ids the answer holds no weights for (a provider's bug)."""
+        return [e for e in self.unique if not self.has(e)]
+
+    def with_ids(self, host_ids: Tensor) -> "RoutedExperts":
+        """The same experts for other rows' ids (a lockstep forward's share, one rank's pairs)."""
+        return _WithIds(self, host_ids)
+
+
+class _WithIds(RoutedExperts):
+    def __init__(self, whole: RoutedExperts, host_ids: Tensor):
+        super().__init__({}, host_ids, layer=whole.layer)
+        self._whole = whole
+
+    def take(self, e: int) -> ExpertWeights:
+        return self._whole.take(e)
+
+    def has(self, e: int) -> bool:
+        return self._whole.has(e)
+
+    def pending(self, e: int) -> bool:
+        return self._whole.pending(e)
+
+    def is_local(self, e: int) -> bool:
+        return self._whole.is_local(e)
+
+
+def as_routed(experts, ids: Tensor) -> RoutedExperts:
+    """`experts` for the routed `ids` as RoutedExperts: the answer itself when it was given for
+    exactly these ids, its share for other ids, or a plain {id: weights} mapping wrapped (tests,
+    benchmarks, simple providers; `ids` come to the host once)."""
+    if isinstance(experts, RoutedExperts):
+        return experts if experts.host_ids is ids else experts.with_ids(ids.cpu())
+    return RoutedExperts(experts, ids.cpu())

@@ -21,7 +21,7 @@ from torch import Tensor
 from streamrt.backends.torch_backend import TorchBackend
 from streamrt.checkpoint.names import RELEASED_F32
 from streamrt.errors import CheckpointError
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts
 from streamrt.model.model import KimiLinearForCausalLM
 from streamrt.model.moe import ExpertRequest
 from streamrt.placement import Placement, plan_placement
@@ -171,13 +171,13 @@ class DirectExpertProvider:
         self.tree, self.device = tree, None if device is None else resolve_device(device)
         self.loads = 0
 
-    def __call__(self, req: ExpertRequest) -> dict[int, ExpertWeights]:
-        out = {}
-        for e in req.unique_ids():
-            ew = self.tree.load_expert(req.layer, e)
-            out[e] = _to(ew, self.device) if self.device is not None else ew
-            self.loads += 1
-        return out
+    def __call__(self, req: ExpertRequest) -> RoutedExperts:
+        return _answer(req, self._load)
+
+    def _load(self, layer: int, e: int) -> ExpertWeights:
+        ew = self.tree.load_expert(layer, e)
+        self.loads += 1
+        return _to(ew, self.device) if self.device is not None else ew
 
 
 class DictExpertProvider:
@@ -187,7 +187,15 @@ class DictExpertProvider:
         self.experts, self.record = experts, record
         self.requests: list[ExpertRequest] = []  # filled when record is True
 
-    def __call__(self, req: ExpertRequest) -> dict[int, ExpertWeights]:
+    def __call__(self, req: ExpertRequest) -> RoutedExperts:
         if self.record:
             self.requests.append(req)
-        return {e: self.experts[(req.layer, e)] for e in req.unique_ids()}
+        return _answer(req, lambda layer, e: self.experts[(layer, e)])
+
+
+def _answer(req: ExpertRequest, weights_of) -> RoutedExperts:
+    """The answer to req: each routed expert once, `weights_of(layer, e)`; the ids come to the
+    host here, once."""
+    host = req.ids.cpu()
+    unique = sorted(set(host.reshape(-1).tolist()))
+    return RoutedExperts({e: weights_of(req.layer, e) for e in unique}, host, unique, req.layer)

@@ -142,7 +142,7 @@ def test_an_unwrapped_backend_is_told_where_the_expert_lives():
 
 def test_a_lockstep_of_forwards_shards_like_one(tmp_path):
     """shard(lockstep([...])): the server's step, one request per layer for every forward; each
-    forward's logits are the plain ones (lockstep's share of the answer has no is_local)."""
+    forward's logits are the plain ones (lockstep's share of the answer keeps is_local)."""
     cfg, plain, experts = _plain()
     prompts = [torch.tensor([list(b"one")]), torch.tensor([list(b"second")])]
     want = [run_sync(plain.forward_steps(p, plain.new_cache(1), last_only=True), DictExpertProvider(experts)) for p in prompts]

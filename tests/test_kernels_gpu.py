@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from streamrt.backends.torch_backend import TorchBackend
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts
 
 CPU_DRY = os.environ.get("STREAMRT_KERNEL_TEST_CPU") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -572,11 +572,11 @@ def test_expert_ffn_error_after_launch_leaves_no_counts(gen):
     assert torch.equal(nv.expert_ffn(z2, ids, w, experts, 4.0, 25.0), want)
 
 
-class _LateExperts(dict):
-    """A Mapping like the runtime's StreamedExperts: some experts report a pending copy."""
+class _LateExperts(RoutedExperts):
+    """Like the runtime's StreamedExperts: some experts report a pending copy."""
 
-    def __init__(self, experts, late):
-        super().__init__(experts)
+    def __init__(self, experts, late, ids):
+        super().__init__(experts, ids.cpu())
         self.late = set(late)
 
     def pending(self, e):
@@ -596,7 +596,7 @@ def test_expert_ffn_late_experts_same_bits(gen, impl):
     z = randn(gen, T, Dl)
     base = nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     for late in ([int(ids[0, 0])], ids[:, 1].tolist(), list(range(E))):
-        got = nv.expert_ffn(z, ids, weights, _LateExperts(experts, late), 4.0, 25.0)
+        got = nv.expert_ffn(z, ids, weights, _LateExperts(experts, late, ids), 4.0, 25.0)
         assert torch.equal(got, base), f"late experts {late}: bits differ"
 
 

@@ -156,11 +156,14 @@ def test_compute_waits_per_expert_only_when_taken():
             self.waits.append(ev)
 
     dev = Dev()
-    ex = StreamedExperts(dev, {3: "w3", 7: "w7"}, {3: "ev3", 7: "ev7"})
-    assert sorted(ex) == [3, 7] and len(ex) == 2 and dev.waits == []  # listing ids waits for nothing
-    assert ex[7] == "w7" and dev.waits == ["ev7"]
-    assert ex[7] == "w7" and dev.waits == ["ev7"]  # once per expert
-    assert ex[3] == "w3" and dev.waits == ["ev7", "ev3"]
+    ex = StreamedExperts(dev, {3: "w3", 7: "w7"}, {3: "ev3", 7: "ev7"}, host_ids=torch.tensor([[7, 3]]), unique=[3, 7])
+    assert ex.unique == [3, 7] and ex.has(3) and not ex.has(5) and ex.missing() == []
+    assert ex.pending(7) and ex.pending(3) and dev.waits == []  # asking and listing wait for nothing
+    assert ex.take(7) == "w7" and dev.waits == ["ev7"] and not ex.pending(7)
+    assert ex.take(7) == "w7" and dev.waits == ["ev7"]  # once per expert
+    assert ex.take(3) == "w3" and dev.waits == ["ev7", "ev3"]
+    share = ex.with_ids(torch.tensor([[3]]))  # a lockstep forward's share: its ids, the same waits
+    assert share.unique == [3] and share.take(3) == "w3" and dev.waits == ["ev7", "ev3"]
 
 
 class LaggyDevice:

@@ -13,6 +13,8 @@ from typing import Mapping, Protocol
 
 from torch import Tensor
 
+from streamrt.expert_weights import ExpertWeights, RoutedExperts
+
 
 class Backend(Protocol):
     name: str
@@ -90,12 +92,13 @@ class Backend(Protocol):
         z: Tensor,
         ids: Tensor,
         weights: Tensor,
-        experts: Mapping[int, "ExpertWeights"],  # noqa: F821
+        experts: RoutedExperts | Mapping[int, ExpertWeights],
         beta: float,
         linear_beta: float | None,
     ) -> Tensor:
         """Routed NVFP4 experts: z [T, Dl] fp32; for each row t, sum over j in order of
-        weights[t, j] * down(situ_glu(gate z_t, up z_t)) in fp32 -> [T, Dl]."""
+        weights[t, j] * down(situ_glu(gate z_t, up z_t)) in fp32 -> [T, Dl]. `experts`: the
+        model's RoutedExperts (expert_weights.py), or a plain {id: ExpertWeights} for `ids`."""
 
     def attnres_mix(self, prefix: Tensor, blocks: Tensor, wq: Tensor, eps: float) -> Tensor:
         """AttnRes: V = cat(blocks [T, nb, D], prefix [T, 1, D]); p = softmax over sources of

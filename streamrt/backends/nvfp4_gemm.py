@@ -18,12 +18,10 @@ fixed-order weighted sum as decode.
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 from torch import Tensor
 
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.expert_weights import NVFP4Matrix, RoutedExperts
 from streamrt.fp4 import E2M1_VALUES
 from streamrt.ops import situ_glu
 
@@ -70,7 +68,7 @@ def mm_nvfp4(x: Tensor, m: NVFP4Matrix, conv=TORCH_FP16) -> Tensor:
 
 
 def grouped_expert_pairs(
-    z: Tensor, id_rows: list[list[int]], experts: Mapping[int, ExpertWeights], beta: float, linear_beta: float | None,
+    z: Tensor, id_rows: list[list[int]], experts: RoutedExperts, beta: float, linear_beta: float | None,
     late: set[int] = frozenset(), conv=TORCH_FP16,
 ) -> Tensor:
     """z [T, Dl] fp32, id_rows [T][k] (host) -> y [T*k, Dl] fp32: y[t*k + j] = E_ids[t][j](z_t).
@@ -89,7 +87,7 @@ def grouped_expert_pairs(
     for e in order:
         pairs = flat[at : at + len(by_expert[e])]
         at += len(by_expert[e])
-        ew = experts[e]  # a streamed expert: the compute stream waits for its copy here
+        ew = experts.take(e)  # a streamed expert: the compute stream waits for its copy here
         zr = z.index_select(0, pairs // k)
         h = situ_glu(mm_nvfp4(zr, ew.gate, conv), mm_nvfp4(zr, ew.up, conv), beta, linear_beta)
         y.index_copy_(0, pairs, mm_nvfp4(h, ew.down, conv))

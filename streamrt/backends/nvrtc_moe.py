@@ -21,7 +21,7 @@ from streamrt.backends.expert_pointers import scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
 from streamrt.backends.nvfp4_gemm import TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, as_routed
 from streamrt.ops import route, sigmoid
 
 # Tensor-core NVFP4 kernels: warps per block (gate+up, down), cp.async stages per warp, 128-column
@@ -89,7 +89,7 @@ class MoeOps:
         z: Tensor,
         ids: Tensor,
         weights: Tensor,
-        experts: Mapping[int, ExpertWeights],
+        experts: RoutedExperts | Mapping[int, ExpertWeights],
         beta: float,
         linear_beta: float | None,
     ) -> Tensor:
@@ -98,7 +98,8 @@ class MoeOps:
 
         Per launch up to 64 (t, j) pairs (all of one token's experts at decode): gate+up+SiTU
         into h [T*k, I], down into y [T*k, Dl], then a fixed-order weighted sum. `ids` may live on
-        the host (no sync; CUDA-graph capturable) or on the device (one sync for the ids).
+        the host (no sync; CUDA-graph capturable) or on the device (one sync for the ids);
+        `experts` is RoutedExperts (the model's) or a plain {id: ExpertWeights}.
         """
         dev = self.device
         z = as_act(z, "expert_ffn.z", dev)
@@ -109,15 +110,14 @@ class MoeOps:
             raise ValueError(f"expert_ffn: z {tuple(z.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} do not agree")
         k = ids.shape[1]
         w = as_act(weights, "expert_ffn.weights", dev)
-        id_rows = ids.tolist()
-        uniq = sorted({e for row in id_rows for e in row})
-        missing = [e for e in uniq if e not in experts]
+        experts = as_routed(experts, ids)
+        id_rows = experts.host_ids.tolist()
+        missing = experts.missing()
         if missing:
             raise KeyError(f"expert_ffn: experts {missing} were routed to but not provided")
         # Experts whose copy is still in flight (a streamed layer) go last: the compute stream
         # waits for their events only after the resident ones are queued (overlap within the layer).
-        pending = getattr(experts, "pending", None)
-        late = {e for e in uniq if pending is not None and pending(e)}
+        late = {e for e in experts.unique if experts.pending(e)}
         P = T * k
         out = self._empty(T, Dl, dtype=torch.float32)
         if P == 0:
@@ -140,7 +140,7 @@ class MoeOps:
                 if not group:
                     continue
                 for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
-                    ptrs[e] = self._ptr_cache.get(experts[e], e, Dl)
+                    ptrs[e] = self._ptr_cache.get(experts.take(e), e, Dl)
                     if I is None:
                         I = ptrs[e].inter
                     elif ptrs[e].inter != I:

@@ -28,14 +28,13 @@ decode cache in place by contract: `short_conv_step` and `kda_step`.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, as_routed
 from streamrt.ops import route, select_topk, sigmoid, situ_glu, topk_mask
 
 # E2M1 nibble -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
@@ -270,20 +269,22 @@ class TorchBackend:
         z: Tensor,
         ids: Tensor,
         weights: Tensor,
-        experts: Mapping[int, ExpertWeights],
+        experts: RoutedExperts | Mapping[int, ExpertWeights],
         beta: float,
         linear_beta: float | None,
     ) -> Tensor:
         """z [T, Dl]; out[t] = sum_j (in order j = 0..k-1) weights[t, j] * E_ids[t,j](z_t) -> [T, Dl].
 
-        Each expert used is dequantised once (one at a time: the bank never is).
+        Each expert used is dequantised once (one at a time: the bank never is). `experts`:
+        RoutedExperts, or a plain {id: ExpertWeights}.
         """
-        ids = ids.to(z.device)  # ids may arrive on the host (the model passes the provider's copy)
+        routed = as_routed(experts, ids)
+        ids = routed.host_ids.to(z.device)
         T, k = ids.shape
         outs = z.new_zeros(T, k, z.shape[-1], dtype=torch.float32)  # [T, k, Dl]
-        for e in torch.unique(ids).tolist():
+        for e in routed.unique:
             rows, slots = (ids == e).nonzero(as_tuple=True)
-            ew = experts[e]
+            ew = routed.take(e)
             zr = z[rows]  # [m, Dl]
             h = situ_glu(self.linear(zr, dequant_nvfp4(ew.gate)), self.linear(zr, dequant_nvfp4(ew.up)), beta, linear_beta)
             outs = outs.index_put((rows, slots), self.linear(h, dequant_nvfp4(ew.down)))  # [m, Dl]

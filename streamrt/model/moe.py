@@ -9,7 +9,8 @@ k experts per token.
     y = routed_expert_up_proj(routed_expert_norm(u)) + shared_experts(x)
 
 Inference: routed experts are not parameters. `forward_steps` yields an `ExpertRequest`
-and is sent back `Mapping[int, ExpertWeights]` (NVFP4, dequantised inside the op).
+and is sent back `RoutedExperts` (expert_weights.py: host ids, unique ids, weights taken one
+expert at a time; NVFP4, dequantised inside the op), or a plain {id: ExpertWeights}.
 Training: `float_experts=True` makes `experts.{e}.w1/w2/w3.weight` float parameters and
 the same forward runs without yielding.
 """
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from streamrt.errors import StreamrtError
-from streamrt.expert_weights import ExpertWeights
+from streamrt.expert_weights import ExpertWeights, RoutedExperts, as_routed
 from streamrt.model.layers import GLUMLP, RMSNorm, act_betas
 
 
@@ -41,7 +42,7 @@ class ExpertRequest:
         return torch.unique(self.ids).tolist()
 
 
-ExpertSteps = Generator[ExpertRequest, Mapping[int, ExpertWeights], Tensor]
+ExpertSteps = Generator[ExpertRequest, RoutedExperts | Mapping[int, ExpertWeights], Tensor]
 
 
 class MoEGate(nn.Module):
@@ -86,15 +87,14 @@ class LatentMoE(nn.Module):
         if self.experts is not None:
             u = self._float_expert_ffn(z, ids, w, be)
         else:
-            experts = yield ExpertRequest(self.layer_idx, ids, w, x)
-            # The provider usually brought the ids to the host already (the streaming runtime
-            # does); using its copy keeps this layer free of another device synchronize.
-            host = getattr(experts, "host_ids", None)
-            ids = host if host is not None else ids.cpu()
-            missing = sorted(set(ids.reshape(-1).tolist()) - set(experts))
+            answer = yield ExpertRequest(self.layer_idx, ids, w, x)
+            # The runtime and the providers answer with the ids already on the host (RoutedExperts),
+            # which keeps this layer free of another device synchronize; a plain mapping is wrapped.
+            experts = answer if isinstance(answer, RoutedExperts) else as_routed(answer, ids)
+            missing = experts.missing()
             if missing:
                 raise StreamrtError(f"expert provider returned no weights for layer {self.layer_idx} experts {missing[:8]}")
-            u = be.expert_ffn(z, ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
+            u = be.expert_ffn(z, experts.host_ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u, be)
         y = be.linear(u, self.routed_expert_up_proj.weight)  # [N, D]

@@ -29,7 +29,6 @@ summed N times), so the check costs no device synchronize.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -37,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from streamrt.errors import StreamrtError, clip
-from streamrt.parallel.shard import Remote
+from streamrt.expert_weights import RoutedExperts, as_routed
 
 
 class ExpertParallelBackend:
@@ -64,26 +63,26 @@ class ExpertParallelBackend:
             self._prefill._pairs = self._pairs
         return self._prefill
 
-    def expert_ffn(self, z: Tensor, ids: Tensor, weights: Tensor, experts: Mapping, beta: float,
+    def expert_ffn(self, z: Tensor, ids: Tensor, weights: Tensor, experts: RoutedExperts, beta: float,
                    linear_beta: float | None) -> Tensor:
         self._check_count()
-        host = ids.cpu()  # the model passes the shard's host copy: no transfer
+        experts = as_routed(experts, ids)  # the model passes the shard's answer and its host ids: no transfer
+        host = experts.host_ids
         T, k = host.shape
         Dl = z.shape[-1]
-        local = _locality(experts)
-        mask = torch.tensor([[local(e) for e in row] for row in host.tolist()], dtype=torch.bool).reshape(T, k)
+        mask = torch.tensor([[experts.is_local(e) for e in row] for row in host.tolist()], dtype=torch.bool).reshape(T, k)
         t, j = mask.nonzero(as_tuple=True)  # [P] each, row-major
         buf = torch.full((T * k * Dl + 1,), -0.0, dtype=torch.float32, device=z.device)
         c = buf[:-1].view(T, k, Dl)  # [T, k, Dl]; buf[-1]: how many pairs this rank computed
         if t.numel():
             pid = host[t, j][:, None]  # [P, 1]
             one = torch.ones(pid.shape, dtype=torch.float32, device=z.device)
-            y = self.inner.expert_ffn(z[t.to(z.device)], pid, one, experts, beta, linear_beta)  # [P, Dl]
+            y = self.inner.expert_ffn(z[t.to(z.device)], pid, one, experts.with_ids(pid), beta, linear_beta)  # [P, Dl]
             td, jd = t.to(z.device), j.to(z.device)
             c[td, jd] = y * weights.float()[td, jd][:, None]
             buf[-1] = float(t.numel())
             self._pairs[0] += t.numel()
-        layer = getattr(experts, "layer", -1)
+        layer = experts.layer
         self._all_reduce(buf, layer)
         self._count = (buf[-1:], T * k, layer)  # checked at the next call: reading it now would sync the device
         acc = c[:, 0]
@@ -112,11 +111,3 @@ class ExpertParallelBackend:
                 f"rank {self.rank}: expert all-reduce of layer {layer} failed{limit}: another rank died "
                 f"or stopped answering: {clip(first, 200)}"
             ) from None
-
-
-def _locality(experts: Mapping):
-    """e -> whether its weights are on this rank: the shard's answer says so without touching
-    them (taking a streamed expert makes the compute stream wait for its copy); a mapping that
-    wraps it without `is_local` (a lockstep share) is asked for the value."""
-    is_local = getattr(experts, "is_local", None)
-    return is_local if is_local is not None else (lambda e: not isinstance(experts[e], Remote))

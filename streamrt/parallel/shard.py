@@ -25,7 +25,6 @@ the device, no synchronize).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Generator
 
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor
 
 from streamrt.errors import StreamrtError
+from streamrt.expert_weights import RoutedExperts
 from streamrt.model.moe import ExpertRequest
 from streamrt.parallel.owners import ExpertOwners
 from streamrt.runtime.predictor import Predictor
@@ -53,31 +53,29 @@ class Remote:
         )
 
 
-class ShardExperts(Mapping):
-    """The answer to one layer on one rank: every routed id -> ExpertWeights (owned) or Remote."""
+class ShardExperts(RoutedExperts):
+    """One rank's answer to a layer: the owned experts' weights (`local`: the answer to the
+    shard's request, or a plain {id: ExpertWeights}) and a `Remote` stand-in for every other
+    routed id; `host_ids` [N, k] and `unique` are the whole layer's."""
 
-    def __init__(self, local: Mapping, remote: dict[int, Remote], host_ids: Tensor, layer: int):
-        self._local, self._remote, self.host_ids, self.layer = local, remote, host_ids, layer
-        # The keys, listed once: `e in local` on a Mapping takes local[e], which for the
-        # runtime's answer makes the compute stream wait for e's copy (listing waits for nothing).
-        self._here = frozenset(local)
+    def __init__(self, local, remote: dict[int, Remote], host_ids: Tensor, layer: int, unique: list[int] | None = None):
+        super().__init__({}, host_ids, unique, layer)
+        if not isinstance(local, RoutedExperts):
+            local = RoutedExperts(local, torch.tensor([sorted(local)], dtype=torch.int64), layer=layer)
+        self._local, self._remote = local, remote
+        self._here = frozenset(local.unique)
+
+    def take(self, e: int):
+        return self._local.take(e) if e in self._here else self._remote[e]
+
+    def has(self, e: int) -> bool:
+        return self._local.has(e) if e in self._here else e in self._remote
+
+    def pending(self, e: int) -> bool:
+        return e in self._here and self._local.pending(e)
 
     def is_local(self, e: int) -> bool:
         return e in self._here
-
-    def __getitem__(self, e: int):
-        return self._local[e] if e in self._here else self._remote[e]
-
-    def pending(self, e: int) -> bool:
-        pending = getattr(self._local, "pending", None)
-        return bool(pending(e)) if pending is not None and e in self._here else False
-
-    def __iter__(self):
-        yield from self._local
-        yield from self._remote
-
-    def __len__(self) -> int:
-        return len(self._local) + len(self._remote)
 
 
 def shard(gen: Generator, owners: ExpertOwners, rank: int) -> Generator:
@@ -90,11 +88,13 @@ def shard(gen: Generator, owners: ExpertOwners, rank: int) -> Generator:
             mine = [e for e in routed if int(owner[e]) == rank]
             ids = torch.tensor([mine], dtype=req.ids.dtype).to(req.ids.device)  # [1, U]
             local = yield ExpertRequest(req.layer, ids, torch.ones(ids.shape, device=ids.device), req.hidden)
-            missing = sorted(set(mine) - set(local))  # keys only: nothing waits for a copy
+            if not isinstance(local, RoutedExperts):
+                local = RoutedExperts(local, torch.tensor([mine], dtype=torch.int64), mine, req.layer)
+            missing = [e for e in mine if not local.has(e)]  # asking waits for no copy
             if missing:
                 raise StreamrtError(f"rank {rank}: expert provider returned no weights for layer {req.layer} experts {missing[:8]}")
             remote = {e: Remote(req.layer, e, int(owner[e])) for e in routed if int(owner[e]) != rank}
-            req = gen.send(ShardExperts(local, remote, host, req.layer))
+            req = gen.send(ShardExperts(local, remote, host, req.layer, routed))
     except StopIteration as stop:
         return stop.value
     finally:

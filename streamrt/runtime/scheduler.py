@@ -247,7 +247,7 @@ class StreamingRuntime:
 
         # 6. compute: lazy views; the compute stream waits per expert, on the GPU.
         views, events = self._views(keys)
-        return StreamedExperts(self.device, views, events, self.tracer, layer, host_ids)
+        return StreamedExperts(self.device, views, events, self.tracer, layer, host_ids, unique=ids)
 
     # ---- the steps' parts -----------------------------------------------------------
 

@@ -3,29 +3,29 @@ slots whose copies the compute stream waits for one expert at a time."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
-from streamrt.expert_weights import ExpertWeights
+from streamrt.expert_weights import ExpertWeights, RoutedExperts
 from streamrt.trace import NullTracer
 
 
-class StreamedExperts(Mapping):
-    """The answer to one ExpertRequest: expert id -> ExpertWeights views of its device slot.
-    Taking an expert makes the compute stream wait for that expert's copy (a GPU-side wait);
-    listing the ids waits for nothing."""
+class StreamedExperts(RoutedExperts):
+    """RoutedExperts whose views are device slots. Taking an expert makes the compute stream
+    wait for that expert's copy (a GPU-side wait), once; `pending`, `has` and the ids wait for
+    nothing."""
 
     def __init__(self, device, views: dict[int, ExpertWeights], events: dict[int, object], tracer=None, layer=-1,
-                 host_ids: torch.Tensor | None = None):
-        self._device, self._views, self._events = device, views, events
-        self._tracer, self._layer = tracer or NullTracer(), layer
-        self.host_ids = host_ids  # the request's ids, already on the host: the model needs no second sync
+                 host_ids: torch.Tensor | None = None, unique: list[int] | None = None):
+        if host_ids is None:  # (tests that build one by hand) the views' ids, one row
+            host_ids = torch.tensor([sorted(views)], dtype=torch.int64)
+        super().__init__(views, host_ids, unique, layer)
+        self._device, self._events = device, events
+        self._tracer = tracer or NullTracer()
 
-    def __getitem__(self, e: int) -> ExpertWeights:
+    def take(self, e: int) -> ExpertWeights:
         ev = self._events.pop(e, None)
         if ev is not None:
-            with self._tracer.span("stall", "wait", stream=self._device.compute_stream, layer=self._layer, expert=e):
+            with self._tracer.span("stall", "wait", stream=self._device.compute_stream, layer=self.layer, expert=e):
                 self._device.compute_wait(ev)
         return self._views[e]
 
@@ -33,9 +33,3 @@ class StreamedExperts(Mapping):
         """Whether taking `e` would make the compute stream wait (its copy is still queued), so a
         backend can queue the resident experts' work first."""
         return e in self._events
-
-    def __iter__(self):
-        return iter(self._views)
-
-    def __len__(self) -> int:
-        return len(self._views)
