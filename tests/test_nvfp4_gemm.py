@@ -11,7 +11,7 @@ import torch
 
 import reference as ref
 from streamrt.backends.nvfp4_gemm import TORCH_FP16, grouped_expert_pairs, mm_nvfp4
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts
 
 
 def _nvfp4(g, rows: int, cols: int) -> NVFP4Matrix:
@@ -54,7 +54,8 @@ def test_grouped_pairs_match_the_float64_experts():
     experts = {e: ExpertWeights(_nvfp4(g, I, Dl), _nvfp4(g, I, Dl), _nvfp4(g, Dl, I)) for e in range(E)}
     ids = [torch.randperm(E, generator=g)[:k].tolist() for _ in range(T)]
     z = torch.randn(T, Dl, generator=g)
-    y = grouped_expert_pairs(z, ids, experts, 4.0, 25.0, late={2}).double().numpy()  # [T*k, Dl]
+    routed = RoutedExperts(experts, torch.tensor(ids))
+    y = grouped_expert_pairs(z, ids, routed, 4.0, 25.0, late={2}).double().numpy()  # [T*k, Dl]
     f64 = {e: (_f64(w.gate), _f64(w.up), _f64(w.down)) for e, w in experts.items()}
     for t in range(T):
         for j, e in enumerate(ids[t]):
