@@ -200,11 +200,7 @@ class _ModelSession(Session):
         return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits, digest.hexdigest()[:16])
 
     def close(self) -> None:
-        if self.options.stats_json:
-            self.runtime.write_stats()
-        if self.options.trace:
-            self.tracer.write(self.options.trace)
-        self.runtime.close()
+        self.runtime.finish()
 
 
 class _LoadBar:

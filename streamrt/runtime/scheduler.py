@@ -31,10 +31,8 @@ The whole I/O story of a decode step is in `decode_step` and `serve`, top to bot
                 ones still arrive. No host synchronize anywhere on this path.
 
 Completion reaches asyncio by event-query polling (`aio.event_done`), never by blocking the loop.
-Staging (4, and the guesses' reads on the pool tier) is `stager.Stager`'s; the pool tier's disk
-reads are `pool_reads.PoolReads`'.
-Batch decode needs nothing special: B sequences yield one request per layer and its unique ids
-are fetched once.
+Staging (4, and the guesses' pool-tier reads) is `stager.Stager`'s; pool-tier disk reads are
+`pool_reads.PoolReads`'. Batch decode: B rows, one request per layer, its unique ids fetched once.
 
 Failure modes of the seed, for the sweep (off by default): `--staging off` (no pool, no
 staging, pageable synchronous copies: the baseline), `--prefetch discard`, `--evict sync`,
@@ -45,7 +43,7 @@ Construction and driving (what `streamrt run` does):
     rt = StreamingRuntime(tree, model, RuntimeOptions.from_args(args), batch=B)
     logits = rt.run(model.forward_steps(prompt_ids, cache))             # prefill
     logits = rt.run(model.forward_steps(next_ids, cache), tokens=B)     # each decode step
-    rt.write_stats(args.stats_json); rt.close()
+    rt.finish()                                                         # --stats-json, --trace, close
 or synchronously: `run_sync(gen, rt.provider)`.
 """
 from __future__ import annotations
@@ -53,7 +51,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -169,7 +167,7 @@ class StreamingRuntime:
         to its logits on this runtime's loop. Decode steps (tokens > 0) are timed."""
         return self.loop.run_until_complete(self.decode_step(gen, tokens=tokens))
 
-    def provider(self, req) -> Mapping[int, ExpertWeights]:
+    def provider(self, req) -> StreamedExperts:
         """Synchronous provider for `streamrt.model.run_sync` (same fetch path, same answers)."""
         return self.loop.run_until_complete(self.serve(req))
 
@@ -473,6 +471,14 @@ class StreamingRuntime:
         if path:
             write_stats_json(path, p)
         return p
+
+    def finish(self) -> None:
+        """The run's end: `--stats-json` and `--trace` written when asked for, then `close`."""
+        if self.options.stats_json:
+            self.write_stats()
+        if self.options.trace:
+            self.tracer.write(self.options.trace)
+        self.close()
 
     def close(self) -> None:
         if self.loop.is_closed():

@@ -89,8 +89,4 @@ class ModelRunner:
         return [p for p in prefills if len(p[0]) <= chunk], [p for p in prefills if len(p[0]) > chunk]
 
     def close(self) -> None:
-        if self.options.stats_json:
-            self.runtime.write_stats()
-        if self.options.trace:
-            self.tracer.write(self.options.trace)
-        self.runtime.close()
+        self.runtime.finish()
