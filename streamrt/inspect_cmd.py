@@ -57,10 +57,12 @@ def _tensor_counts(cfg, path: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.link_gbps <= 0:
-        from streamrt.errors import StreamrtError
+    from streamrt.errors import StreamrtError
 
+    if args.link_gbps <= 0:
         raise StreamrtError(f"--link-gbps must be > 0, got {args.link_gbps}")
+    if args.gpus is not None and args.gpu_mem is None:
+        raise StreamrtError("--gpus N plans N GPUs of one size: give --gpu-mem too (e.g. --gpus 8 --gpu-mem 141G)")
     cfg = load_config(args.model)
     if args.gpu_mem is not None:
         return _placement(cfg, args)

@@ -320,14 +320,6 @@ def test_rank_plan_splits_the_experts_and_each_link_carries_its_share():
     assert proj["s_per_token"] < projected_s_per_token(cfg, [alone], 55.0, 4800.0)["s_per_token"] / 5
 
 
-def _run_has_gpus() -> bool:
-    from streamrt.cli import build_parser
-
-    run = build_parser()._subparsers._group_actions[0].choices["run"]
-    return any("--gpus" in a.option_strings for a in run._actions)
-
-
-@pytest.mark.skipif(not _run_has_gpus(), reason="`streamrt run --gpus` is not wired into run_cmd.py in this checkout")
 def test_run_gpus_2_answers_as_one_process(capfd):
     """`streamrt run --gpus 2` on the embedded model: the same reply and logits hash (prefill and
     every decode step) as `streamrt run`; rank 1 prints nothing."""
@@ -353,3 +345,13 @@ def test_gpus_flag_is_checked_before_any_rank_starts():
     for bad, words in (("abc", "expected a process count"), ("0", "must be >= 1"), ("99999", "at most|GPUs")):
         with pytest.raises(StreamrtError, match=words):
             check_gpus(bad)
+
+
+def test_inspect_gpus_prints_each_ranks_share_and_refuses_without_a_card_size(capsys):
+    from streamrt.cli import main
+
+    assert main(["inspect", "kimi-k3.1-pro", "--gpus", "8", "--gpu-mem", "141G"]) == 0
+    out = capsys.readouterr().out
+    assert "experts sharded (m * E + e) mod 8" in out and out.count("| 10,304 |") == 8
+    assert main(["inspect", "kimi-k3.1-pro", "--gpus", "8"]) == 2
+    assert "give --gpu-mem too" in capsys.readouterr().err
