@@ -57,10 +57,16 @@ TORCH_FP16 = TorchFp16()
 
 def mm_nvfp4(x: Tensor, m: NVFP4Matrix, conv=TORCH_FP16) -> Tensor:
     """x [n, in] fp32 @ m.T -> [n, out] fp32 on the tensor cores (see the module doc)."""
-    n = x.shape[0]
-    halves, scale = conv.fp16_halves(x)
+    return mm_halves(conv.fp16_halves(x), m, conv)
+
+
+def mm_halves(split: tuple[Tensor, Tensor], m: NVFP4Matrix, conv=TORCH_FP16) -> Tensor:
+    """mm_nvfp4 of rows already split (`conv.fp16_halves(x)`): one split serves every matrix
+    that reads the same rows (an expert's gate and up)."""
+    halves, scale = split
+    n = scale.shape[0]
     w16 = conv.fp16_weights(m)
-    if x.is_cuda:
+    if halves.is_cuda:
         y = torch.mm(halves, w16.T, out_dtype=torch.float32)  # [2n, out]
     else:  # the CPU twin (tests): the same fp16 operands, every product exact in fp32
         y = halves.float() @ w16.float().T
@@ -88,7 +94,7 @@ def grouped_expert_pairs(
         pairs = flat[at : at + len(by_expert[e])]
         at += len(by_expert[e])
         ew = experts.take(e)  # a streamed expert: the compute stream waits for its copy here
-        zr = z.index_select(0, pairs // k)
-        h = situ_glu(mm_nvfp4(zr, ew.gate, conv), mm_nvfp4(zr, ew.up, conv), beta, linear_beta)
+        zr = conv.fp16_halves(z.index_select(0, pairs // k))  # split once for gate and up
+        h = situ_glu(mm_halves(zr, ew.gate, conv), mm_halves(zr, ew.up, conv), beta, linear_beta)
         y.index_copy_(0, pairs, mm_nvfp4(h, ew.down, conv))
     return y
