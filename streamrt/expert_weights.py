@@ -85,10 +85,16 @@ class _WithIds(RoutedExperts):
         return self._whole.is_local(e)
 
 
+def answer_to(answer, ids: Tensor) -> RoutedExperts:
+    """A provider's answer to the request for `ids` as RoutedExperts: itself, or a plain
+    {id: weights} mapping wrapped (simple providers; `ids` come to the host once)."""
+    return answer if isinstance(answer, RoutedExperts) else RoutedExperts(answer, ids.cpu())
+
+
 def as_routed(experts, ids: Tensor) -> RoutedExperts:
-    """`experts` for the routed `ids` as RoutedExperts: the answer itself when it was given for
-    exactly these ids, its share for other ids, or a plain {id: weights} mapping wrapped (tests,
-    benchmarks, simple providers; `ids` come to the host once)."""
+    """`experts` for the routed `ids` (a backend's argument) as RoutedExperts: the answer itself
+    when it was given for exactly these ids, its share for other ids, or a plain mapping wrapped
+    (tests, benchmarks)."""
     if isinstance(experts, RoutedExperts):
         return experts if experts.host_ids is ids else experts.with_ids(ids.cpu())
-    return RoutedExperts(experts, ids.cpu())
+    return answer_to(experts, ids)

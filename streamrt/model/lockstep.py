@@ -20,7 +20,7 @@ from typing import Generator
 
 import torch
 
-from streamrt.expert_weights import RoutedExperts, as_routed
+from streamrt.expert_weights import answer_to
 from streamrt.model.moe import ExpertRequest
 
 
@@ -36,7 +36,7 @@ def lockstep(gens: list[Generator]) -> Generator:
         merged = reqs[0] if len(reqs) == 1 else _merge(reqs)
         experts = yield merged
         if len(reqs) > 1:
-            experts = experts if isinstance(experts, RoutedExperts) else as_routed(experts, merged.ids)
+            experts = answer_to(experts, merged.ids)
         row = 0
         for i, req in zip(group, reqs):
             n = req.ids.shape[0]

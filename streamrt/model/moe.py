@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from streamrt.errors import StreamrtError
-from streamrt.expert_weights import ExpertWeights, RoutedExperts, as_routed
+from streamrt.expert_weights import ExpertWeights, RoutedExperts, answer_to
 from streamrt.model.layers import GLUMLP, RMSNorm, act_betas
 
 
@@ -90,7 +90,7 @@ class LatentMoE(nn.Module):
             answer = yield ExpertRequest(self.layer_idx, ids, w, x)
             # The runtime and the providers answer with the ids already on the host (RoutedExperts),
             # which keeps this layer free of another device synchronize; a plain mapping is wrapped.
-            experts = answer if isinstance(answer, RoutedExperts) else as_routed(answer, ids)
+            experts = answer_to(answer, ids)
             missing = experts.missing()
             if missing:
                 raise StreamrtError(f"expert provider returned no weights for layer {self.layer_idx} experts {missing[:8]}")

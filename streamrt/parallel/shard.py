@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from streamrt.errors import StreamrtError
-from streamrt.expert_weights import RoutedExperts
+from streamrt.expert_weights import RoutedExperts, answer_to
 from streamrt.model.moe import ExpertRequest
 from streamrt.parallel.owners import ExpertOwners
 from streamrt.runtime.predictor import Predictor
@@ -60,7 +60,7 @@ class ShardExperts(RoutedExperts):
 
     def __init__(self, local, remote: dict[int, Remote], host_ids: Tensor, layer: int, unique: list[int] | None = None):
         super().__init__({}, host_ids, unique, layer)
-        if not isinstance(local, RoutedExperts):
+        if not isinstance(local, RoutedExperts):  # a plain {id: weights}
             local = RoutedExperts(local, torch.tensor([sorted(local)], dtype=torch.int64), layer=layer)
         self._local, self._remote = local, remote
         self._here = frozenset(local.unique)
@@ -88,8 +88,7 @@ def shard(gen: Generator, owners: ExpertOwners, rank: int) -> Generator:
             mine = [e for e in routed if int(owner[e]) == rank]
             ids = torch.tensor([mine], dtype=req.ids.dtype).to(req.ids.device)  # [1, U]
             local = yield ExpertRequest(req.layer, ids, torch.ones(ids.shape, device=ids.device), req.hidden)
-            if not isinstance(local, RoutedExperts):
-                local = RoutedExperts(local, torch.tensor([mine], dtype=torch.int64), mine, req.layer)
+            local = answer_to(local, torch.tensor([mine], dtype=torch.int64))  # host ids: no transfer
             missing = [e for e in mine if not local.has(e)]  # asking waits for no copy
             if missing:
                 raise StreamrtError(f"rank {rank}: expert provider returned no weights for layer {req.layer} experts {missing[:8]}")
