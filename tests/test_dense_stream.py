@@ -352,3 +352,38 @@ def test_streamed_logits_are_bit_identical_on_cuda(buffers, which):
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert dev.full_synchronizes == 0 and ds.stats.copies > len(ds.order)
     ds.close()
+
+
+def test_serve_runner_lockstep_with_streamed_layers_and_multi_pass_pieces(default_model_copy):
+    """serve's step with dense layers streaming: prompt pieces of one and of several passes through
+    the layers (longer than one model chunk) go in lockstep; the forwards start together, so they
+    reach every streamed layer together, and every piece's logits equal the all-resident runner's."""
+    import argparse
+    import asyncio
+
+    from streamrt.checkpoint.reader import open_tree
+    from streamrt.runtime.options import add_runtime_flags
+    from streamrt.serve.runner import ModelRunner
+
+    cfg = open_tree(default_model_copy).config
+    full = plan_placement(cfg, 1 << 40, batch=2)  # the runner plans for its batch
+    budget = sum(full.fixed_bytes.values()) - full.fixed_bytes["embedding"] + sum(full.layer_bytes[:3])
+    budget += 2 * max(full.layer_bytes[3:])
+
+    def pieces(flags):
+        p = argparse.ArgumentParser()
+        add_runtime_flags(p)
+        runner = ModelRunner(default_model_copy, p.parse_args(["--device", "cpu", *flags]), max_batch=2)
+        runner.model.prefill_chunk = 8
+        try:
+            long, short = runner.new_cache(), runner.new_cache()
+            _, out = runner.loop.run_until_complete(runner.step([], None, [(list(range(3, 23)), long), ([5, 6, 7], short)]))
+            return runner, out
+        finally:
+            runner.close()
+
+    streamed, got = pieces(["--gpu-mem", str(budget), "--gpu-experts", "64"])
+    assert isinstance(streamed.model.layer_weights, DenseStream)
+    resident, want = pieces(["--gpu-experts", "64"])
+    assert resident.model.layer_weights is RESIDENT
+    assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))

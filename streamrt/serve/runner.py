@@ -22,7 +22,6 @@ import torch
 
 from streamrt.model import ModelCache
 from streamrt.model.lockstep import lockstep
-from streamrt.model.model import RESIDENT, default_prefill_chunk
 
 
 class ModelRunner:
@@ -62,31 +61,17 @@ class ModelRunner:
         return self.model.new_cache(1, self._device)
 
     async def step(self, last: list[int], cache: ModelCache | None, prefills: list[tuple[list[int], ModelCache]]):
-        together, alone = self._passes(prefills)
         with torch.no_grad():
             gens = []
             if last:
                 x = torch.tensor([[t] for t in last], device=self._device)  # [B, 1]
                 gens.append(self.model.forward_steps(x, cache))
-            gens += [self._prefill(ids, row_cache) for ids, row_cache in together]
+            for ids, row_cache in prefills:
+                x = torch.tensor([ids], device=self._device)  # [1, T]
+                gens.append(self.model.forward_steps(x, row_cache, last_only=True))
             out = await self.runtime.decode_step(lockstep(gens), tokens=len(last))
-            for ids, row_cache in alone:
-                out.append(await self.runtime.decode_step(self._prefill(ids, row_cache)))
         decoded = out.pop(0)[:, 0].float() if last else None  # [B, V]
-        logits = dict(zip([id(c) for _, c in together + alone], out))
-        return decoded, [logits[id(c)][0, 0].float() for _, c in prefills]
-
-    def _prefill(self, ids: list[int], cache: ModelCache):
-        return self.model.forward_steps(torch.tensor([ids], device=self._device), cache, last_only=True)
-
-    def _passes(self, prefills):
-        """(prefills run in lockstep with the decode step, prefills run alone after it). Streamed
-        dense weights are shared by forwards at the same layer only, so with them a piece longer
-        than one model chunk (several passes through the layers) runs alone."""
-        if self.model.layer_weights is RESIDENT:
-            return prefills, []
-        chunk = self.model.prefill_chunk or default_prefill_chunk(self.model.config, self._device)
-        return [p for p in prefills if len(p[0]) <= chunk], [p for p in prefills if len(p[0]) > chunk]
+        return decoded, [logits[0, 0].float() for logits in out]
 
     def close(self) -> None:
         self.runtime.finish()
