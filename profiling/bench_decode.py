@@ -74,6 +74,27 @@ def warm_page_cache(tree) -> float:
 # ---- link ------------------------------------------------------------------------------
 
 
+def pinned_rate(device, nbytes: int, reps: int = 8) -> float:
+    """GB/s of `nbytes` pinned H2D copies on a side stream (0 without CUDA)."""
+    if device.kind != "cuda":
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device)
+    s = torch.cuda.Stream(device=device.torch_device)
+    with torch.cuda.stream(s):
+        dst.copy_(src, non_blocking=True)
+    s.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record(s)
+    with torch.cuda.stream(s):
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+    t1.record(s)
+    t1.synchronize()
+    del src, dst
+    return reps * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
+
+
 def measure_link(device, tree, reps: int = 64) -> dict:
     """GB/s of expert-sized H2D copies on a side stream: pinned buffer, page-locked file
     mapping, pageable buffer. CPU: zeros (no link)."""

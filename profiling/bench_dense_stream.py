@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_decode import decode_run, ensure_tree, git_commit, machine, measure_link, warm_page_cache  # noqa: E402
+from bench_decode import decode_run, ensure_tree, git_commit, machine, measure_link, pinned_rate, warm_page_cache  # noqa: E402
 
 from streamrt.loader import load_model  # noqa: E402
 from streamrt.placement import format_plan, layer_dense_bytes, plan_placement  # noqa: E402
@@ -58,27 +58,6 @@ def half_streaming_budget(cfg, buffers: int, context: int) -> int:
         if hi >= need[q]:
             return hi
     raise SystemExit(f"{cfg.name}: no --gpu-mem streams half of the dense plane")
-
-
-def pinned_rate(device, nbytes: int, reps: int = 8) -> float:
-    """GB/s of `nbytes` pinned H2D copies on a side stream (0 without CUDA)."""
-    if device.kind != "cuda":
-        return 0.0
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device)
-    s = torch.cuda.Stream(device=device.torch_device)
-    with torch.cuda.stream(s):
-        dst.copy_(src, non_blocking=True)
-    s.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record(s)
-    with torch.cuda.stream(s):
-        for _ in range(reps):
-            dst.copy_(src, non_blocking=True)
-    t1.record(s)
-    t1.synchronize()
-    del src, dst
-    return reps * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
 
 
 def decode(tree, model, device, opts, prompt, cont, warmup) -> dict:

@@ -111,23 +111,11 @@ def child(args, rest: list[str]) -> None:
         "device_misses": rt.stats.device_misses,
     }
     if cuda:
-        out.update(dev_loaded=dev_base, dev_peak=torch.cuda.max_memory_allocated(), link_gbps=link_rate_gbps(torch))
+        from bench_decode import pinned_rate  # (this script's folder is on sys.path when run)
+
+        out.update(dev_loaded=dev_base, dev_peak=torch.cuda.max_memory_allocated(), link_gbps=pinned_rate(device, 1 << 30))
     rt.close()
     print("RESULT " + json.dumps(out), flush=True)
-
-
-def link_rate_gbps(torch, nbytes: int = 1 << 30) -> float:
-    """Host-to-device rate of one pinned copy (best of three), 1e9 B/s: the TTFT floor's divisor."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def slope(xs, ys) -> float:
