@@ -7,7 +7,6 @@ names.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import sys
 from dataclasses import dataclass, field
@@ -128,11 +127,10 @@ class _ModelSession(Session):
             # its streamed layers stream on this device's copy stream, its expert slots are the runtime's
             self.model, plan = load_placed(tree, device, gpu_mem=self.options.gpu_mem,
                                            backend=backend, tracer=self.tracer)
-            if plan is not None:
-                self.options = dataclasses.replace(self.options, gpu_experts=self.options.gpu_experts or plan.expert_slots)
-                if plan.streamed_layers:
-                    print(format_plan(tree.config, plan), file=sys.stderr)
-                    print(f"streamrt: {self.model.layer_weights.line()}", file=sys.stderr)
+            self.options = self.options.with_plan(plan)
+            if plan is not None and plan.streamed_layers:
+                print(format_plan(tree.config, plan), file=sys.stderr)
+                print(f"streamrt: {self.model.layer_weights.line()}", file=sys.stderr)
             self.model.prefill_chunk = prefill_chunk(args)
             self.context = tree.config.max_position_embeddings
             bar.step("expert store")

@@ -14,6 +14,8 @@ baseline).
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import re
 from dataclasses import dataclass, field, fields
@@ -227,6 +229,12 @@ class RuntimeOptions:
             if path is not None:
                 check_output_path(path, flag)
         return self
+
+    def with_plan(self, plan) -> "RuntimeOptions":
+        """These options with a placement plan's expert slots (an explicit --gpu-experts wins)."""
+        if plan is None:
+            return self
+        return dataclasses.replace(self, gpu_experts=self.gpu_experts or plan.expert_slots)
 
     def make_backend(self, device):
         """The ops backend for `device` (a streams.Device); None means the model's default (torch)."""

@@ -15,7 +15,6 @@ prompt whatever shares the step (decode ops are row-wise).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -42,8 +41,7 @@ class ModelRunner:
         self.tracer = make_tracer(bool(self.options.trace))
         self.model, plan = load_placed(tree, device, gpu_mem=self.options.gpu_mem, batch=max_batch,
                                        backend=self.options.make_backend(device), tracer=self.tracer)
-        if plan is not None:
-            self.options = dataclasses.replace(self.options, gpu_experts=self.options.gpu_experts or plan.expert_slots)
+        self.options = self.options.with_plan(plan)
         self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer,
                                         batch=max_batch)
         self.max_context = tree.config.max_position_embeddings
