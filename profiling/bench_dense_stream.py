@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=4)
+    ap.add_argument("--backend", choices=("auto", "nvrtc", "torch"), default="auto",
+                    help="ops backend (default: nvrtc on CUDA; the torch backend is host-bound at the real depth)")
     ap.add_argument("--gpu-policy", default="lfu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -110,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size - 256, (args.prompt_len,), generator=g).tolist()
     cont = torch.randint(0, cfg.vocab_size - 256, (args.warmup + args.tokens,), generator=g).tolist()
-    opts = RuntimeOptions(device=args.device, gpu_experts=plan.expert_slots, gpu_policy=args.gpu_policy, verify_experts="off")
+    backend = args.backend if args.backend != "auto" else ("nvrtc" if device.kind == "cuda" else "torch")
+    opts = RuntimeOptions(device=args.device, backend=backend, gpu_experts=plan.expert_slots, gpu_policy=args.gpu_policy,
+                          verify_experts="off")
     dtype = torch.bfloat16 if device.kind == "cuda" else None
 
     runs = {}
     for name in ("resident", "streamed"):
         t = time.perf_counter()
-        model = load_model(tree, device.torch_device, dtype=dtype, placement=plan if name == "streamed" else None,
-                           runtime_device=device)
+        model = load_model(tree, device.torch_device, dtype=dtype, backend=opts.make_backend(device),
+                           placement=plan if name == "streamed" else None, runtime_device=device)
         if name == "streamed":
             print(f"  {model.layer_weights.line()}", flush=True)
         runs[name] = decode(tree, model, device, opts, prompt, cont, args.warmup)
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
               + " ".join(argv if argv is not None else sys.argv[1:]))
     lines = [
         header,
-        f"plan: --gpu-mem {budget / GIB:.2f} GiB, {len(plan.resident_layers)} layers resident, {len(plan.streamed_layers)} "
+        f"backend: {backend}    plan: --gpu-mem {budget / GIB:.2f} GiB, {len(plan.resident_layers)} layers resident, {len(plan.streamed_layers)} "
         f"streamed ({share:.0%} of the dense plane) through {plan.buffers} buffers, {plan.expert_slots} expert slots",
         f"link {rate:.1f} GB/s; streamed: dense {dense_b / 1e9:.2f} GB + experts {expert_b / 1e9:.2f} GB per token -> "
         f"floor {floor * 1e3:.2f} ms/token; late dense copies {p['dense_late']}",

@@ -3,8 +3,10 @@
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
 #   bash profiling/device_session.sh [stages...]
 #   stages: tests kernels variants access profile decode trace sweep convert
-#           deep serve dense prefill experts  (deep: synthesise deep-k3.1-pro, ~2 min; the next
-#           three use it when present: serve 1/4/16 clients, dense streaming, 4k TTFT)
+#           slice deep serve dense prefill experts drop-slice
+#           (slice / deep: synthesise slice-k3.1-pro, ~30 s, / deep-k3.1-pro, ~2 min; serve 1/4/16
+#           clients, dense streaming and prefill run on whichever of the two is present; the disk
+#           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
 #   env: T_<STAGE> timeouts, DECODE_ARGS, CONVERT_ARGS, PROFILE_BACKENDS, TRACE_SLOTS, TRACE_BACKEND
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -62,36 +64,43 @@ if has sweep; then
   cp "$L/sweep/sweep.csv" "$L/sweep/sweep.png" "$OUT/" 2>/dev/null
 fi
 DEEP=$W/deep-k3.1-pro
+if has slice; then
+  stage "synthesise slice-k3.1-pro (streamrt format)"
+  (cd profiling && python3 -c "import sys; from pathlib import Path; from bench_decode import ensure_tree; ensure_tree(Path(sys.argv[1]), 'slice-k3.1-pro')" "$W") 2>&1 | tail -1
+fi
 if has deep; then
   stage "synthesise deep-k3.1-pro (streamrt format)"
   [ -f "$DEEP/manifest.json" ] || python3 -m streamrt synth --config deep-k3.1-pro --format streamrt --out "$DEEP" 2>&1 | tail -1
 fi
 if has serve; then  # needs the fastapi / uvicorn / pydantic / opentelemetry-api wheels on PYTHONPATH
   stage "bench serve (deep, a third of the experts in slots; slice)"
-  timeout ${T_SERVE:-330} python3 profiling/bench_serve.py --model "$DEEP" --backend nvrtc --gpu-experts 736 \
-    --clients 1,4,16 --max-tokens 32 --json "$OUT/serve_deep.json" 2>&1 | tee "$L/serve_deep.log" | tail -6
-  [ -d "$TREE" ] && timeout ${T_SERVE_SLICE:-200} python3 profiling/bench_serve.py --model "$TREE" --backend nvrtc \
-    --gpu-experts 341 --clients 1,4,16 --max-tokens 32 --json "$OUT/serve_slice.json" 2>&1 | tee "$L/serve_slice.log" | tail -6
+  [ -f "$DEEP/manifest.json" ] && timeout ${T_SERVE:-330} python3 profiling/bench_serve.py --model "$DEEP" --backend nvrtc \
+    --gpu-experts 736 --clients 1,4,16 --max-tokens 32 --json "$OUT/serve_deep.json" 2>&1 | tee "$L/serve_deep.log" | tail -8
+  [ -f "$TREE/manifest.json" ] && timeout ${T_SERVE_SLICE:-200} python3 profiling/bench_serve.py --model "$TREE" --backend nvrtc \
+    --gpu-experts 341 --clients 1,4,16 --max-tokens 32 --json "$OUT/serve_slice.json" 2>&1 | tee "$L/serve_slice.log" | tail -8
 fi
 if has dense; then
   stage "bench dense streaming (deep; slice)"
   for c in deep-k3.1-pro slice-k3.1-pro; do
-    [ -d "$W/$c" ] && timeout ${T_DENSE:-200} python3 profiling/bench_dense_stream.py --config $c --workdir "$W" 2>&1 \
-      | tee "$L/dense_$c.log" | tail -8
+    [ -f "$W/$c/manifest.json" ] && timeout ${T_DENSE:-200} python3 profiling/bench_dense_stream.py --config $c --workdir "$W" 2>&1 \
+      | tee "$L/dense_$c.log" | tail -14
   done
 fi
 if has prefill; then
   stage "bench prefill (deep 4k, a third of the slots and all; slice up to 128k)"
   for g in 736 2208; do
-    timeout ${T_PREFILL:-150} python3 profiling/bench_prefill.py --model "$DEEP" --lengths 4096 --device cuda --backend nvrtc \
+    [ -f "$DEEP/manifest.json" ] && timeout ${T_PREFILL:-150} python3 profiling/bench_prefill.py --model "$DEEP" --lengths 4096 --device cuda --backend nvrtc \
       --gpu-experts $g --no-refusal 2>&1 | tail -2
   done
-  [ -d "$TREE" ] && timeout ${T_PREFILL_SLICE:-400} python3 profiling/bench_prefill.py --model "$TREE" \
-    --lengths 4096,32768,131072 --device cuda --backend nvrtc --no-refusal 2>&1 | tail -5
+  [ -f "$TREE/manifest.json" ] && timeout ${T_PREFILL_SLICE:-400} python3 profiling/bench_prefill.py --model "$TREE" \
+    --lengths ${SLICE_LENGTHS:-4096,32768,131072} --device cuda --backend nvrtc --no-refusal 2>&1 | tail -5
 fi
 if has experts; then
   stage "bench grouped prefill expert GEMM"
   timeout ${T_EXPERTS:-60} python3 profiling/bench_prefill_experts.py --tokens 512,4096 2>&1 | tail -6
+fi
+if has drop-slice; then
+  rm -rf "$TREE"
 fi
 if has convert; then
   stage "bench convert (slice)"
