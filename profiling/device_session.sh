@@ -9,7 +9,7 @@
 #           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
 #   env: T_<STAGE> timeouts, DECODE_ARGS, CONVERT_ARGS, PROFILE_BACKENDS, TRACE_SLOTS, TRACE_BACKEND
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # wheels carried for serve go after the tree
 OUT=${OUT:-/tmp/streamrt-out}; mkdir -p "$OUT"
 L=/tmp/streamrt-logs; mkdir -p "$L"   # full logs stay on the machine; the device returns only a few files
 exec > >(tee -a "$OUT/session.log") 2>&1
