@@ -2,8 +2,9 @@
 
 `MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
 and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `pdl`, `pair_ready`, `grouped_prefill`
-the backend sets). Decode runs the NVFP4 kernels per (row, expert) pair (batch-invariant);
-the prefill view (`for_prefill`) runs grouped GEMMs per expert (`nvfp4_gemm.py`).
+the backend sets; `prefill_rows` is its own). Decode runs the NVFP4 kernels per (row, expert)
+pair (batch-invariant); the prefill view (`for_prefill`) runs grouped GEMMs per expert
+(`nvfp4_gemm.py`).
 Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables
 (`expert_pointers.py`); the kernels: `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`:
 `profiling/RESULTS.md` (bench_kernels.py --variants).
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from streamrt.backends.expert_pointers import scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
-from streamrt.backends.nvfp4_gemm import TORCH_FP16, grouped_expert_pairs
+from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, as_routed
 from streamrt.ops import route, sigmoid
@@ -43,6 +44,14 @@ def tc_smem(in_features: int, warps: int, stages: int, blocks: int) -> int:
 
 class MoeOps:
     """The router and expert FFN of `NvrtcBackend` (see the module doc)."""
+
+    prefill_rows = PREFILL_ROWS[0]  # the grouped prefill GEMMs' row mode: "fp16" or "split" (nvfp4_gemm.py)
+    # A prefill chunk takes the grouped GEMMs only with at least this many (row, expert) pairs per
+    # routed expert: each expert costs a weight expansion and about six launches there, against a
+    # per-pair weight read on the decode kernels, so a short prompt (deep-k3.1-pro: 20 tokens give
+    # 13 pairs to each of 24 experts) is faster on the decode kernels. bench_prefill_experts.py's
+    # small token counts show the crossover.
+    grouped_min_pairs = 32
 
     def _ready_counts(self, n: int) -> Tensor:
         """Per pair of an expert-FFN call, how many gate+up blocks are done (the down kernel's
@@ -111,7 +120,6 @@ class MoeOps:
         k = ids.shape[1]
         w = as_act(weights, "expert_ffn.weights", dev)
         experts = as_routed(experts, ids)
-        id_rows = experts.host_ids.tolist()
         missing = experts.missing()
         if missing:
             raise KeyError(f"expert_ffn: experts {missing} were routed to but not provided")
@@ -122,10 +130,13 @@ class MoeOps:
         out = self._empty(T, Dl, dtype=torch.float32)
         if P == 0:
             return out.zero_()
-        if self.grouped_prefill:  # a prefill chunk: one GEMM per expert and matrix (nvfp4_gemm.py)
-            y = grouped_expert_pairs(z, id_rows, experts, beta, linear_beta, late, conv=self)
+        if self.grouped_prefill and P >= self.grouped_min_pairs * len(experts.unique):
+            # a prefill chunk with many rows per expert: one GEMM per expert and matrix (nvfp4_gemm.py)
+            y = grouped_expert_pairs(z, experts.host_ids, experts, beta, linear_beta, late, conv=self,
+                                     rows=self.prefill_rows)
             self._combine(y, w, out, T, k, Dl, None)
             return out
+        id_rows = experts.host_ids.tolist()
         pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
         groups = [[q for q in pairs if q[2] not in late], [q for q in pairs if q[2] in late]]
         ptrs, I = {}, None
@@ -159,24 +170,53 @@ class MoeOps:
 
     # ---- the grouped prefill GEMM's conversions (kernels/nvfp4_gemm.cu; TorchFp16's contract) ----
 
-    def fp16_weights(self, m: NVFP4Matrix) -> Tensor:
-        out, half = m.packed.shape
-        if not (m.packed.is_contiguous() and m.scales.is_contiguous() and aligned(m.packed, 4) and half % 8 == 0):
-            return TORCH_FP16.fp16_weights(m)
-        w16 = torch.empty(out, half * 2, dtype=torch.float16, device=self.device)
-        words = out * half // 4
+    def fp16_weights(self, *mats: NVFP4Matrix) -> Tensor:
+        in2 = mats[0].packed.shape[1]
+        if not all(m.packed.shape[1] == in2 and m.packed.is_contiguous() and m.scales.is_contiguous()
+                   and aligned(m.packed, 4) for m in mats) or in2 % 8 or len(mats) > 2:
+            return TORCH_FP16.fp16_weights(*mats)
+        m0, m1 = mats[0], mats[-1]
+        rows = sum(m.packed.shape[0] for m in mats)
+        w16 = self._empty(rows, in2 * 2, dtype=torch.float16)
+        words0, words = m0.packed.numel() // 4, rows * in2 // 4
         self._k("nvfp4_gemm", "srt_nvfp4_to_f16")(
-            (min(math.ceil(words / 256), 8192),), (256,), [ptr(m.packed), ptr(m.scales), ptr(w16), i32(words), i32(half // 4)])
+            (min(math.ceil(words / 256), 8192),), (256,),
+            [ptr(m0.packed), ptr(m0.scales), ptr(m1.packed), ptr(m1.scales), ptr(w16), i32(words0 if len(mats) > 1 else words),
+             i32(words), i32(in2 // 4)])
         return w16
 
-    def fp16_halves(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def fp16_rows(self, x: Tensor, split: bool) -> tuple[Tensor, Tensor]:
         x = x.contiguous()
         n, cols = x.shape
-        halves = torch.empty(2 * n, cols, dtype=torch.float16, device=self.device)
-        scale = torch.empty(n, 1, dtype=torch.float32, device=self.device)
+        rows = self._empty((1 + split) * n, cols, dtype=torch.float16)
+        scale = self._empty(n, dtype=torch.float32)
         if n:
-            self._k("nvfp4_gemm", "srt_f16_halves")((n,), (256,), [ptr(x), ptr(halves), ptr(scale), i32(n), i32(cols)])
-        return halves, scale
+            self._k("nvfp4_gemm", "srt_f16_rows")((n,), (256,), [ptr(x), ptr(rows), ptr(scale), i32(n), i32(cols), i32(split)])
+        return rows, scale
+
+    def situ_rows(self, gu: Tensor, xscale: Tensor, gate_glob: Tensor, up_glob: Tensor, beta: float,
+                  linear_beta: float | None, split: bool) -> tuple[Tensor, Tensor]:
+        m, I = xscale.shape[0], gate_glob.shape[0]
+        gu, xscale = gu.contiguous(), xscale.contiguous()
+        gate_glob, up_glob = gate_glob.float().contiguous(), up_glob.float().contiguous()
+        rows = self._empty((1 + split) * m, I, dtype=torch.float16)
+        hscale = self._empty(m, dtype=torch.float32)
+        binf = int(math.isinf(beta))
+        if m:
+            self._k("nvfp4_gemm", "srt_situ_f16_rows")(
+                (m,), (256,),
+                [ptr(gu), ptr(xscale), ptr(gate_glob), ptr(up_glob), ptr(rows), ptr(hscale), i32(m), i32(I), i32(split),
+                 f32(0.0 if binf else beta), i32(binf), f32(1.0 if linear_beta is None else linear_beta),
+                 i32(linear_beta is not None)],
+                smem=I * 4)
+        return rows, hscale
+
+    def scatter_rows(self, d: Tensor, hscale: Tensor, glob: Tensor, pairs: Tensor, y: Tensor, split: bool) -> None:
+        m, cols = pairs.shape[0], y.shape[1]
+        d, hscale, glob, pairs = d.contiguous(), hscale.contiguous(), glob.float().contiguous(), pairs.contiguous()
+        if m:
+            self._k("nvfp4_gemm", "srt_scatter_rows")(
+                (m,), (256,), [ptr(d), ptr(hscale), ptr(glob), ptr(pairs), ptr(y), i32(m), i32(cols), i32(split)])
 
     def _combine(self, y: Tensor, w: Tensor, out: Tensor, T: int, k: int, Dl: int, ready: Tensor | None) -> None:
         """out[t] = sum_j (j ascending) w[t, j] * y[t*k + j] (and the pair counts zeroed)."""
