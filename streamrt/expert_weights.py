@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -30,6 +31,15 @@ class ExpertWeights:
     down: NVFP4Matrix  # w2 [Dl, I]
 
 
+def unique_ids(host_ids: Tensor) -> list[int]:
+    """The distinct ids of a host tensor of expert ids, ascending. A decode step's few ids go
+    through a set; a prefill chunk's tens of thousands through a count per id (20x faster there)."""
+    flat = host_ids.reshape(-1)
+    if flat.numel() <= 256:
+        return sorted(set(flat.tolist()))
+    return torch.bincount(flat).nonzero().view(-1).tolist()
+
+
 class RoutedExperts:
     """The answer to one ExpertRequest, the one type the model, the providers, the runtime and
     the backends share: the request's routed ids on the host (`host_ids` [N, k]), its unique ids
@@ -43,7 +53,7 @@ class RoutedExperts:
                  layer: int = -1):
         self._views = views
         self.host_ids = host_ids
-        self.unique = unique if unique is not None else sorted(set(host_ids.reshape(-1).tolist()))
+        self.unique = unique if unique is not None else unique_ids(host_ids)
         self.layer = layer
 
     def take(self, e: int) -> ExpertWeights:

@@ -21,7 +21,7 @@ from torch import Tensor
 from streamrt.backends.torch_backend import TorchBackend
 from streamrt.checkpoint.names import RELEASED_F32
 from streamrt.errors import CheckpointError
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, unique_ids
 from streamrt.model.model import KimiLinearForCausalLM
 from streamrt.model.moe import ExpertRequest
 from streamrt.placement import Placement, plan_placement
@@ -197,5 +197,5 @@ def _answer(req: ExpertRequest, weights_of) -> RoutedExperts:
     """The answer to req: each routed expert once, `weights_of(layer, e)`; the ids come to the
     host here, once."""
     host = req.ids.cpu()
-    unique = sorted(set(host.reshape(-1).tolist()))
+    unique = unique_ids(host)
     return RoutedExperts({e: weights_of(req.layer, e) for e in unique}, host, unique, req.layer)

@@ -141,14 +141,17 @@ def grouped_expert_pairs(
     T, Dl = z.shape
     ids = torch.as_tensor(ids, dtype=torch.int64).reshape(T, -1)
     k = ids.shape[1]
+    z16, zs = conv.fp16_rows(z, split)  # once per token: [T or 2T, Dl], [T]; queued before the host work below
     # Pairs (t*k + j) in expert order, late experts last, ascending within an expert: host
-    # tensor ops (a chunk has tens of thousands of pairs).
+    # tensor ops (a chunk has tens of thousands of pairs; the sort key is small, so int16 keys
+    # take the radix sort, and a count per key gives the experts and their sizes).
     flat = ids.reshape(-1)
     span = int(flat.max()) + 1
-    key = flat + span * torch.isin(flat, torch.tensor(sorted(late), dtype=torch.int64))
-    key, pairs_h = torch.sort(key, stable=True)  # [P]
-    keys, counts = torch.unique_consecutive(key, return_counts=True)
-    order, counts = (keys % span).tolist(), counts.tolist()
+    key = flat + span * torch.isin(flat, torch.tensor(sorted(late), dtype=torch.int64)) if late else flat
+    pairs_h = torch.sort(key.to(torch.int16) if 2 * span <= 32767 else key, stable=True)[1]  # [P]
+    sizes = torch.bincount(key)
+    keys = sizes.nonzero().view(-1)
+    order, counts = (keys % span).tolist(), sizes[keys].tolist()
     # An expert's rows are one slice [f*a, f*b) of the gathered rows (f = 2 when split: its hi
     # rows, then its lo rows, taken from the token rows' hi and lo halves).
     tok = pairs_h // k
@@ -161,9 +164,11 @@ def grouped_expert_pairs(
         gather_h[hi_at + torch.repeat_interleave(n, n)] = tok + T
     else:
         gather_h = tok
-    idx = torch.cat((pairs_h, tok, gather_h)).to(z.device, non_blocking=True)
+    idx = torch.cat((pairs_h, tok, gather_h))
+    if z.is_cuda:  # page-locked, so the copy queues behind the row conversion instead of waiting for it
+        idx = idx.pin_memory()
+    idx = idx.to(z.device, non_blocking=True)
     pairs, tok, gather = idx[:P], idx[P : 2 * P], idx[2 * P :]
-    z16, zs = conv.fp16_rows(z, split)  # once per token: [T or 2T, Dl], [T]
     x16 = z16.index_select(0, gather)  # [P or 2P, Dl], expert-sorted
     xs = zs.index_select(0, tok)  # [P] the pairs' row scales
     f = 2 if split else 1

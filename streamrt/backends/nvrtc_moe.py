@@ -48,10 +48,10 @@ class MoeOps:
     prefill_rows = PREFILL_ROWS[0]  # the grouped prefill GEMMs' row mode: "fp16" or "split" (nvfp4_gemm.py)
     # A prefill chunk takes the grouped GEMMs only with at least this many (row, expert) pairs per
     # routed expert: each expert costs a weight expansion and about six launches there, against a
-    # per-pair weight read on the decode kernels, so a short prompt (deep-k3.1-pro: 20 tokens give
-    # 13 pairs to each of 24 experts) is faster on the decode kernels. bench_prefill_experts.py's
-    # small token counts show the crossover.
-    grouped_min_pairs = 32
+    # per-pair weight read on the decode kernels. One deep-k3.1-pro layer on the H200
+    # (bench_prefill_experts.py, 2026-12-02): 32 pairs per expert 8.6 ms grouped against 4.3 ms
+    # per-pair, 85 pairs 8.7 against 10.8.
+    grouped_min_pairs = 64
 
     def _ready_counts(self, n: int) -> Tensor:
         """Per pair of an expert-FFN call, how many gate+up blocks are done (the down kernel's

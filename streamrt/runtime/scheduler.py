@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
-from streamrt.expert_weights import ExpertWeights
+from streamrt.expert_weights import ExpertWeights, unique_ids
 from streamrt.runtime.aio import event_done, gather_all, new_event_loop
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.pool_reads import PoolReads
@@ -215,7 +215,7 @@ class StreamingRuntime:
 
         # 2. finish: the previous layer's compute is queued; mark its slots' last use, unpin.
         self._finish_previous()
-        ids = sorted(set(host_ids.reshape(-1).tolist()))
+        ids = unique_ids(host_ids)
         keys = [ExpertKey(layer, e) for e in ids]
         self.stager.routed(layer, ids)
         if self.stats.trace is not None:
