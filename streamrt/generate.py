@@ -9,6 +9,8 @@ rows leave the batch. How a forward is driven is pluggable: `runner(gen) -> logi
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -18,7 +20,6 @@ from torch import Tensor
 
 from streamrt.errors import StreamrtError
 from streamrt.model import ModelCache, logits_hash, run_sync  # noqa: F401  (re-exported)
-from streamrt.loader import DirectExpertProvider
 from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM
 
 Runner = Callable[[ForwardSteps], Tensor]
@@ -55,7 +56,10 @@ def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Ge
     """One token from logits [V]: argmax (first max) when temperature == 0, else nucleus sampling."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.detach().cpu().double() / temperature, dim=-1)  # CPU: device-independent draws
+    scaled = logits.detach().cpu().double() / temperature  # CPU: device-independent draws
+    if not math.isfinite(float(scaled.max())):  # a temperature so small it overflows: argmax is its limit
+        return int(torch.argmax(logits))
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True, stable=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # smallest prefix reaching top_p (always >= 1 token)

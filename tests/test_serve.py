@@ -174,6 +174,9 @@ def _metrics(server) -> dict[str, float]:
 def test_models_and_health(server):
     models = _client(server).models.list()
     assert [m.id for m in models.data] == [server["model"]]
+    assert _client(server).models.retrieve(server["model"]).id == server["model"]
+    r = httpx.get(server["url"] + "/v1/models/gpt-4o", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     health = httpx.get(server["url"] + "/health", timeout=30).json()
     assert health["status"] == "ok" and health["model"] == server["model"]
 
@@ -293,6 +296,12 @@ def _bad_requests(model: str) -> list[tuple[str, object, str | None, str | None]
         (chat, {"model": model, "messages": [{"role": "tool", "content": "26 C"}]}, "messages[0]", None),
         ("/v1/completions", {"model": model, "prompt": "x" * 3000}, "prompt", "context_length_exceeded"),
         ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": -1}, "max_tokens", "invalid_value"),
+        (chat, {"model": model, "messages": ok, "seed": 2**63}, "seed", "invalid_value"),  # was a 500
+        (chat, {"model": model, "messages": [{"role": "user"}]}, "messages[0].content", "invalid_value"),
+        (chat, {"model": model, "messages": ok, "response_format": "junk"}, "response_format", "invalid_value"),
+        (chat, {"model": model, "messages": ok, "logprobs": True}, "logprobs", "invalid_value"),
+        ("/v1/completions", {"model": model, "prompt": "hi", "echo": True}, "echo", "invalid_value"),
+        ("/v1/completions", {"model": model, "prompt": "hi", "seed": 10**30}, "seed", "invalid_value"),
     ]
 
 
@@ -309,7 +318,11 @@ def test_bad_requests_are_400s_naming_the_field(server):
         _client(server).chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
-    r = _client(server).chat.completions.create(model=server["model"], max_tokens=3, temperature=0,
+    r = httpx.post(server["url"] + "/v1/completions", content=b"x" * (5 << 20), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # a temperature so small that sampling would overflow: argmax, not a failed batch
+    r = _client(server).chat.completions.create(model=server["model"], max_tokens=3, temperature=5e-324,
                                                 messages=[{"role": "user", "content": _question("France")}])
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"  # still answering
 
@@ -326,27 +339,33 @@ class _IdleRunner:
         self.tokenizer = _tokenizer()
 
 
-def test_full_queue_answers_503_with_retry_after():
+@pytest.mark.parametrize("max_queue", [0, 1])
+def test_full_queue_answers_503_with_retry_after(max_queue):
+    """The batch's one row takes a request, max_queue more wait for it, the next is a 503
+    (a request submitted while a row is free does not count against the queue)."""
     from streamrt.serve.app import create_app
     from streamrt.serve.command import build_state
 
     runner = _IdleRunner()
-    state = build_state(runner, max_batch=1, max_queue=1)
+    state = build_state(runner, max_batch=1, max_queue=max_queue)
     body = {"model": "idle", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
     async def go():
         transport = httpx.ASGITransport(app=create_app(state))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            first = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+            taken = [asyncio.ensure_future(c.post("/v1/chat/completions", json=body)) for _ in range(1 + max_queue)]
             for _ in range(100):
-                if state.engine.queue_depth == 1:
+                if state.engine.queue_depth == len(taken):
                     break
                 await asyncio.sleep(0.01)
-            second = await c.post("/v1/chat/completions", json=body)
-            first.cancel()
-            return second
+            over = await c.post("/v1/chat/completions", json=body)
+            waiting = sum(not t.done() for t in taken)
+            for t in taken:
+                t.cancel()
+            return over, waiting
 
-    r = asyncio.run(go())
+    r, waiting = asyncio.run(go())
+    assert waiting == 1 + max_queue
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full"
 
@@ -361,9 +380,22 @@ def test_api_key_guards_v1_only():
         transport = httpx.ASGITransport(app=create_app(state))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             return (await c.get("/v1/models"), await c.get("/v1/models", headers={"Authorization": "Bearer sesame"}),
-                    await c.get("/health"))
+                    await c.get("/health"), await c.get("/v1/models", headers={"Authorization": "bearer sesame"}),
+                    await c.get("/v1/models", headers={"Authorization": "Bearer sesame2"}))
 
-    denied, allowed, health = asyncio.run(go())
+    denied, allowed, health, lower, wrong = asyncio.run(go())
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert denied.headers["www-authenticate"] == "Bearer"
     assert allowed.status_code == 200 and allowed.json()["data"][0]["id"] == "idle"
     assert health.status_code == 200
+    assert lower.status_code == 200 and wrong.status_code == 401  # the scheme is case-insensitive, the key is not
+
+
+def test_empty_api_key_and_too_long_context_are_refused():
+    from streamrt.cli import main
+    from streamrt.errors import StreamrtError
+    from streamrt.serve.command import build_state
+
+    assert main(["serve", "--api-key", ""]) == 2  # before any model is loaded
+    with pytest.raises(StreamrtError, match="--max-context"):
+        build_state(_IdleRunner(), max_batch=1, max_queue=1, max_context=4096)

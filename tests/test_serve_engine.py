@@ -144,9 +144,44 @@ def test_a_failed_forward_fails_its_jobs_and_the_engine_goes_on():
 
 
 def test_queue_bound():
-    engine = Engine(ScriptedRunner(), max_queue=2)
-    engine.submit(_job(1, 1))
-    engine.submit(_job(1, 1))
+    engine = Engine(ScriptedRunner(), max_batch=2, max_queue=1)
+    for _ in range(3):  # two for the free rows, one waiting
+        engine.submit(_job(1, 1))
     with pytest.raises(QueueFull):
         engine.submit(_job(1, 1))
-    assert engine.queue_depth == 2
+    assert engine.queue_depth == 3
+    with pytest.raises(QueueFull):  # no free row: max_queue 0 takes nothing
+        Engine(ScriptedRunner(), max_batch=0, max_queue=0).submit(_job(1, 1))
+
+
+def test_a_row_whose_sampling_fails_ends_alone(monkeypatch):
+    import streamrt.serve.engine as engine_mod
+
+    def picky(logits, temperature, top_p, generator):
+        if temperature == 0.5:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return int(torch.argmax(logits))
+
+    monkeypatch.setattr(engine_mod, "sample", picky)
+
+    async def go():
+        engine = Engine(ScriptedRunner(), max_batch=4)
+        loop = asyncio.ensure_future(engine.run())
+        doomed, fine = (Job([0] * 4, 5, frozenset({STOP}), temperature=t) for t in (0.5, 0.0))
+        engine.submit(doomed)
+        engine.submit(fine)
+        with pytest.raises(EngineError, match="inf"):
+            await _drain(doomed)
+        got = await _drain(fine)
+        engine.stop()
+        await loop
+        return got
+
+    assert _run(go()) == [1] * 5
+
+
+def test_a_temperature_that_overflows_the_scaling_samples_the_argmax():
+    from streamrt.generate import sample
+
+    logits = torch.tensor([0.5, 3.0, -1.0])
+    assert sample(logits, 5e-324, 1.0, torch.Generator().manual_seed(0)) == 1

@@ -127,12 +127,49 @@ def test_prior_calls_counts_the_conversation():
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": "7"}, "seed"),
     ({"model": 3, "messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 2**44}, "seed"),
+    ({"model": "m", "messages": [{"role": "tool", "tool_call_id": "a"}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_validation_errors_name_the_field(body, param):
     with pytest.raises(Exception) as e:
         S.ChatRequest.model_validate_json(json.dumps(body))
     err = from_validation(e.value)
     assert err.status == 400 and err.param == param, err.message
+
+
+def test_nan_null_and_no_op_values():
+    nan = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    with pytest.raises(Exception) as e:
+        S.ChatRequest.model_validate_json(nan)
+    assert from_validation(e.value).param == "temperature"
+    S.ChatRequest.model_validate({"model": "m", "messages": [{"role": "assistant"}], "logprobs": False,
+                                  "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}})
+    S.CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": False, "best_of": 1, "logprobs": 0})
+    nulls = S.ChatRequest.model_validate_json(json.dumps({"model": "m", "messages": [USER], "temperature": None,
+                                                          "top_p": None, "n": None, "stream": None}))
+    assert (nulls.temperature, nulls.top_p, nulls.n, nulls.stream) == (1.0, 1.0, 1, False)  # null is the default
+
+
+def test_response_format_is_prompted_through_the_template(tok):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": {"type": "object"}}}
+    req = S.ChatRequest.model_validate({"model": "m", "messages": [USER], "response_format": fmt})
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=2048, metrics=None)
+    ids, _ = render_chat(state, req)
+    assert ids == encode_chat(tok, [USER], response_format=fmt) != encode_chat(tok, [USER])
+
+
+def test_more_messages_than_the_context_is_refused_before_rendering(tok):
+    from streamrt.serve.errors import ApiError
+
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=64, metrics=None)
+    req = S.ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": ""}] * 65})
+    with pytest.raises(ApiError) as e:
+        render_chat(state, req)
+    assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
 
 
 def test_field_path():

@@ -11,4 +11,6 @@
     metrics.py   Prometheus metrics
 """
 
-from streamrt.serve.command import register  # noqa: F401
+from streamrt.serve.command import register
+
+__all__ = ["register"]

@@ -1,6 +1,7 @@
 """The FastAPI application: routes, the API-key check, per-request metrics.
 
     GET  /v1/models             the one served model
+    GET  /v1/models/{model}     its card (404 for any other id)
     POST /v1/chat/completions   chat in XTML frames (JSON or SSE)      -> routes.chat_completions
     POST /v1/completions        raw text continuation (JSON or SSE)     -> routes.completions
     GET  /health                liveness, batch size and queue depth
@@ -8,6 +9,8 @@
 """
 
 from __future__ import annotations
+
+import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +22,7 @@ from streamrt.serve.metrics import CONTENT_TYPE
 from streamrt.serve.routes import ServerState, chat_completions, completions
 
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+MODEL_ROUTE = "/v1/models/{model}"  # its metrics label: one series, not one per id asked for
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -29,6 +33,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return S.dump(S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created)]))
+
+    @app.get(MODEL_ROUTE)
+    async def model(model: str):
+        if model != state.model_id:
+            raise errors.ApiError(404, f"model {model!r} is not served here (this server serves {state.model_id!r})",
+                                  param="model", code="model_not_found", type="not_found_error")
+        return S.dump(S.ModelCard(id=state.model_id, created=state.created))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -60,7 +71,7 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = path if path in ENDPOINTS else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
         status = [500]
 
         async def counted(message):
@@ -72,11 +83,13 @@ class _Gate:
             if self.state.api_key and path.startswith("/v1/") and not self._authorized(scope):
                 body = errors.error_body("invalid or missing API key (send Authorization: Bearer KEY)",
                                          type="invalid_request_error", code="invalid_api_key")
-                return await JSONResponse(body, 401)(scope, receive, counted)
+                return await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, counted)
             await self.app(scope, receive, counted)
         finally:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
     def _authorized(self, scope) -> bool:
         headers = dict(scope.get("headers") or [])
-        return headers.get(b"authorization", b"").decode("latin-1") == f"Bearer {self.state.api_key}"
+        scheme, _, key = headers.get(b"authorization", b"").strip().partition(b" ")
+        # the scheme is case-insensitive (RFC 9110); the key compared in constant time
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.state.api_key.encode())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 import time
 
@@ -57,11 +58,13 @@ def serve_command(args: argparse.Namespace) -> int:
     chunk = parse_int(args.prefill_chunk, "--prefill-chunk", 0)
     if chunk % 64:
         raise StreamrtError(f"--prefill-chunk must be a multiple of 64 (the KDA chunk), got {chunk}")
+    if args.api_key is not None and not args.api_key.strip():
+        # an unset variable in `--api-key "$KEY"` must not turn the key check off
+        raise StreamrtError("--api-key must not be empty")
     check_runtime_flags(args)
     try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-        import prometheus_client  # noqa: F401
+        for name in ("fastapi", "uvicorn", "prometheus_client"):
+            importlib.import_module(name)
     except ModuleNotFoundError as exc:
         raise StreamrtError(f"streamrt serve needs {exc.name}: pip install fastapi uvicorn prometheus-client") from None
     if threads is not None:
@@ -86,6 +89,10 @@ def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None 
     from streamrt.serve.metrics import ServeMetrics
     from streamrt.serve.routes import ServerState
 
+    if max_context is not None and max_context > runner.max_context:
+        # positions past the model's are outside what it was trained on (`streamrt run` refuses them too)
+        raise StreamrtError(f"--max-context must be at most the model's context ({runner.max_context} tokens, "
+                            f"max_position_embeddings), got {max_context}")
     metrics = ServeMetrics()
     engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, metrics=metrics)
     if runner.stats is not None:

@@ -18,8 +18,9 @@ Each turn of `Engine.run`, at a step boundary:
   4. yield  to the loop, so the HTTP side reads requests and writes tokens
 
 A row samples with its own generator seeded as `streamrt run --seed S` seeds row 0, so a
-request's tokens do not depend on its batch companions. The waiting queue is bounded:
-`submit` raises QueueFull (a 503 with Retry-After upstream) when it is full.
+request's tokens do not depend on its batch companions; a row whose sampling fails ends
+alone, its companions go on. The waiting queue is bounded: `submit` raises QueueFull (a 503
+with Retry-After upstream) when `max_queue` jobs wait beyond the batch's free rows.
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ class Engine:
     # ---- the HTTP side --------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting for a batch row already")
+        # jobs submitted since the last boundary sit in `waiting` even while rows are free for them
+        free = max(self.max_batch - len(self.rows) - len(self.prefilling), 0)
+        if len(self.waiting) >= self.max_queue + free:
+            raise QueueFull(f"{len(self.waiting) - free} requests are waiting for a batch row already")
         self.waiting.append(job)
         self._wake.set()
 
@@ -204,7 +207,12 @@ class Engine:
             if not job.done:
                 self._close(job, Finished("cancelled"))
             return False
-        tok = sample(logits, job.temperature, job.top_p, job.generator)
+        try:
+            tok = sample(logits, job.temperature, job.top_p, job.generator)
+        except Exception as exc:  # this row's sampling only: its companions go on
+            log.exception("streamrt serve: sampling failed")
+            self._fail(job, f"generation failed ({type(exc).__name__}: {exc})")
+            return False
         job.tokens.append(tok)
         job.out.put_nowait(tok)
         if self.metrics is not None:

@@ -56,8 +56,11 @@ def from_validation(exc: ValidationError) -> ApiError:
     """A body validation error as a 400 naming its field: of a union's branch errors, the one
     that got furthest into the value (a list of parts beats 'not a string')."""
     errors = exc.errors(include_url=False)
-    if any(e["type"] == "json_invalid" for e in errors):
-        return ApiError(400, "request body is not valid JSON", code="invalid_json")
+    bad = [e for e in errors if e["type"] == "json_invalid"]
+    if bad:
+        why = bad[0].get("ctx", {}).get("error", "")
+        return ApiError(400, f"request body is not valid JSON ({why})" if why else "request body is not valid JSON",
+                        code="invalid_json")
     first = max(errors, key=lambda e: len(field_path(tuple(e["loc"]))))
     param = field_path(tuple(first["loc"]))
     msg = first["msg"].removeprefix("Value error, ")

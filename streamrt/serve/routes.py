@@ -28,6 +28,8 @@ from streamrt.serve.errors import ApiError, error_body, from_validation
 from streamrt.serve.replies import ChatReply, TextReply, prior_calls
 
 RETRY_AFTER_S = 1
+MIN_BODY_BYTES = 4 << 20
+BODY_BYTES_PER_TOKEN = 32  # generous: JSON-escaped CJK text is under 10 bytes a token
 
 
 @dataclass
@@ -40,12 +42,34 @@ class ServerState:
     api_key: str | None = None
     created: int = 0
 
+    @property
+    def max_body(self) -> int:
+        """Request body bytes: far more than a prompt that fits the context can take, so a huge
+        body is a 413 before it is parsed and tokenized on the server's one loop."""
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * self.max_context)
+
 
 # ---- shared steps ---------------------------------------------------------------------------
 
 
-async def parse_body(request: Request, cls: type[BaseModel]):
-    body = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    def too_large():
+        return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+    size = request.headers.get("content-length", "")
+    if size.isascii() and size.isdigit() and (len(size) > 18 or int(size) > limit):
+        raise too_large()
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:  # chunked, or a Content-Length that lied
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(state: ServerState, request: Request, cls: type[BaseModel]):
+    body = await read_body(request, state.max_body)
     try:
         return cls.model_validate_json(body)
     except ValidationError as exc:
@@ -157,6 +181,12 @@ def stream_response(events) -> StreamingResponse:
 
 
 def render_chat(state: ServerState, req: S.ChatRequest) -> tuple[list[int], ChatReply]:
+    # each message and tool renders to at least one token: refuse a count that cannot fit before
+    # rendering it (130k empty messages take seconds of the server's one loop)
+    for field, items in (("messages", req.messages), ("tools", req.tools or [])):
+        if len(items) > state.max_context:
+            raise ApiError(400, f"{len(items)} {field} cannot fit this model's maximum context length of "
+                           f"{state.max_context} tokens", param=field, code="context_length_exceeded")
     problem = req.tool_choice_error()
     if problem:
         raise ApiError(400, problem, param="tool_choice")
@@ -170,7 +200,8 @@ def render_chat(state: ServerState, req: S.ChatRequest) -> tuple[list[int], Chat
         allowed = set()
     try:
         ids = encode_chat(state.tokenizer, messages, tools, thinking=req.thinking,
-                          tool_choice=choice if tools else None)
+                          tool_choice=choice if tools else None,
+                          response_format=S.dump(req.response_format) if req.response_format else None)
     except ChatFormatError as exc:
         m = re.match(r"message (\d+)", str(exc))
         raise ApiError(400, str(exc), param=f"messages[{m.group(1)}]" if m else "messages") from None
@@ -180,7 +211,7 @@ def render_chat(state: ServerState, req: S.ChatRequest) -> tuple[list[int], Chat
 
 
 async def chat_completions(state: ServerState, request: Request):
-    req = await parse_body(request, S.ChatRequest)
+    req = await parse_body(state, request, S.ChatRequest)
     check_model(state, req.model)
     ids, reply = render_chat(state, req)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -262,7 +293,7 @@ async def _chat_events(state: ServerState, request: Request, job: Job, reply: Ch
 
 
 async def completions(state: ServerState, request: Request):
-    req = await parse_body(request, S.CompletionRequest)
+    req = await parse_body(state, request, S.CompletionRequest)
     check_model(state, req.model)
     ids = state.tokenizer.encode(req.prompt)
     job = submit(state, ids, req, token_limit(state, len(ids), req.token_limit, "max_tokens", "prompt"))

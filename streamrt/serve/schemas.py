@@ -1,23 +1,28 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent
-conversion); fields the API has and streamrt ignores (`user`, `logprobs` off,
-`presence_penalty` 0, ...) are accepted, unknown ones are ignored, as OpenAI's own server
-does. Responses are the shapes the official client parses: `reasoning_content` beside
-`content`, tool calls with `functions.NAME:IDX` ids and arguments as a JSON string.
+conversion; null is the default where OpenAI allows it); fields the API has and streamrt
+does not implement are accepted at their no-op values (`logprobs` false, `presence_penalty`
+0, `best_of` 1, ...) and any other value is a 400 naming the field, so an answer never
+silently ignores what was asked; `response_format` is prompted through the template, as
+tool_choice is. Unknown fields are ignored, as OpenAI's own server does. Responses are the
+shapes the official client parses: `reasoning_content` beside `content`, tool calls with
+`functions.NAME:IDX` ids and arguments as a JSON string.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from streamrt.run_args import MAX_SEED
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -41,11 +46,20 @@ class ToolCallIn(_Strict):
 
 class Message(_Strict):
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _has_content(cls, v, info: ValidationInfo):
+        # only an assistant turn may go without text (its tool calls or reasoning carry it)
+        role = info.data.get("role")
+        if v is None and role not in (None, "assistant"):
+            raise ValueError(f"a {role} message needs content")
+        return v
 
     def to_render(self) -> dict:
         """The dict `streamrt.chat.render` takes (developer messages are system messages)."""
@@ -80,6 +94,24 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """Prompted through the template's response-format message, not constrained."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_given(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("type") == "json_schema":
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return v
+
+
+def _unsupported(v, hint: str = "leave it out"):
+    raise ValueError(f"not supported by streamrt ({hint}), got {v!r}")
+
+
 class _Sampling(_Strict):
     """The fields /v1/chat/completions and /v1/completions share."""
 
@@ -87,11 +119,32 @@ class _Sampling(_Strict):
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)  # what `streamrt run --seed` takes
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None
+    # accepted at their no-op values only
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None) -> float | None:
+        return v if not v else _unsupported(v, "send 0 or leave it out")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict | None) -> dict | None:
+        return v if not v else _unsupported(v)
+
+    @field_validator("temperature", "top_p", "n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info: ValidationInfo):
+        # OpenAI's API takes null for these (clients that serialize None send it)
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("max_tokens")
     @classmethod
@@ -126,6 +179,19 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     thinking: bool = True  # streamrt extension: False answers without the think channel
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        return v if not v else _unsupported(v)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        return v if not v else _unsupported(v)
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -150,6 +216,20 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str = Field(min_length=1)
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo", "logprobs", "suffix")
+    @classmethod
+    def _no_extras(cls, v):
+        return v if not v else _unsupported(v)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v: int | None) -> int | None:
+        return v if v in (None, 1) else _unsupported(v, "send 1 or leave it out")
 
     @property
     def token_limit(self) -> int | None:
