@@ -25,8 +25,17 @@ COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors (a bad flag value, an unknown flag) are one line naming the flag, exit 2,
+    like every other user error: a usage dump hides the message under the flag list.
+    Sub-command parsers inherit this class (argparse's `parser_class` default)."""
+
+    def error(self, message: str):
+        self.exit(2, f"streamrt: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="streamrt",
         description="Run KimiLinear MoE models (Kimi K3, Kimi K3.1 Pro) on one GPU by streaming the "
         "routed experts from a host-side store. With no --model, `streamrt run` uses the small "

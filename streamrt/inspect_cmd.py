@@ -59,8 +59,15 @@ def _tensor_counts(cfg, path: Path) -> dict:
 def run(args: argparse.Namespace) -> int:
     from streamrt.errors import StreamrtError
 
-    if args.link_gbps <= 0:
-        raise StreamrtError(f"--link-gbps must be > 0, got {args.link_gbps}")
+    import math
+
+    for flag, value in (("--link-gbps", args.link_gbps), ("--hbm-gbps", args.hbm_gbps)):
+        if not (math.isfinite(value) and value > 0):  # nan passed `<= 0` and printed nan s/token
+            raise StreamrtError(f"{flag} must be a finite number > 0, got {value}")
+    if not args.model:
+        raise StreamrtError("NAME|PATH is empty; give a bundled config name, a config.json or a checkpoint directory")
+    if args.gpus is not None and args.gpus < 1:
+        raise StreamrtError(f"--gpus must be >= 1, got {args.gpus}")
     if args.gpus is not None and args.gpu_mem is None:
         raise StreamrtError("--gpus N plans N GPUs of one size: give --gpu-mem too (e.g. --gpus 8 --gpu-mem 141G)")
     cfg = load_config(args.model)
@@ -118,8 +125,8 @@ def _disk_floor(cfg, args: argparse.Namespace, b: dict):
     from streamrt.runtime.options import parse_bytes
     from streamrt.store.pool import expected_disk_bytes_per_token
 
-    if not args.disk_gbps > 0:
-        raise StreamrtError(f"--disk-gbps must be > 0, got {args.disk_gbps}")
+    if not (args.disk_gbps > 0 and args.disk_gbps != float("inf")):
+        raise StreamrtError(f"--disk-gbps must be a finite number > 0, got {args.disk_gbps}")
     host_mem, fb = parse_bytes(args.host_mem, "--host-mem"), ExpertLayout.for_config(cfg).file_bytes
     per_token = expected_disk_bytes_per_token(cfg, fb, host_mem)
     floor = per_token / (args.disk_gbps * 1e9)

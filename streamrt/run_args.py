@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -99,7 +101,37 @@ def prefill_chunk(args: argparse.Namespace) -> int | None:
     return None if value in (None, "auto") else parse_int(value, "--prefill-chunk", 1, 1 << 20)
 
 
+def check_device(name: str) -> None:
+    """--device: auto, cpu, cuda or cuda:N, and a CUDA one only where torch sees CUDA. Checked
+    here because `--gpus N` ranks fall back to the CPU without CUDA: an explicit cuda would be
+    ignored there, and `cuda:x` is a ValueError deep in the load."""
+    text = str(name)
+    if text in ("auto", "cpu"):
+        return
+    if text != "cuda" and not re.fullmatch(r"cuda:[0-9]{1,4}", text):
+        raise StreamrtError(f"--device: expected auto, cpu, cuda or cuda:N, got {text[:40]!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise StreamrtError(f"--device {text}: no CUDA device is available (torch.cuda.is_available() is False)")
+    index = int(text.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise StreamrtError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def check_runtime_flags(args: argparse.Namespace) -> None:
     """Validate the runtime flags up front, before a default model is built or a tree opened;
     the output files (--stats-json, --trace) too, so a bad path never costs a generation."""
-    RuntimeOptions.from_args(args).check_output_paths()
+    options = RuntimeOptions.from_args(args).check_output_paths()
+    check_device(options.device)
+    # An output written over an input (or over the other output) loses what the user had.
+    inputs = [("--messages", getattr(args, "messages", None))]
+    outputs = [("--stats-json", options.stats_json), ("--trace", options.trace)]
+    seen: dict = {}
+    for flag, path in inputs + outputs:
+        if not path:
+            continue
+        key = os.path.realpath(os.path.expanduser(path))
+        if key in seen:
+            raise StreamrtError(f"{flag} {path}: the same file as {seen[key]}; give another file name")
+        seen[key] = flag

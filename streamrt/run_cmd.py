@@ -105,10 +105,14 @@ def run_command(args: argparse.Namespace) -> int:
     thinking = not args.no_thinking
     tools = None
     history: list[dict] = [{"role": "system", "content": user_text(args.system, "--system")}] if args.system else []
-    if args.messages:
+    if args.messages is not None:
+        if not args.messages:
+            raise StreamrtError("--messages: empty path; give a FILE.json")
         messages, tools = load_messages_file(args.messages)
         history += messages
     elif args.prompt is not None:
+        if not args.prompt.strip():  # as --chat skips an empty line: an unset shell variable, not a question
+            raise StreamrtError("--prompt is empty; give the text of a user message")
         history.append({"role": "user", "content": user_text(args.prompt, "--prompt")})
     elif not args.chat:
         raise StreamrtError("give --prompt TEXT, --chat or --messages FILE.json")
@@ -128,6 +132,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _run(session, history, tools, sampling, thinking, args) -> int:
     if args.chat:
+        session.load()  # a bad tree or budget before the first line is typed
         return _chat_loop(session, history, sampling, thinking, args, sys.stdin)
     ids = encode_chat(session.tokenizer, history, tools, thinking=thinking, thinking_effort=session.chat.thinking_effort)
     ids = fit_context(ids, session.context, getattr(args, "truncate", None), sampling.max_new_tokens)

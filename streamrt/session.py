@@ -30,6 +30,8 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
         raise StreamrtError(f"--model {model}: no such directory")
     if not path.is_dir():
         raise StreamrtError(f"--model {model}: not a directory (give a converted streamrt tree)")
+    if (path / "manifest.json").exists() and not (path / "manifest.json").is_file():
+        raise StreamrtError(f"--model {model}: manifest.json is not a file")
     if not (path / "manifest.json").is_file():
         if (path / "config.json").is_file():
             raise StreamrtError(
@@ -78,6 +80,9 @@ class Session:
         """fp32 logits [V] of the last prompt position, from a fresh state."""
         raise NotImplementedError
 
+    def load(self) -> None:
+        """Load the weights now (generate and control_logits load on first use)."""
+
     def close(self) -> None:
         pass
 
@@ -92,23 +97,51 @@ def open_session(model_dir: Path, args: argparse.Namespace, *, progress: bool) -
 
 
 class _ModelSession(Session):
-    """The real runtime: tree -> model -> StreamingRuntime (host + device tiers) -> generate."""
+    """The real runtime: tree -> model -> StreamingRuntime (host + device tiers) -> generate.
+
+    Opening reads only the tree's manifest, config and tokenizer and checks the flags against
+    them (device, slot and memory budgets); the weights load on `load()` (first generate), so a
+    prompt longer than the context, or a budget the tree cannot meet, is refused before any."""
 
     def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool, ranks=None):
         from streamrt.checkpoint.reader import open_tree
-        from streamrt.loader import load_placed
-        from streamrt.placement import format_plan
         from streamrt.runtime.options import RuntimeOptions
-        from streamrt.runtime.scheduler import StreamingRuntime
-        from streamrt.runtime.streams import make_device
         from streamrt.tokenizer import load_tokenizer
 
         self.options = RuntimeOptions.from_args(args)  # flag errors before any loading
-        with _LoadBar(enabled=progress, desc=f"loading {model_dir.name}", total=3) as bar:
-            tree = open_tree(model_dir)
-            self.name = tree.config.name
-            self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
-            self.chat = ChatProfile.from_tree(tree.root)
+        self._args, self._progress, self._ranks, self._loaded = args, progress, ranks, False
+        self.runtime, self.ep = None, None
+        tree = open_tree(model_dir)
+        tree.check_side_files()
+        _check_outputs_outside(tree, self.options)
+        self.tree = tree
+        self.name = tree.config.name
+        self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
+        self.chat = ChatProfile.from_tree(tree.root)
+        self.context = tree.config.max_position_embeddings
+        prefill_chunk(args)
+        self._device = None
+        if ranks is None:  # a rank's device and slots come from its group, in load()
+            from streamrt.loader import dense_placement
+            from streamrt.runtime.streams import make_device
+
+            self._device = make_device(self.options.device)
+            if self.options.backend != "torch" and self._device.kind != "cuda":
+                self.options.make_backend(self._device)  # the one-line refusal, before any weights
+            # the runtime's own sizing (StreamingRuntime), on the plan load_placed will make
+            plan = dense_placement(tree.config, self.options.gpu_mem, self._device)
+            self.options.with_plan(plan).resolve(tree.config, tree.layout.file_bytes, self._device)
+
+    def load(self) -> None:
+        if self._loaded:
+            return
+        from streamrt.loader import load_placed
+        from streamrt.placement import format_plan
+        from streamrt.runtime.scheduler import StreamingRuntime
+        from streamrt.runtime.streams import make_device
+
+        tree, args, ranks = self.tree, self._args, self._ranks
+        with _LoadBar(enabled=self._progress, desc=f"loading {tree.root.name}", total=2) as bar:
             bar.step("dense weights")
             self.ep = None  # expert parallelism: this rank's shard and its all-reduce (streamrt.parallel)
             if ranks is not None:
@@ -116,7 +149,7 @@ class _ModelSession(Session):
 
                 self.ep = ExpertParallel.for_options(ranks, tree.config, self.options)
                 self.options = self.ep.rank_options(self.options)
-            device = make_device(self.options.device)
+            device = self._device or make_device(self.options.device)
             backend = self.options.make_backend(device)
             if self.ep is not None:
                 backend = self.ep.wrap(backend)
@@ -132,7 +165,6 @@ class _ModelSession(Session):
                 print(format_plan(tree.config, plan), file=sys.stderr)
                 print(f"streamrt: {self.model.layer_weights.line()}", file=sys.stderr)
             self.model.prefill_chunk = prefill_chunk(args)
-            self.context = tree.config.max_position_embeddings
             bar.step("expert store")
             predictor = None
             if self.ep is not None:
@@ -144,7 +176,7 @@ class _ModelSession(Session):
                 print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
                 if self.ep is not None:
                     print(f"streamrt: {self.ep.line()}", file=sys.stderr)
-            bar.step("ready")
+        self._loaded = True
 
     def _runner(self):
         """generate's forward driver: the first forward is the prefill, each later one a decode step."""
@@ -166,6 +198,7 @@ class _ModelSession(Session):
     def control_logits(self, ids):
         import torch
 
+        self.load()
         cache = self.model.new_cache()
         x = torch.tensor(ids, dtype=torch.long)
         with torch.no_grad():
@@ -175,6 +208,7 @@ class _ModelSession(Session):
     def generate(self, ids, sampling, on_token):
         from streamrt.generate import generate
 
+        self.load()
         r = generate(
             self.model,
             ids,
@@ -198,7 +232,23 @@ class _ModelSession(Session):
         return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits, digest.hexdigest()[:16])
 
     def close(self) -> None:
-        self.runtime.finish()
+        if self.runtime is not None:
+            self.runtime.finish()
+
+
+def _check_outputs_outside(tree, options) -> None:
+    """--stats-json / --trace must not name a file of the tree: writing one (manifest.json, a
+    dense or expert file) would destroy the checkpoint being run. New files in the tree are fine."""
+    import os
+
+    root = os.path.realpath(tree.root)
+    for flag, path in (("--stats-json", options.stats_json), ("--trace", options.trace)):
+        if not path:
+            continue
+        real = os.path.realpath(os.path.expanduser(path))
+        rel = os.path.relpath(real, root).replace(os.sep, "/")
+        if rel == "manifest.json" or rel in tree.manifest["files"]:
+            raise StreamrtError(f"{flag} {path}: is {rel} of the model tree {tree.root}; give a file outside it")
 
 
 class _LoadBar:

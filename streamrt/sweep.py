@@ -335,7 +335,7 @@ def identity_verdict(rows: list[dict]) -> tuple[bool, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="streamrt sweep", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--model", required=True, type=Path, help="converted streamrt tree")
     ap.add_argument("--points", nargs="+", default=["0.35", "1.0", "1.4", "large"],

@@ -207,14 +207,25 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
     except OSError as exc:
         raise CheckpointError(f"{path}: unreadable ({exc.strerror})") from None
     ranks: dict[bytes, int] = {}
+    seen: dict[int, int] = {}  # rank -> its line
     for n, line in enumerate(data.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            token, rank = base64.b64decode(token, validate=True), int(rank)
         except (ValueError, binascii.Error):
             raise CheckpointError(f"{path}: line {n} is not '<base64 token> <rank>'") from None
+        # tiktoken panics (a BaseException, not an error) on a repeated token or rank: a
+        # truncated or bit-flipped file makes either
+        if rank < 0 or rank in seen:
+            why = "negative" if rank < 0 else f"already given on line {seen[rank]}"
+            raise CheckpointError(f"{path}: line {n}: rank {rank} is {why}; the file is corrupt")
+        if token in ranks:
+            raise CheckpointError(f"{path}: line {n}: token {token[:20]!r} repeats line {seen[ranks[token]]}; "
+                                  "the file is corrupt")
+        ranks[token] = rank
+        seen[rank] = n
     return ranks
 
 

@@ -296,3 +296,155 @@ def test_trace_summarize_of_a_deep_or_undecodable_file_is_one_line(capsys, tmp_p
     _one_line_error(capsys, ["trace", "summarize", str(f)], "nested more than 64 levels deep")
     f.write_bytes(b'{"traceEvents": ["\xff"]}')
     _one_line_error(capsys, ["trace", "summarize", str(f)], "not UTF-8 (byte 0xff at offset 18)")
+
+
+# ---- adversarial review: usage errors, devices, side files, checks before loading ---------------
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "--prompt", "hi", "--window", "abc"], "argument --window: invalid int value: 'abc' (see streamrt run --help)"),
+    (["run", "--prompt", "hi", "--gpu-experts", "1.5"], "argument --gpu-experts: invalid int value"),
+    (["inspect", "tiny-k3", "--gpus", "x"], "argument --gpus: invalid int value"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+])
+def test_usage_errors_are_one_line(capsys, no_session, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("streamrt: "), err
+    assert fragment in err and "usage:" not in err, err
+
+
+@pytest.mark.parametrize("device, fragment", [
+    ("cuda:x", "--device: expected auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    ("cuda:", "--device: expected auto, cpu, cuda or cuda:N"),
+])
+def test_malformed_device_is_one_line(capsys, no_session, device, fragment):
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--device", device], fragment)
+
+
+def test_cuda_device_without_cuda_is_refused_with_gpus_too(capsys, no_session, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spawned = []
+    monkeypatch.setattr("streamrt.parallel.launch.run_ranks", lambda *a, **k: spawned.append(a) or 0)
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--gpus", "2", "--device", "cuda"],
+                    "--device cuda: no CUDA device is available")
+    assert not spawned  # the ranks used to fall back to the CPU and ignore --device cuda
+
+
+def test_repeated_bpe_rank_is_one_line_not_a_panic(tmp_path):
+    from streamrt.tokenizer import load_tokenizer
+
+    (tmp_path / "tiktoken.model").write_text("YQ== 0\nYg== 1\nYw== 1\n")  # a truncated line's rank
+    with pytest.raises(CheckpointError, match=r"tiktoken.model: line 3: rank 1 is already given on line 2"):
+        load_tokenizer(tmp_path, 1024)
+    (tmp_path / "tiktoken.model").write_text("YQ== 0\nYQ== 1\n")
+    with pytest.raises(CheckpointError, match="line 2: token b'a' repeats line 1"):
+        load_tokenizer(tmp_path, 1024)
+
+
+def test_listed_side_files_missing_or_edited_are_refused(tree, capsys):
+    m = _manifest(tree)
+    m["files"]["tiktoken.model"] = {"size": 10, "blake2b": "0" * 16}  # listed, absent: was a byte fallback
+    _put(tree, m)
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi"], "tiktoken.model: missing (listed in")
+    del m["files"]["tiktoken.model"]
+    _put(tree, m)
+    cfg = (tree / "config.json").read_text()
+    (tree / "config.json").write_text(cfg.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 2e-05'))
+    assert (tree / "config.json").read_text() != cfg
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi"], "config.json: checksum mismatch")
+
+
+def test_an_edited_tokenizer_config_is_the_users_to_set(tree):
+    from streamrt.checkpoint.reader import open_tree
+
+    (tree / "tokenizer_config.json").write_text('{"streamrt_chat": {"multi_turn": false}}')
+    m = _manifest(tree)
+    m["files"]["tokenizer_config.json"] = {"size": 3, "blake2b": "0" * 16}  # as converted, then edited
+    _put(tree, m)
+    open_tree(tree).check_side_files()
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if dense weights would load: these errors need only the config and tokenizer."""
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the input was checked")
+
+    monkeypatch.setattr("streamrt.loader.load_placed", refuse)
+
+
+def test_prompt_over_the_context_is_refused_before_the_weights_load(tree, capsys, no_weights):
+    ctx = json.loads((tree / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "x" * (ctx + 10)],
+                    f"but the model's context is {ctx} tokens")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--host-mem", "1"], "--host-mem 1 bytes holds no"),
+    (["--gpu-experts", "1"], "--gpu-experts 1: one layer request needs"),
+])
+def test_budgets_the_tree_cannot_meet_are_refused_before_the_weights_load(tree, capsys, no_weights, flags, fragment):
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--device", "cpu", *flags], fragment)
+
+
+def test_manifest_that_is_a_directory_and_a_string_version(tree, capsys):
+    m = _manifest(tree)
+    m["format_version"] = "2"
+    _put(tree, m)
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi"], "format_version is '2', not an integer")
+    (tree / "manifest.json").unlink()
+    (tree / "manifest.json").mkdir()
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi"], "manifest.json is not a file")
+
+
+def test_empty_prompt_and_empty_messages_path(capsys, no_session):
+    _one_line_error(capsys, ["run", "--prompt", ""], "--prompt is empty")
+    _one_line_error(capsys, ["run", "--prompt", "  \n"], "--prompt is empty")
+    _one_line_error(capsys, ["run", "--messages", ""], "--messages: empty path")
+
+
+def test_synth_bad_device_leaves_no_output(capsys, tmp_path):
+    out = tmp_path / "s"
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out), "--device", "cuda:x"],
+                    "--device: expected")
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out), "--device", "auto"], "got 'auto'")
+    assert not out.exists()  # a traceback mid-write used to leave a partial tree
+    (tmp_path / "f").write_text("x")
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "f")], "exists and is not a directory")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--link-gbps", "nan"], "--link-gbps must be a finite number > 0, got nan"),
+    (["--hbm-gbps", "inf", "--gpu-mem", "80G"], "--hbm-gbps must be a finite number > 0, got inf"),
+    (["--disk-gbps", "inf", "--host-mem", "1G"], "--disk-gbps must be a finite number > 0"),
+    (["--gpus", "0"], "--gpus must be >= 1, got 0"),
+])
+def test_inspect_bad_numbers(capsys, flags, fragment):
+    _one_line_error(capsys, ["inspect", "tiny-k3", *flags], fragment)
+    _one_line_error(capsys, ["inspect", ""], "NAME|PATH is empty")
+
+
+def test_outputs_never_overwrite_the_tree_or_an_input(tree, capsys, tmp_path, no_weights):
+    before = (tree / "manifest.json").read_bytes()
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--stats-json", str(tree / "manifest.json")],
+                    "is manifest.json of the model tree")
+    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--trace", str(tree / "config.json")],
+                    "is config.json of the model tree")
+    assert (tree / "manifest.json").read_bytes() == before
+    out = str(tmp_path / "o.json")
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--stats-json", out, "--trace", out], "the same file as --stats-json")
+    msgs = tmp_path / "m.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    _one_line_error(capsys, ["run", "--messages", str(msgs), "--stats-json", str(msgs)], "the same file as --messages")
+
+
+def test_verify_names_a_directory_where_a_file_belongs(tree, capsys):
+    rel = next(r for r in _manifest(tree)["files"] if r.startswith("experts/"))
+    (tree / rel).unlink()
+    (tree / rel).mkdir()
+    assert main(["verify", str(tree)]) == 1
+    assert f"BAD {tree / rel}: not a regular file" in capsys.readouterr().err

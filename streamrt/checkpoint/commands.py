@@ -98,6 +98,12 @@ def _synth(args: argparse.Namespace) -> int:
     _check_int(args.seed, "--seed", 0, MAX_SEED)
     if not math.isfinite(args.skew):
         raise StreamrtError(f"--skew must be finite, got {args.skew}")
+    if args.device is not None:  # before --out is created: a bad device failed mid-write
+        from streamrt.run_args import check_device
+
+        if args.device == "auto":
+            raise StreamrtError("--device: expected cpu, cuda or cuda:N (leave it out for cuda if available), got 'auto'")
+        check_device(args.device)
     s = synth(
         args.config, args.out, seed=args.seed, skew=args.skew, fmt=args.format, dry_run=args.dry_run,
         shards=args.shards, workers=args.workers, device=args.device,

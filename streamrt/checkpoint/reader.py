@@ -142,6 +142,33 @@ class StreamrtTree:
         if notice:
             print(f"streamrt: {self.root} is read-only; dense checksums recorded in {record_path}", file=sys.stderr)
 
+    def check_side_files(self) -> None:
+        """The small files the manifest lists outside dense/ and experts/ (config.json, the
+        tokenizer files): present, with the listed size and checksum. The tokenizer loader falls
+        back to bytes when tiktoken.model is absent, and config.json is read unhashed, so a
+        deleted or edited file would otherwise run as a different model without a word."""
+        for rel, entry in sorted(self.manifest["files"].items()):
+            if rel.startswith(("dense/", "experts/")) or rel in USER_EDITABLE:
+                continue
+            path = self.root / rel
+            try:
+                size = path.stat().st_size if path.is_file() else None
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot stat ({e.strerror})") from None
+            if size is None:
+                raise CheckpointError(f"{path}: missing (listed in {self.root / MANIFEST}); run `streamrt verify`")
+            if size != entry["size"]:
+                raise CheckpointError(f"{path}: {size} bytes, manifest says {entry['size']}; run `streamrt verify` "
+                                      "or re-run `streamrt convert`")
+            if size <= SIDE_FILE_HASH_BYTES:
+                try:
+                    got = self.digest(path)
+                except OSError as e:
+                    raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+                if got != entry["blake2b"]:
+                    raise CheckpointError(f"{path}: checksum mismatch (manifest {entry['blake2b']}, file {got}); "
+                                          "run `streamrt verify --full` or re-run `streamrt convert`")
+
     def expert_path(self, layer: int, expert: int) -> Path:
         if not self.config.is_moe(layer) or not 0 <= expert < self.config.num_experts:
             raise CheckpointError(f"{self.root}: no routed expert ({layer}, {expert}) in this model")
@@ -170,6 +197,10 @@ class StreamrtTree:
                                   "run `streamrt verify --full` or re-run `streamrt convert`")
 
 
+# tokenizer_config.json's `streamrt_chat` block is the user's to set (docs/CONTRACTS.md), and
+# ChatProfile validates what it reads there
+USER_EDITABLE = frozenset({"tokenizer_config.json"})
+SIDE_FILE_HASH_BYTES = 64 << 20  # config and tokenizer files are hashed at every open (a few MB at most)
 VERIFIED = ".streamrt-verified.json"  # dense files that passed their checksum, by size and mtime
 
 
@@ -262,7 +293,10 @@ def read_manifest(root: Path) -> dict:
     m = load_json(f, what="manifest", expect=dict, max_bytes=1 << 30, max_depth=16)
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{f}: not a streamrt manifest (format {_show(m.get('format'))})")
-    if m.get("format_version") not in READ_VERSIONS or isinstance(m.get("format_version"), bool):
+    version = m.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"{f}: format_version is {_show(version)}, not an integer")
+    if version not in READ_VERSIONS:
         raise CheckpointError(f"{f}: format_version {_show(m.get('format_version'))}, this streamrt reads "
                               f"{' and '.join(map(str, READ_VERSIONS))} (a newer streamrt wrote it?)")
     rule = manifest_rule(m)

@@ -417,7 +417,9 @@ def synth(
     if out is None:
         raise StreamrtError("--out is required unless --dry-run")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: --out exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     _check_space(out, nbytes)

@@ -70,6 +70,8 @@ def _check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | No
         return "missing"
     except OSError as e:
         return f"cannot stat: {e.strerror}"
+    if not path.is_file():  # a directory's st_size would read as a wrong size
+        return "not a regular file"
     if size != entry.get("size"):
         return f"size {size}, manifest says {entry.get('size')}"
     try:

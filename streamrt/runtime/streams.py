@@ -194,8 +194,8 @@ def make_device(name: str = "auto"):
         return CpuDevice()
     if name in ("cuda", "auto"):
         return CudaDevice()
-    if name.startswith("cuda:"):
-        return CudaDevice(int(name.split(":", 1)[1]))
+    if name.startswith("cuda:") and name[5:].isdigit():
+        return CudaDevice(int(name[5:]))
     raise StreamrtError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
 
 

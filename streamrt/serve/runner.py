@@ -35,6 +35,7 @@ class ModelRunner:
 
         self.options = RuntimeOptions.from_args(args)
         tree = open_tree(model_dir)
+        tree.check_side_files()
         self.name = tree.config.name
         self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
         device = make_device(self.options.device)
