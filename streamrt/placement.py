@@ -134,7 +134,7 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
         raise StreamrtError(
             f"{cfg.name} cannot run in {gpu_bytes / GIB:.1f} GiB of GPU memory even streaming every layer: "
             f"it needs {need[r] / GIB:.1f} GiB ({parts} GiB) at context {context}; "
-            f"{(need[r] - gpu_bytes) / GIB:.1f} GiB short (a shorter --context shrinks the KV cache)"
+            f"{(need[r] - gpu_bytes) / GIB:.1f} GiB short"
         )
     r = max(fits)  # more memory never streams more: the feasible set only grows
     resident, streamed = tuple(range(r)), tuple(range(r, n))
