@@ -52,6 +52,16 @@ class GenerationResult:
         return n / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def apply_penalties(logits: Tensor, generated: Sequence[int], presence: float, frequency: float) -> Tensor:
+    """OpenAI's presence and frequency penalties over the tokens generated so far (not the
+    prompt): logits[j] - frequency * count_j - presence * (count_j > 0). Unchanged when both are 0."""
+    if not generated or (presence == 0 and frequency == 0):
+        return logits
+    V = logits.shape[-1]
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=V)[:V].to(logits.device)
+    return logits.float() - frequency * counts - presence * (counts > 0)
+
+
 def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """One token from logits [V]: argmax (first max) when temperature == 0, else nucleus sampling."""
     if temperature <= 0:

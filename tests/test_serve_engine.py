@@ -185,3 +185,43 @@ def test_a_temperature_that_overflows_the_scaling_samples_the_argmax():
 
     logits = torch.tensor([0.5, 3.0, -1.0])
     assert sample(logits, 5e-324, 1.0, torch.Generator().manual_seed(0)) == 1
+
+
+def test_penalties_as_openai_defines_them():
+    """logit_j - frequency * count_j - presence * [count_j > 0] over the generated tokens,
+    against the definition written out in numpy; both 0 leaves the logits untouched."""
+    import numpy as np
+
+    from streamrt.generate import apply_penalties
+
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(50, generator=g)
+    generated = torch.randint(0, 50, (40,), generator=g).tolist()
+    pres, freq = float(torch.rand(1, generator=g)) * 2 - 1, float(torch.rand(1, generator=g)) * 2
+    count = np.zeros(50)
+    for t in generated:
+        count[t] += 1
+    want = logits.double().numpy() - freq * count - pres * (count > 0)
+    got = apply_penalties(logits, generated, pres, freq)
+    assert np.allclose(got.double().numpy(), want, rtol=0, atol=1e-6)
+    assert apply_penalties(logits, generated, 0.0, 0.0) is logits
+    assert apply_penalties(logits, [], pres, freq) is logits
+
+
+def test_a_frequency_penalty_steers_a_greedy_row():
+    """The scripted logits always favour token 1 by 1.0; a frequency penalty of 2 takes it below
+    the others after one use, so greedy walks the rest in id order up to the stop token."""
+    async def go():
+        engine = Engine(ScriptedRunner(), max_batch=2)
+        loop = asyncio.ensure_future(engine.run())
+        plain = Job([0] * 3, 10, frozenset({STOP}))
+        steered = Job([0] * 3, 10, frozenset({STOP}), frequency_penalty=2.0)
+        engine.submit(plain)
+        engine.submit(steered)
+        out = await asyncio.gather(_drain(plain), _drain(steered))
+        loop.cancel()
+        return out
+
+    plain, steered = _run(go())
+    assert plain == [1] * 10
+    assert steered == [1, 0, 2, 3, 4, 5, 6, STOP]

@@ -131,7 +131,7 @@ def test_prior_calls_counts_the_conversation():
     ({"model": "m", "messages": [{"role": "tool", "tool_call_id": "a"}]}, "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format.json_schema"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_validation_errors_name_the_field(body, param):
@@ -150,8 +150,10 @@ def test_nan_null_and_no_op_values():
                                   "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}})
     S.CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": False, "best_of": 1, "logprobs": 0})
     nulls = S.ChatRequest.model_validate_json(json.dumps({"model": "m", "messages": [USER], "temperature": None,
-                                                          "top_p": None, "n": None, "stream": None}))
+                                                          "top_p": None, "n": None, "stream": None,
+                                                          "presence_penalty": None}))
     assert (nulls.temperature, nulls.top_p, nulls.n, nulls.stream) == (1.0, 1.0, 1, False)  # null is the default
+    assert nulls.presence_penalty == 0.0
 
 
 def test_response_format_is_prompted_through_the_template(tok):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamrt.generate import sample
+from streamrt.generate import apply_penalties, sample
 from streamrt.model import ModelCache
 
 log = logging.getLogger("streamrt.serve")
@@ -64,6 +64,8 @@ class Job:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then Finished | Failed
     tokens: list[int] = field(default_factory=list)
     cancelled: bool = False
@@ -208,6 +210,7 @@ class Engine:
                 self._close(job, Finished("cancelled"))
             return False
         try:
+            logits = apply_penalties(logits, job.tokens, job.presence_penalty, job.frequency_penalty)
             tok = sample(logits, job.temperature, job.top_p, job.generator)
         except Exception as exc:  # this row's sampling only: its companions go on
             log.exception("streamrt serve: sampling failed")

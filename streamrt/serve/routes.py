@@ -96,7 +96,7 @@ def token_limit(state: ServerState, prompt: int, asked: int | None, field: str, 
 
 def submit(state: ServerState, ids: list[int], req, limit: int) -> Job:
     job = Job(ids, limit, frozenset(state.tokenizer.stop_ids), temperature=req.temperature, top_p=req.top_p,
-              seed=req.seed)
+              seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
     try:
         state.engine.submit(job)
     except QueueFull as exc:

@@ -2,9 +2,9 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent
 conversion; null is the default where OpenAI allows it); fields the API has and streamrt
-does not implement are accepted at their no-op values (`logprobs` false, `presence_penalty`
-0, `best_of` 1, ...) and any other value is a 400 naming the field, so an answer never
-silently ignores what was asked; `response_format` is prompted through the template, as
+does not implement are accepted at their no-op values (`logprobs` false, `logit_bias` {},
+`best_of` 1, ...) and any other value is a 400 naming the field, so an answer never
+silently ignores what was asked; `presence_penalty` and `frequency_penalty` apply as OpenAI's; `response_format` is prompted through the template, as
 tool_choice is. Unknown fields are ignored, as OpenAI's own server does. Responses are the
 shapes the official client parses: `reasoning_content` beside `content`, tool calls with
 `functions.NAME:IDX` ids and arguments as a JSON string.
@@ -125,22 +125,17 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # accepted at their no-op values only
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # over the generated tokens, as OpenAI's
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # accepted at its no-op value only
     logit_bias: dict[str, float] | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        return v if not v else _unsupported(v, "send 0 or leave it out")
 
     @field_validator("logit_bias")
     @classmethod
     def _no_bias(cls, v: dict | None) -> dict | None:
         return v if not v else _unsupported(v)
 
-    @field_validator("temperature", "top_p", "n", "stream", mode="before")
+    @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
     def _null_is_default(cls, v, info: ValidationInfo):
         # OpenAI's API takes null for these (clients that serialize None send it)
