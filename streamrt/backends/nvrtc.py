@@ -45,7 +45,7 @@ from streamrt.backends.kernel_defines import (
     MOE_MAXP,
     TOPK_THREADS,
 )
-from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, block_threads, f32, i32, i64, inplace_buf, ptr
+from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, block_threads, f32, i32, i64, inplace_buf, ptr, situ_args
 from streamrt.backends.nvrtc_moe import NVFP4_IMPLS, TC_PIPES, TC_SHAPE, MoeOps, tc_smem
 
 # what tests and benchmarks import from here (defined in the modules above)
@@ -276,12 +276,8 @@ class NvrtcBackend(MoeOps):
         out = self._empty(*gate.shape)
         n = gate.numel()
         if n:
-            binf = int(math.isinf(beta))
             self._k("norms", "srt_situ_glu")(
-                (min(math.ceil(n / 256), 8192),), (256,),
-                [ptr(gate), ptr(up), ptr(out), i64(n), f32(0.0 if binf else beta), i32(binf),
-                 f32(1.0 if linear_beta is None else linear_beta), i32(linear_beta is not None)],
-            )
+                (min(math.ceil(n / 256), 8192),), (256,), [ptr(gate), ptr(up), ptr(out), i64(n), *situ_args(beta, linear_beta)])
         return out
 
     # ---- KDA -----------------------------------------------------------------------------------

@@ -33,6 +33,14 @@ def f32(v: float) -> np.ndarray:
     return np.array([v], dtype=np.float32)
 
 
+def situ_args(beta: float, linear_beta: float | None) -> list[np.ndarray]:
+    """The SiTU-GLU constants every kernel that applies it takes: beta (0 and a flag when
+    infinite, i.e. plain SiLU), then linear_beta (1 and a flag when None, i.e. no up clamp)."""
+    binf = math.isinf(beta)
+    return [f32(0.0 if binf else beta), i32(binf), f32(1.0 if linear_beta is None else linear_beta),
+            i32(linear_beta is not None)]
+
+
 def as_act(t: Tensor, name: str, device: torch.device) -> Tensor:
     """An fp32 contiguous activation on `device` (bf16/fp16 are converted, strides copied)."""
     if not isinstance(t, Tensor):

@@ -21,7 +21,7 @@ from torch import Tensor
 from streamrt.backends.expert_pointers import scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
-from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr
+from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, as_routed
 from streamrt.ops import route, sigmoid
 
@@ -140,8 +140,7 @@ class MoeOps:
         pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
         groups = [[q for q in pairs if q[2] not in late], [q for q in pairs if q[2] in late]]
         ptrs, I = {}, None
-        binf = int(math.isinf(beta))
-        act = [f32(0.0 if binf else beta), i32(binf), f32(1.0 if linear_beta is None else linear_beta), i32(linear_beta is not None)]
+        act = situ_args(beta, linear_beta)
         h = y = None
         # Per-pair gate+up counts for the tensor-core kernels; the sum zeroes them for the next
         # call with its first T * k threads of T * Dl (k <= Dl).
@@ -201,13 +200,11 @@ class MoeOps:
         gate_glob, up_glob = gate_glob.float().contiguous(), up_glob.float().contiguous()
         rows = self._empty((1 + split) * m, I, dtype=torch.float16)
         hscale = self._empty(m, dtype=torch.float32)
-        binf = int(math.isinf(beta))
         if m:
             self._k("nvfp4_gemm", "srt_situ_f16_rows")(
                 (m,), (256,),
                 [ptr(gu), ptr(xscale), ptr(gate_glob), ptr(up_glob), ptr(rows), ptr(hscale), i32(m), i32(I), i32(split),
-                 f32(0.0 if binf else beta), i32(binf), f32(1.0 if linear_beta is None else linear_beta),
-                 i32(linear_beta is not None)],
+                 *situ_args(beta, linear_beta)],
                 smem=I * 4)
         return rows, hscale
 
