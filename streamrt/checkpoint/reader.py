@@ -146,28 +146,18 @@ class StreamrtTree:
         """The small files the manifest lists outside dense/ and experts/ (config.json, the
         tokenizer files): present, with the listed size and checksum. The tokenizer loader falls
         back to bytes when tiktoken.model is absent, and config.json is read unhashed, so a
-        deleted or edited file would otherwise run as a different model without a word."""
+        deleted or edited file would otherwise run as a different model without a word. The
+        checks are `streamrt verify`'s, with the checksum."""
+        from streamrt.checkpoint.verify import check_file  # verify reads trees through this module
+
         for rel, entry in sorted(self.manifest["files"].items()):
             if rel.startswith(("dense/", "experts/")) or rel in USER_EDITABLE:
                 continue
             path = self.root / rel
-            try:
-                size = path.stat().st_size if path.is_file() else None
-            except OSError as e:
-                raise CheckpointError(f"{path}: cannot stat ({e.strerror})") from None
-            if size is None:
-                raise CheckpointError(f"{path}: missing (listed in {self.root / MANIFEST}); run `streamrt verify`")
-            if size != entry["size"]:
-                raise CheckpointError(f"{path}: {size} bytes, manifest says {entry['size']}; run `streamrt verify` "
-                                      "or re-run `streamrt convert`")
-            if size <= SIDE_FILE_HASH_BYTES:
-                try:
-                    got = self.digest(path)
-                except OSError as e:
-                    raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-                if got != entry["blake2b"]:
-                    raise CheckpointError(f"{path}: checksum mismatch (manifest {entry['blake2b']}, file {got}); "
-                                          "run `streamrt verify --full` or re-run `streamrt convert`")
+            reason = check_file(self, path, rel, entry, full=entry["size"] <= SIDE_FILE_HASH_BYTES)
+            if reason:
+                raise CheckpointError(f"{path}: {reason} (listed in {self.root / MANIFEST}); run `streamrt verify "
+                                      "--full` or re-run `streamrt convert`")
 
     def expert_path(self, layer: int, expert: int) -> Path:
         if not self.config.is_moe(layer) or not 0 <= expert < self.config.num_experts:
@@ -297,7 +287,7 @@ def read_manifest(root: Path) -> dict:
     if not isinstance(version, int) or isinstance(version, bool):
         raise CheckpointError(f"{f}: format_version is {_show(version)}, not an integer")
     if version not in READ_VERSIONS:
-        raise CheckpointError(f"{f}: format_version {_show(m.get('format_version'))}, this streamrt reads "
+        raise CheckpointError(f"{f}: format_version {_show(version)}, this streamrt reads "
                               f"{' and '.join(map(str, READ_VERSIONS))} (a newer streamrt wrote it?)")
     rule = manifest_rule(m)
     try:

@@ -49,7 +49,7 @@ def verify_tree(root: str | Path, *, full: bool = False, workers: int | None = N
                disable=None if progress is None else not progress)
 
     def check(rel: str) -> None:
-        reason = _check_file(tree, root / rel, rel, files[rel], full)
+        reason = check_file(tree, root / rel, rel, files[rel], full)
         with lock:
             if reason:
                 bad.append((rel, reason))
@@ -63,7 +63,8 @@ def verify_tree(root: str | Path, *, full: bool = False, workers: int | None = N
     return sorted(bad), len(rels)
 
 
-def _check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | None:
+def check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | None:
+    """Why the manifest's file `rel` at `path` is bad (None when it is fine); with `full`, its checksum too."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:

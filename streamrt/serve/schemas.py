@@ -4,8 +4,8 @@ Requests are validated strictly (a string where a number belongs is a 400, not a
 conversion; null is the default where OpenAI allows it); fields the API has and streamrt
 does not implement are accepted at their no-op values (`logprobs` false, `logit_bias` {},
 `best_of` 1, ...) and any other value is a 400 naming the field, so an answer never
-silently ignores what was asked; `presence_penalty` and `frequency_penalty` apply as OpenAI's; `response_format` is prompted through the template, as
-tool_choice is. Unknown fields are ignored, as OpenAI's own server does. Responses are the
+silently ignores what was asked; `presence_penalty` and `frequency_penalty` apply as
+OpenAI's; `response_format` is prompted through the template, as tool_choice is. Unknown fields are ignored, as OpenAI's own server does. Responses are the
 shapes the official client parses: `reasoning_content` beside `content`, tool calls with
 `functions.NAME:IDX` ids and arguments as a JSON string.
 """
