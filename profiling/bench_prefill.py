@@ -12,7 +12,10 @@ through the streaming runtime with the same flags `streamrt run` takes (--window
 --backend, ... are passed through). TTFT = the prefill up to the first token's logits.
 Prints a table, the slope of peak memory over length (MB per 1k tokens, least squares) and
 the same for the cache, and then shows that a prompt one token past the model's context
-(max_position_embeddings) gets `streamrt run`'s one-line refusal (exit 2).
+(max_position_embeddings) gets `streamrt run`'s one-line refusal (exit 2). --warmup N first
+prefills another N-token prompt in the same process (its time is the warm-up column), so TTFT
+and the link bytes are a warm server's: without it, TTFT includes reading every expert into the
+host window and the kernels' first load.
 
 --model DIR: a converted streamrt tree (default: the embedded model). --config NAME: a bundled
 geometry, synthesised once as a streamrt tree under --workdir.
@@ -85,6 +88,14 @@ def child(args, rest: list[str]) -> None:
         torch.cuda.reset_peak_memory_stats()
         dev_base = torch.cuda.memory_allocated()
     rss_loaded = _rss_bytes()
+    warm_s, h2d_before = None, 0
+    if args.warmup:  # another prompt first: the host window and device slots fill, kernels load
+        wids = torch.randint(0, cfg.vocab_size, (args.warmup,), generator=torch.Generator().manual_seed(args.seed + 1))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            rt.run(model.forward_steps(wids.to(device.torch_device), model.new_cache(1), last_only=True)).reshape(-1).argmax().item()
+            warm_s = time.perf_counter() - t0
+        h2d_before = rt.stats.bytes_h2d
     cache = model.new_cache(1)
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -107,7 +118,8 @@ def child(args, rest: list[str]) -> None:
         "cache_bytes": cache.nbytes(),
         "top1": top1,
         "threads": torch.get_num_threads(),
-        "bytes_h2d": rt.stats.bytes_h2d,  # expert bytes over the link during this prefill
+        "warmup_s": warm_s,
+        "bytes_h2d": rt.stats.bytes_h2d - h2d_before,  # expert bytes over the link during this prefill
         "device_misses": rt.stats.device_misses,
     }
     if cuda:
@@ -132,6 +144,8 @@ def run_length(mdir: Path, length: int, args, rest: list[str]) -> dict:
         cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.warmup:
+        cmd += ["--warmup", str(args.warmup)]
     p = subprocess.run(cmd + rest, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -157,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="tokens per chunk (default: auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads per child (default: torch's)")
+    ap.add_argument("--warmup", type=int, default=0, metavar="N",
+                    help="prefill another N-token prompt first in each child, so TTFT is a warm server's "
+                         "(experts in host memory and slots, kernels loaded); 0: TTFT includes that first load")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--no-refusal", action="store_true", help="skip the past-the-context check")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -175,7 +192,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"bench_prefill {cfg.name} ({mdir}), context {context}, runtime flags {' '.join(rest) or '(defaults)'}, "
           f"threads {args.threads or 'torch default'}")
-    hdr = f"{'tokens':>8} {'chunk':>6} {'TTFT s':>8} {'tok/s':>9} {'RSS load MB':>12} {'RSS peak MB':>12} {'cache MB':>9}"
+    hdr = f"{'tokens':>8} {'chunk':>6} {'warm-up s':>9} {'TTFT s':>8} {'tok/s':>9} {'RSS load MB':>12} {'RSS peak MB':>12} {'cache MB':>9}"
     cuda = any(r == "cuda" or r.startswith("cuda") for r in rest)
     if cuda:
         hdr += f" {'dev peak MB':>12} {'link GB':>8} {'link GB/s':>9} {'floor s':>8}"
@@ -183,7 +200,8 @@ def main(argv=None) -> int:
     for n in lengths:
         r = run_length(mdir, n, args, rest)
         rows.append(r)
-        line = (f"{n:>8} {r['chunk']:>6} {r['ttft_s']:>8.2f} {r['tok_s']:>9.1f} {r['rss_loaded'] / 1e6:>12.1f} "
+        warm = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.2f}"
+        line = (f"{n:>8} {r['chunk']:>6} {warm:>9} {r['ttft_s']:>8.2f} {r['tok_s']:>9.1f} {r['rss_loaded'] / 1e6:>12.1f} "
                 f"{r['rss_peak'] / 1e6:>12.1f} {r['cache_bytes'] / 1e6:>9.2f}")
         if "dev_peak" in r:
             floor = r["bytes_h2d"] / 1e9 / r["link_gbps"]  # the expert bytes at the measured link rate

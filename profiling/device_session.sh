@@ -2,12 +2,14 @@
 # Everything that needs the GPU, in one call on the device machine (H200, no network, repo not
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
 #   bash profiling/device_session.sh [stages...]
-#   stages: tests kernels variants access profile decode trace sweep convert
-#           slice deep serve dense prefill experts drop-slice
+#   stages: tests kernels variants access profile decode trace sweep convert kda
+#           slice deep serve dense parts prefill experts drop-slice
 #           (slice / deep: synthesise slice-k3.1-pro, ~30 s, / deep-k3.1-pro, ~2 min; serve 1/4/16
 #           clients, dense streaming and prefill run on whichever of the two is present; the disk
 #           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
-#   env: T_<STAGE> timeouts, DECODE_ARGS, CONVERT_ARGS, PROFILE_BACKENDS, TRACE_SLOTS, TRACE_BACKEND
+#   env: T_<STAGE> timeouts, DECODE_ARGS, CONVERT_ARGS, PROFILE_BACKENDS, TRACE_SLOTS, TRACE_BACKEND,
+#        KDA_BASELINE (an older kda.py for bench_kda_prefill), DEEP_LENGTHS, DEEP_SLOTS, SLICE_LENGTHS,
+#        SLICE_SLOTS (bench_prefill rows)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # wheels carried for serve go after the tree
 OUT=${OUT:-/tmp/streamrt-out}; mkdir -p "$OUT"
@@ -86,14 +88,26 @@ if has dense; then
       | tee "$L/dense_$c.log" | tail -14
   done
 fi
+if has kda; then
+  stage "bench KDA chunked prefill form (deep and real head counts)"
+  timeout ${T_KDA:-120} python3 profiling/bench_kda_prefill.py --device cuda --heads 8,96 --tokens 4096,32768 --reps 2 \
+    ${KDA_BASELINE:+--baseline "$KDA_BASELINE"} 2>&1 | grep -v USDT | tee "$L/bench_kda.log"
+fi
+if has parts; then
+  stage "profile one 4k prefill by model part (deep, all experts resident)"
+  [ -f "$DEEP/manifest.json" ] && timeout ${T_PARTS:-150} python3 profiling/profile_step.py --workdir "$W" --config deep-k3.1-pro \
+    --backend nvrtc --prefill ${PARTS_TOKENS:-4096} --no-cprofile --json "$OUT/prefill_parts.json" 2>&1 | grep -v USDT | tee "$L/parts.log" | tail -40
+fi
 if has prefill; then
-  stage "bench prefill (deep 4k, a third of the slots and all; slice up to 128k)"
-  for g in 736 2208; do
-    [ -f "$DEEP/manifest.json" ] && timeout ${T_PREFILL:-150} python3 profiling/bench_prefill.py --model "$DEEP" --lengths 4096 --device cuda --backend nvrtc \
-      --gpu-experts $g --no-refusal 2>&1 | tail -2
+  stage "bench prefill (deep and slice: a third of the slots and all)"
+  for g in ${DEEP_SLOTS:-736 2208}; do
+    [ -f "$DEEP/manifest.json" ] && timeout ${T_PREFILL:-300} python3 profiling/bench_prefill.py --model "$DEEP" --lengths ${DEEP_LENGTHS:-512,4096,32768} \
+      --device cuda --backend nvrtc --gpu-experts $g --warmup ${PREFILL_WARMUP:-512} --no-refusal --json "$OUT/prefill_deep_$g.json" 2>&1 | tail -6
   done
-  [ -f "$TREE/manifest.json" ] && timeout ${T_PREFILL_SLICE:-400} python3 profiling/bench_prefill.py --model "$TREE" \
-    --lengths ${SLICE_LENGTHS:-4096,32768,131072} --device cuda --backend nvrtc --no-refusal 2>&1 | tail -5
+  for g in ${SLICE_SLOTS:-341 1024}; do
+    [ -f "$TREE/manifest.json" ] && timeout ${T_PREFILL_SLICE:-400} python3 profiling/bench_prefill.py --model "$TREE" --lengths ${SLICE_LENGTHS:-512,4096,32768,131072} \
+      --device cuda --backend nvrtc --gpu-experts $g --warmup ${PREFILL_WARMUP:-512} --no-refusal --json "$OUT/prefill_slice_$g.json" 2>&1 | tail -7
+  done
 fi
 if has experts; then
   stage "bench grouped prefill expert GEMM"

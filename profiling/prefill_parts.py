@@ -10,7 +10,7 @@ innermost part range around it (kernels: through the op or range that launched t
 
 Parts (group/detail; the group is the table's row):
   kda/proj      KimiDeltaAttention.forward minus the below (projections, gate, l2norm, o-norm)
-  kda/conv      short_conv_prefill            kda/chunked   kda_chunked (the per-32-token loop)
+  kda/conv      short_conv_prefill            kda/chunked   kda_chunked (the grouped sub-chunk solve)
   mla/proj      KimiMLAAttention.forward minus the below
   mla/indexer   LightningIndexer.forward      mla/attention backend.mla_prefill minus index_select
   mla/index_select  backend._index_select (indexer scores + exact top-k per query tile)

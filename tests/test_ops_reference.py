@@ -152,6 +152,22 @@ def test_kda_chunked_equals_recurrent_fp32(cfg):
     assert float((S - state).norm() / state.norm()) < 1e-4
 
 
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_kda_chunked_groups_agree_and_mark_the_whole_boundary(cfg, group):
+    """Sub-chunks batched in groups of any size (the last group zero-padded) give the float64
+    recurrence, and the boundary state is the recurrence's after the last whole sub-chunk."""
+    T, chunk = 77, 16  # 4 whole sub-chunks and a partial one
+    q, k, v, g, beta, S0 = _kda_inputs(cfg, T, 40 + group)
+    o, S, S_whole = kda_chunked(*(t32(a) for a in (q, k, v, g, beta)), t32(S0), chunk=chunk, boundary=True, group=group)
+    whole = T // chunk * chunk
+    for b in range(2):
+        o_ref, S_ref = ref.kda_recurrent(q[b], k[b], v[b], g[b], beta[b], S0[b])
+        _, S_whole_ref = ref.kda_recurrent(q[b, :whole], k[b, :whole], v[b, :whole], g[b, :whole], beta[b, :whole], S0[b])
+        assert_close(o[b], o_ref, 2e-5)
+        assert_close(S[b], S_ref, 2e-5)
+        assert_close(S_whole[b], S_whole_ref, 2e-5)
+
+
 def test_kda_chunked_is_differentiable(cfg):
     q, k, v, g, beta, S0 = (t32(a).requires_grad_() for a in _kda_inputs(cfg, 20, 11))
     o, S = kda_chunked(q, k, v, g, beta, S0, chunk=8)

@@ -29,6 +29,7 @@ from streamrt.ops import sigmoid
 
 L2_EPS = 1e-6  # inside the sqrt (FLA l2norm)
 KDA_CHUNK = 32  # WY sub-chunk length of the prefill form
+KDA_GROUP_BYTES = 512 << 20  # bound on the decay blocks of one group of sub-chunks
 
 
 def short_conv_prefill(z: Tensor, w: Tensor, prefix: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -58,54 +59,78 @@ def kda_gate(f: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> T
     return lower_bound * sigmoid(torch.exp(a_log.float())[:, None] * u)
 
 
+def chunks_per_group(H: int, K: int, chunk: int = KDA_CHUNK, device: str = "cuda") -> int:
+    """How many sub-chunks `kda_chunked` batches into one group. On a GPU: a power of two up to
+    16 keeping the group's two [H, G, C, C, K] fp32 decay blocks under `KDA_GROUP_BYTES` per
+    sequence (fewer, larger launches; bench_kda_prefill.py). On a CPU, 4: larger groups fall out
+    of cache and run slower. It depends only on the model's shape and the device type, so every
+    prefill on one device has the same groups."""
+    if device == "cpu":
+        return 4
+    per_chunk = 2 * H * chunk * chunk * K * 4
+    g = 1
+    while g < 16 and 2 * g * per_chunk <= KDA_GROUP_BYTES:
+        g *= 2
+    return g
+
+
 def kda_chunked(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None, chunk: int = KDA_CHUNK,
-    *, boundary: bool = False,
+    *, boundary: bool = False, group: int | None = None,
 ):
     """The delta rule over a sequence, chunk by chunk (WY form), fp32 and differentiable.
 
     q, k, g [B, T, H, K] (q, k normalised, q scaled; g log-decay); v [B, T, H, V];
     beta [B, T, H]; state [B, H, K, V] or None. Returns (o [B, T, H, V], final state), and
     with boundary=True also the state after the last whole chunk (the initial state if none).
-    A last partial chunk is zero-padded to `chunk` (a token with k = v = g = beta = 0 changes
-    nothing), so every chunk has one shape.
+    The sequence is zero-padded to whole groups of `group` chunks (default `chunks_per_group`; a token with
+    k = v = g = beta = 0 changes nothing), so every group has one shape whatever T is.
 
     Inside a chunk, with G_t = sum_{s<=t} g_s (per channel) and u_t = v_t - (D_t S_{t-1})^T k_t:
         (I + M) U = V - (exp(G) * K) S0,   M[t,s] = beta_s sum_d k_t k_s exp(G_t - G_s), s < t
         O = (exp(G) * Q) S0 + P U,         P[t,s] = beta_s sum_d q_t k_s exp(G_t - G_s), s <= t
         S_C = exp(G_C) * S0 + sum_s (exp(G_C - G_s) * k_s) beta_s u_s^T
-    Every exponent is <= 0, so nothing overflows.
+    Every exponent is <= 0, so nothing overflows. U is linear in S0: U = U' - W S0 with
+    (I + M) [U' W] = [V exp(G) * K], so all of a group's chunks are solved at once and only
+    S_next = A S + Bs (A = diag exp(G_C) - Tail^T W, Bs = Tail^T U') runs chunk after chunk.
     """
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    pad = -T % chunk
+    group = group or chunks_per_group(H, K, chunk, q.device.type)
+    pad = -T % (group * chunk)
     if pad:
         q, k, v, g, beta = (torch.cat((t, t.new_zeros(B, pad, *t.shape[2:])), 1) for t in (q, k, v, g, beta))
-    q, k, v, g, beta = (t.float().transpose(1, 2) for t in (q, k, v, g, beta))  # [B, H, T, .]
+    n_chunks = (T + pad) // chunk
+    q, k, v, g = (t.float().transpose(1, 2).reshape(B, H, n_chunks, chunk, -1) for t in (q, k, v, g))  # [B, H, n, C, .]
+    beta = beta.float().transpose(1, 2).reshape(B, H, n_chunks, chunk)
+    ar = torch.arange(chunk, device=q.device)
+    incl = (ar[:, None] >= ar[None, :])[..., None]  # [C, C, 1], s <= t
+    strict = ~incl[..., 0] | torch.eye(chunk, dtype=torch.bool, device=q.device)  # not s < t
     S = q.new_zeros(B, H, K, Vd) if state is None else state.float()
-    S_whole = S
+    S_whole, last_whole, used = S, T // chunk, -(-T // chunk)
     outs = []
-    for c0 in range(0, T + pad, chunk):
-        qc, kc, vc, gc, bc = (t[:, :, c0 : c0 + chunk] for t in (q, k, v, g, beta))
-        C = qc.shape[2]
-        G = gc.cumsum(2)  # [B, H, C, K]
-        diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [B, H, C(t), C(s), K]
-        ar = torch.arange(C, device=q.device)
-        incl = (ar[:, None] >= ar[None, :])[..., None]  # [C, C, 1], s <= t
-        decay = diff.masked_fill(~incl, float("-inf")).exp()  # exp(G_t - G_s), 0 above the diagonal
-        kk = torch.einsum("bhtd,bhsd,bhtsd->bhts", kc, kc, decay) * bc[:, :, None, :]  # [B, H, C, C]
-        M = kk.masked_fill(~incl[..., 0] | torch.eye(C, dtype=torch.bool, device=q.device), 0.0)  # strictly lower
-        eG = G.exp()  # [B, H, C, K]
-        rhs = vc - (eG * kc) @ S  # [B, H, C, V]
-        eye = torch.eye(C, device=q.device).expand_as(M)
-        U = torch.linalg.solve_triangular(eye + M, rhs, upper=False, unitriangular=True)  # [B, H, C, V]
-        Pm = torch.einsum("bhtd,bhsd,bhtsd->bhts", qc, kc, decay) * bc[:, :, None, :]  # [B, H, C, C], s <= t
-        outs.append((eG * qc) @ S + Pm @ U)  # [B, H, C, V]
-        tail = (G[:, :, -1:, :] - G).exp() * kc * bc[..., None]  # [B, H, C, K]
-        S = G[:, :, -1, :, None].exp() * S + tail.transpose(-1, -2) @ U  # [B, H, K, V]
-        if c0 + chunk <= T:
-            S_whole = S
-    o = torch.cat(outs, dim=2).transpose(1, 2)[:, :T]  # [B, T, H, V]
+    for n0 in range(0, n_chunks, group):
+        qc, kc, vc, gc, bc = (t[:, :, n0 : n0 + group] for t in (q, k, v, g, beta))  # [B, H, G, C, .]
+        Gc = gc.cumsum(-2)
+        decay = (Gc[..., :, None, :] - Gc[..., None, :, :]).masked_fill(~incl, float("-inf")).exp()  # [.., C(t), C(s), K]
+        kq = (decay * kc[..., None, :, :]) @ torch.stack((kc, qc), -1)  # [.., C(t), C(s), 2]: k_t and q_t against k_s
+        kk, Pm = (kq[..., i] * bc[..., None, :] for i in (0, 1))  # [B, H, G, C, C], P zero above the diagonal
+        eG = Gc.exp()
+        # unitriangular: the solver takes the unit diagonal as given, so M's strict lower part is all it reads
+        X = torch.linalg.solve_triangular(kk.masked_fill(strict, 0.0), torch.cat((vc, eG * kc), -1), upper=False, unitriangular=True)
+        Up, W = X.split((Vd, K), -1)  # U = U' - W S0
+        tail = ((Gc[..., -1:, :] - Gc).exp() * kc * bc[..., None]).transpose(-1, -2)  # [B, H, G, K, C]
+        A = torch.diag_embed(eG[..., -1, :]) - tail @ W  # [B, H, G, K, K]
+        Bs = tail @ Up  # [B, H, G, K, V]
+        starts = []
+        for j in range(min(group, used - n0)):  # the padding chunks would leave S as it is
+            starts.append(S)
+            S = A[:, :, j] @ S + Bs[:, :, j]
+            if n0 + j + 1 == last_whole:
+                S_whole = S
+        starts += [S] * (group - len(starts))
+        outs.append(Pm @ Up + (eG * qc - Pm @ W) @ torch.stack(starts, 2))  # [B, H, G, C, V]
+    o = torch.cat(outs, dim=2).reshape(B, H, n_chunks * chunk, Vd).transpose(1, 2)[:, :T]  # [B, T, H, V]
     return (o, S, S_whole) if boundary else (o, S)
 
 
