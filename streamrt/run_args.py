@@ -81,6 +81,7 @@ class Sampling:
     top_p: float
     seed: int
     greedy: bool
+    ignore_eos: bool = False  # generate all max_new_tokens (benchmarks); the stop tokens are sampled like any other
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Sampling":
@@ -92,7 +93,7 @@ class Sampling:
         if not 0 < p <= 1:
             raise StreamrtError(f"--top-p must be in (0, 1], got {args.top_p}")
         seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
-        return cls(n, t, p, seed, bool(args.greedy) or t == 0)
+        return cls(n, t, p, seed, bool(args.greedy) or t == 0, bool(getattr(args, "ignore_eos", False)))
 
 
 def prefill_chunk(args: argparse.Namespace) -> int | None:

@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", default="0.95", metavar="P", help="nucleus mass in (0, 1] (default 0.95)")
     p.add_argument("--seed", default="0", metavar="S", help="sampling seed (default 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the end-of-turn / end-of-text tokens: always generate --max-new-tokens "
+                        "(for benchmarks, as llama.cpp's --ignore-eos)")
     p.add_argument("--truncate", choices=("left",),
                    help="a prompt longer than the model's context (max_position_embeddings) is refused; "
                         "'left' keeps its last tokens instead")

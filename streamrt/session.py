@@ -217,7 +217,7 @@ class _ModelSession(Session):
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
-            stop_ids=sorted(self.tokenizer.stop_ids),
+            stop_ids=[] if sampling.ignore_eos else sorted(self.tokenizer.stop_ids),
             on_token=on_token,
             hash_steps=True,
             max_context=self.context,

@@ -226,3 +226,15 @@ def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
     assert 1 <= data["stats"]["new_tokens"] <= 3 and data["stats"]["prompt_tokens"] > 10
     assert set(data["stats"]["hits"]) <= {"device", "host"} and data["stats"]["hits"]
     assert data["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def test_ignore_eos_generates_every_requested_token(capsys):
+    """The embedded model ends this greedy reply with its end-of-turn token well inside 80
+    tokens; --ignore-eos keeps going to the limit (finish_reason "length")."""
+    argv = ["run", "--prompt", "Tell me a story about a dragon.", "--json", "--greedy", "--max-new-tokens", "80", "--device", "cpu"]
+    assert main(argv) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--ignore-eos"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert stopped["finish_reason"] == "stop" and stopped["stats"]["new_tokens"] < 80, stopped
+    assert full["finish_reason"] == "length" and full["stats"]["new_tokens"] == 80, full

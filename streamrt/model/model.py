@@ -128,11 +128,21 @@ class DecoderLayer(nn.Module):
         return partial, blocks
 
 
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding that leaves a meta-device table uninitialised: the loader builds the model on
+    the meta device and assigns the checkpoint's table, and `normal_` on a meta tensor imports
+    torch._dynamo (about 1.5 s of every process start)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class KimiLinearModel(nn.Module):
     def __init__(self, cfg, float_experts: bool = False):
         super().__init__()
         D = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
+        self.embed_tokens = TokenEmbedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, float_experts) for i in range(cfg.num_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
