@@ -718,3 +718,12 @@ def test_deterministic_run_to_run(gen):
     assert torch.equal(a, b)
     s = randn(gen, 20000)
     assert torch.equal(NV.select_topk(s, 2048), NV.select_topk(s, 2048))
+
+
+@pytest.mark.parametrize("T,N,K", [(65, 300, 2048), (513, 1000, 7168)])
+def test_linear_prefill_bf16x3_is_fp32_accurate(gen, T, N, K):
+    """More than 64 rows of bf16 weights: the three-term bf16 GEMM stays within fp32 tolerance."""
+    x = randn(gen, T, K)
+    w = randn(gen, N, K, scale=K**-0.5, dtype=torch.bfloat16)
+    ref = x.double() @ w.double().T
+    check(f"linear prefill T={T} K={K}", gen, ref, TB.linear(x, w), lambda: NV.linear(x, w))

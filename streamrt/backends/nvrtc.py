@@ -13,8 +13,8 @@ back. Signatures and math: `backends/base.py` (the torch backend is the referenc
 hold these kernels to). The router and expert FFN: `nvrtc_moe.py`; the GEMV variants:
 `gemv_plan.py`.
 
-Prefill: `linear` with more than `rowwise_max` rows runs one cuBLAS GEMM through torch (fp32
-math); up to `rowwise_max` rows it runs the GEMV kernel 8 rows at a time, so a row's result is
+Prefill: `linear` with more than `rowwise_max` rows runs one GEMM through torch, bf16 weights as
+three bf16 tensor-core GEMMs with fp32 accuracy (`bf16x3.py`); up to `rowwise_max` rows it runs the GEMV kernel 8 rows at a time, so a row's result is
 bit-identical alone or in a batch. `expert_ffn` at large T launches the decode kernels over
 chunks of 64 (row, expert) pairs: correct, not tuned for prefill.
 """
@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from streamrt.backends.bf16x3 import mm_bf16x3
 from streamrt.backends.cuda_driver import SMEM_DEFAULT, CudaError, Kernel, kernel
 from streamrt.backends.expert_pointers import ExpertPointerCache
 from streamrt.backends.gemv_plan import GEMV_VARIANTS, gemv_plan, gemv_tc_split
@@ -59,6 +60,7 @@ class NvrtcBackend(MoeOps):
 
     name = "nvrtc"
     grouped_prefill = False  # True on the prefill view (for_prefill): expert FFN as grouped GEMMs
+    _mm_bf16x3 = True  # False once torch.mm has refused out_dtype (the fp32 GEMM then)
 
     def __init__(self, device: torch.device | str | int | None = None, rowwise_max: int = 64, nvfp4_impl: str | None = None):
         if not torch.cuda.is_available():
@@ -117,7 +119,7 @@ class NvrtcBackend(MoeOps):
         """x [..., in] fp32 (or bf16), w [out, in] bf16 or fp32 -> [..., out] fp32, fp32 accumulation.
 
         Up to `rowwise_max` rows: the GEMV kernel, 8 rows per launch (batch-invariant). More rows
-        (prefill): one cuBLAS GEMM through torch in fp32, weights converted in row blocks.
+        (prefill): one GEMM over all rows (`_linear_gemm`).
         """
         dev = self.device
         if x.device != dev or w.device != dev:
@@ -201,8 +203,15 @@ class NvrtcBackend(MoeOps):
             self._gemv_choice[key] = best
         return self._gemv_choice[key]
 
-    @staticmethod
-    def _linear_gemm(x: Tensor, w: Tensor, block_elems: int = 1 << 24) -> Tensor:
+    def _linear_gemm(self, x: Tensor, w: Tensor, block_elems: int = 1 << 24) -> Tensor:
+        """x [T, K] fp32 -> [T, N] fp32. bf16 w: three bf16 tensor-core GEMMs (`bf16x3.py`, fp32
+        accuracy); where this torch has no bf16 -> fp32 `mm`, and for fp32 w, fp32 GEMMs with the
+        weights converted in row blocks."""
+        if w.dtype == torch.bfloat16 and self._mm_bf16x3:
+            try:
+                return mm_bf16x3(x, w)
+            except (TypeError, NotImplementedError):  # a torch without bf16 -> fp32 mm
+                self._mm_bf16x3 = False
         rows = max(1, block_elems // max(1, w.shape[1]))
         parts = [x @ w[r0 : r0 + rows].float().T for r0 in range(0, w.shape[0], rows)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
