@@ -12,9 +12,10 @@ Chunked prefill on a cache: the WY sub-chunks of `KDA_CHUNK` tokens sit at fixed
 (anchor + j * KDA_CHUNK, the anchor being where this run of prefills started), whatever the
 prefill chunk C is. The cache keeps the state at the last sub-chunk boundary and the few
 tokens since it (`KDACache.anchor_state`, `.pending`); the next prefill chunk recomputes that
-partial sub-chunk with its new tokens, and every sub-chunk is zero-padded to KDA_CHUNK, so
-each position's arithmetic has the same shapes and order for every C. A decode step drops
-the anchor (the next prefill anchors at the current state).
+partial sub-chunk with its new tokens, and the sub-chunks run in groups of one fixed shape
+(`chunks_per_group`, the last group zero-padded), so each position's arithmetic has the same
+shapes and order for every C. A decode step drops the anchor (the next prefill anchors at the
+current state).
 """
 
 from __future__ import annotations
