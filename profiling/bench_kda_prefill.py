@@ -76,7 +76,7 @@ def main() -> None:
             x = inputs(T, H, K, args.device)
             default = chunks_per_group(H, K, device=torch.device(args.device).type)
             groups = [default] + [int(g) for g in args.groups.split(",") if int(g) != default]
-            rows = [(f"grouped", g, lambda *a, g=g: kda_chunked(*a, group=g)) for g in groups]
+            rows = [("grouped", g, lambda *a, g=g: kda_chunked(*a, group=g)) for g in groups]
             if base is not None:
                 rows.append(("baseline", "-", base.kda_chunked))
             ref_ms, ref_out = None, None
