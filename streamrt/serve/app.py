@@ -34,7 +34,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def models():
         return S.dump(S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created)]))
 
-    @app.get(MODEL_ROUTE)
+    @app.get("/v1/models/{model:path}")  # ids may hold slashes: org/name, as Hugging Face's
     async def model(model: str):
         if model != state.model_id:
             raise errors.ApiError(404, f"model {model!r} is not served here (this server serves {state.model_id!r})",

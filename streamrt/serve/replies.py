@@ -116,7 +116,7 @@ class ChatReply:
                     continue
                 n = len(self.calls)
                 call = {"index": n, "id": f"functions.{e.name}:{self.call_base + n}", "name": e.name,
-                        "arguments": json.dumps(e.arguments, ensure_ascii=False)}
+                        "arguments": arguments_json(e.arguments)}
                 self.calls.append(call)
                 out.append(Piece("call", call=call))
             elif isinstance(e, ParseError):
@@ -150,6 +150,17 @@ class TextReply:
 
     def finish_reason(self, reason: str) -> str:
         return "stop" if self.stopped else reason
+
+
+def arguments_json(arguments) -> str:
+    """A call's arguments as the JSON string OpenAI sends: non-ASCII kept as is, except when the
+    model escaped a lone surrogate (`"\\ud800"`), which no UTF-8 body can carry unescaped."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(arguments)
+    return text
 
 
 def prior_calls(messages: list[dict]) -> int:

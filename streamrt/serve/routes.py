@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from streamrt.chat import ChatFormatError, encode_chat
 from streamrt.serve import schemas as S
@@ -60,11 +61,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if size.isascii() and size.isdigit() and (len(size) > 18 or int(size) > limit):
         raise too_large()
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:  # chunked, or a Content-Length that lied
-            raise too_large()
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:  # chunked, or a Content-Length that lied
+                raise too_large()
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body was in: not a server error
+        raise ApiError(499, "client disconnected before sending the whole body", code="client_disconnected") from None
     return b"".join(chunks)
 
 
@@ -77,8 +81,8 @@ async def parse_body(state: ServerState, request: Request, cls: type[BaseModel])
 
 
 def check_model(state: ServerState, model: str) -> None:
-    if model != state.model_id:
-        raise ApiError(400, f"model {model!r} is not served here (this server serves {state.model_id!r})",
+    if model != state.model_id:  # a 404, as OpenAI and vLLM answer an unknown model
+        raise ApiError(404, f"model {model!r} is not served here (this server serves {state.model_id!r})",
                        param="model", code="model_not_found")
 
 
@@ -181,11 +185,14 @@ def stream_response(events) -> StreamingResponse:
 
 
 def render_chat(state: ServerState, req: S.ChatRequest) -> tuple[list[int], ChatReply]:
-    # each message and tool renders to at least one token: refuse a count that cannot fit before
-    # rendering it (130k empty messages take seconds of the server's one loop)
-    for field, items in (("messages", req.messages), ("tools", req.tools or [])):
-        if len(items) > state.max_context:
-            raise ApiError(400, f"{len(items)} {field} cannot fit this model's maximum context length of "
+    # each message, tool and tool call renders to at least one token: refuse a count that cannot fit
+    # before rendering it (130k empty messages, or 90k calls in one message, take seconds of the
+    # server's one loop)
+    calls = sum(len(m.tool_calls or []) for m in req.messages)
+    for what, n, field in (("messages", len(req.messages), "messages"), ("tools", len(req.tools or []), "tools"),
+                           ("tool calls", calls, "messages")):
+        if n > state.max_context:
+            raise ApiError(400, f"{n} {what} cannot fit this model's maximum context length of "
                            f"{state.max_context} tokens", param=field, code="context_length_exceeded")
     problem = req.tool_choice_error()
     if problem:
@@ -295,7 +302,7 @@ async def _chat_events(state: ServerState, request: Request, job: Job, reply: Ch
 async def completions(state: ServerState, request: Request):
     req = await parse_body(state, request, S.CompletionRequest)
     check_model(state, req.model)
-    ids = state.tokenizer.encode(req.prompt)
+    ids = prompt_ids(state, req.prompt)
     job = submit(state, ids, req, token_limit(state, len(ids), req.token_limit, "max_tokens", "prompt"))
     reply = TextReply(state.tokenizer, stops=req.stop_strings)
     head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=state.model_id)
@@ -308,6 +315,18 @@ async def completions(state: ServerState, request: Request):
     reply.finish()
     choice = S.CompletionChoice(text=reply.text, finish_reason=reply.finish_reason(reason))
     return JSONResponse(S.dump(S.Completion(**head, choices=[choice], usage=usage(job))))
+
+
+def prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return state.tokenizer.encode(prompt)
+    # an id past the embedding would fail the forward of every row sharing the step
+    vocab = state.tokenizer.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})", param="prompt",
+                       code="invalid_value")
+    return list(prompt)
 
 
 async def _text_events(request: Request, job: Job, reply: TextReply, head: dict, include_usage: bool):

@@ -210,11 +210,24 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        # OpenAI's prompt is text, token ids, or a batch of either; clients (LangChain's
+        # OpenAI LLM) send a batch of one
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) > 1:
+                raise ValueError(f"one prompt per request is supported, got {len(v)}")
+            v = v[0]
+        if not v:
+            raise ValueError("must not be empty")
+        return v
 
     @field_validator("echo", "logprobs", "suffix")
     @classmethod
