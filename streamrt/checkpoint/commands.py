@@ -23,11 +23,14 @@ def _check_dst(dst: str) -> None:
     from streamrt.fileio import writable_dir_error
 
     path = Path(dst)
-    if path.exists() and not path.is_dir():
-        raise StreamrtError(f"{dst}: DST exists and is not a directory")
-    parent = path
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    try:
+        if path.exists() and not path.is_dir():
+            raise StreamrtError(f"{dst}: DST exists and is not a directory")
+        parent = path
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise StreamrtError(f"{dst}: DST cannot be created: {e.strerror or e}") from None
     if not parent.is_dir():
         raise StreamrtError(f"{dst}: DST cannot be created: {parent} is not a directory")
     why = writable_dir_error(parent)

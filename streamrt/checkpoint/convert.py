@@ -205,7 +205,11 @@ def convert(
         raise CheckpointError(f"--workers must be >= 0 (0: the default, min(16, cores)), got {workers}")
     if commit_threads is not None and commit_threads < 0:
         raise CheckpointError(f"--commit-threads must be >= 0, got {commit_threads}")
-    if not src.is_dir():
+    try:
+        src_is_dir = src.is_dir()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise CheckpointError(f"{src}: cannot read SRC: {e.strerror or e}") from None
+    if not src_is_dir:
         raise CheckpointError(f"{src}: no such release directory")
     check_paths(src, dst)
     rt = open_release(src)  # config gating + headers + every tensor's dtype/shape
@@ -213,17 +217,17 @@ def convert(
         log(f"convert: skipping {len(rt.skipped)} tensors outside the language model (vision tower, projector): "
             f"{rt.skipped_bytes / 2**20:,.1f} MiB")
     fingerprint = release_fingerprint(src)
-    shards = shard_fingerprints(src, content=verify_source)
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"{dst}: exists and is not a directory")
-    created = not dst.exists()
+    shards = shard_fingerprints(src, rt.shards)  # content hashes (--verify-source) once DST is known to be ours
     try:
+        if dst.exists() and not dst.is_dir():
+            raise CheckpointError(f"{dst}: exists and is not a directory")
+        created = not dst.exists()
         dst.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+    except OSError as e:  # unwritable, or a name longer than the file system allows
         raise CheckpointError(f"{dst}: cannot create DST: {e.strerror or e}") from None
     try:
         with DstLock(dst):
-            prior, changed = prepare_dst(src, dst, fingerprint, shards)
+            prior, changed = prepare_dst(src, dst, fingerprint, shards, hash_sources=verify_source)
             tasks = _plan(rt, dst, allow_per_row)
             if changed and prior:
                 stale = {t.rel for t in tasks if t.sources & changed}
@@ -232,6 +236,7 @@ def convert(
                     log(f"convert: {len(changed)} source shard(s) changed since the last run; "
                         f"redoing the {len(stale)} files made from them")
             _check_space(dst, tasks)
+            _make_dirs(dst, tasks)
             run = Conversion(rt, dst, tasks, prior, workers=workers, commit_threads=commit_threads,
                              check_resumed=check_resumed, progress=progress, on_written=on_written)
             run.execute()
@@ -250,6 +255,16 @@ def _check_space(dst: Path, tasks: list[Task]) -> None:
         raise CheckpointError(
             f"{dst}: not enough space: the conversion needs {todo / 2**30:.2f} GiB more, {free / 2**30:.2f} GiB free"
         )
+
+
+def _make_dirs(dst: Path, tasks: list[Task]) -> None:
+    """Every output directory, before any file is written: a file standing where a directory
+    belongs (a DST resumed after someone edited it) is one line now, not a worker's traceback."""
+    for d in sorted({(dst / t.rel).parent for t in tasks}):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{d}: cannot create the output directory: {e.strerror or e}") from None
 
 
 class Conversion:

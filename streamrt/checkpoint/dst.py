@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from streamrt.fileio import LEGACY_RULE, remove_stale_tmp, rule_name, write_bytes_atomic
+from streamrt.fileio import LEGACY_RULE, file_digest, remove_stale_tmp, rule_name, write_bytes_atomic
 from streamrt.checkpoint.manifest import MANIFEST, manifest_rule
 from streamrt.errors import CheckpointError
 
@@ -48,9 +48,14 @@ def _changed_shards(theirs: dict | None, ours: dict[str, dict]) -> set[str]:
     return changed
 
 
-def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict]) -> tuple[dict[str, dict], set[str]]:
+def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict], *,
+                hash_sources: bool = False) -> tuple[dict[str, dict], set[str]]:
     """Create or recognise DST; return the already-complete files a previous run recorded and
-    the source shards that changed since (files made from those are redone)."""
+    the source shards that changed since (files made from those are redone).
+
+    `hash_sources` (`convert --verify-source`): add each shard's content digest to `shards`,
+    once DST is known to be ours: hashing a whole release takes hours, and a foreign DST is
+    refused at once."""
     state_dir = dst / STATE_DIR
     prior: dict[str, dict] = {}
     changed: set[str] = set()
@@ -67,7 +72,8 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict])
                 m = json.loads(manifest.read_text())
                 src_rec = m.get("source") or {}
                 theirs, their_rule, their_shards = src_rec.get("fingerprint"), manifest_rule(m), src_rec.get("shards")
-                prior = m.get("files") or {}
+                files = m.get("files")  # only well-formed entries: anything else is redone, never trusted
+                prior = {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
         except (OSError, ValueError, AttributeError):
             theirs = None
         if theirs != fingerprint:
@@ -75,6 +81,8 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict])
                 f"{dst}: DST is not empty and is not a previous partial conversion of {src}; "
                 "choose an empty directory (or remove it)"
             )
+        if hash_sources:
+            _hash_shards(src, shards)
         journal = state_dir / JOURNAL
         if their_rule != rule:  # digests under another rule: redo those files rather than mix rules
             prior = {}
@@ -84,7 +92,7 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict])
                 try:  # a kill -9 can leave the last line torn: skip it, that file is redone
                     e = json.loads(line)
                     prior[e["path"]] = {"size": int(e["size"]), "blake2b": str(e["blake2b"])}
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: a size of 1e400
                     continue
         changed = _changed_shards(their_shards, shards)
         for name, rec in shards.items():  # an unchanged shard keeps the content hash a --verify-source run made
@@ -92,10 +100,20 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict])
             if name not in changed and "blake2b" not in rec and isinstance(old, dict) and isinstance(old.get("blake2b"), str):
                 rec["blake2b"] = old["blake2b"]
         remove_stale_tmp(dst)
+    elif hash_sources:  # an empty DST: nothing to recognise
+        _hash_shards(src, shards)
     state_dir.mkdir(parents=True, exist_ok=True)
     state = {"source": str(src.resolve()), "fingerprint": fingerprint, "checksum": rule, "shards": shards}
     write_bytes_atomic(state_dir / "state.json", json.dumps(state).encode())
     return prior, changed
+
+
+def _hash_shards(src: Path, shards: dict[str, dict]) -> None:
+    for name, rec in shards.items():
+        try:
+            rec["blake2b"] = file_digest(src / name)
+        except OSError as e:
+            raise CheckpointError(f"{src / name}: cannot read: {e.strerror or e}") from None
 
 
 class DstLock:

@@ -316,7 +316,11 @@ def read_manifest(root: Path) -> dict:
 
 def open_tree(path: str | Path) -> StreamrtTree:
     root = Path(path)
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise CheckpointError(f"{root}: cannot read: {e.strerror or e}") from None
+    if not is_dir:
         raise CheckpointError(f"{root}: no such directory")
     manifest = read_manifest(root)
     cfg = load_config(root)  # gating against manifest.tensor_names

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from streamrt.checkpoint.names import TensorSpec, accepted_dtypes, expert_prefix, is_text_tensor, tensor_specs
-from streamrt.checkpoint.safetensors_io import STEntry, STHeader, read_header
+from streamrt.checkpoint.safetensors_io import MAX_HEADER, STEntry, STHeader, read_header
 from streamrt.config import ModelConfig, load_config
 from streamrt.errors import CheckpointError, clip
 from streamrt.fp4 import E8M0_NAN
@@ -166,8 +166,11 @@ def read_index(root: Path) -> dict[str, str]:
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CheckpointError(f"{idx}: field 'weight_map' missing or not an object of name -> shard file")
     for shard in set(wm.values()):
-        if "/" in shard or shard.startswith(".") or not shard:
+        if "/" in shard or shard.startswith(".") or not shard or not shard.isprintable():
             raise CheckpointError(f"{idx}: shard name {clip(repr(shard))} is not a plain file name")
+    for name in wm:
+        if not name.isprintable():  # a newline in a name would split every message that names it
+            raise CheckpointError(f"{idx}: tensor name {clip(repr(name))} in 'weight_map' holds a control character")
     return wm
 
 
@@ -182,7 +185,11 @@ def open_release(path: str | Path, *, check_tensors: bool = True) -> ReleaseTree
     headers: dict[str, STHeader] = {}
     for shard in sorted(set(wm.values())):
         f = root / shard
-        if not f.is_file():
+        try:
+            present = f.is_file()
+        except OSError as e:  # e.g. a name longer than the file system allows
+            raise CheckpointError(f"{root / INDEX}: shard name {clip(repr(shard))}: {e.strerror or e}") from None
+        if not present:
             first = next(n for n, s in wm.items() if s == shard)
             raise CheckpointError(f"{f}: shard missing (index maps tensor {clip(first)} and others to it)")
         headers[shard] = read_header(f)
@@ -238,24 +245,26 @@ def _check_specs(root: Path, cfg: ModelConfig, specs: list[TensorSpec], wm: dict
     return out
 
 
-def shard_fingerprints(root: Path, *, content: bool = False) -> dict[str, dict]:
-    """Per shard: size, mtime and a digest of its header; with `content`, of all its bytes too
-    (`convert --verify-source`). A rewritten shard changes its mtime even when its size and
-    header stay the same."""
-    from streamrt.fileio import file_digest, new_hash
+def shard_fingerprints(root: Path, shards: list[str]) -> dict[str, dict]:
+    """Per shard of the release (`ReleaseTree.shards`): size, mtime and a digest of its header.
+    A rewritten shard changes its mtime even when its size and header stay the same. Only the
+    shards the release is made of: any other *.safetensors in the tree (a directory, a dangling
+    link, a stray file with a lying header length) was never validated and feeds no output."""
+    from streamrt.fileio import new_hash
 
     out = {}
-    for f in sorted(root.glob("*.safetensors")):
-        st = f.stat()
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            h = new_hash()
-            h.update(head + fh.read(min(n, st.st_size)))
-        rec = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header": h.hexdigest()}
-        if content:
-            rec["blake2b"] = file_digest(f)
-        out[f.name] = rec
+    for name in shards:
+        f = root / name
+        try:
+            st = f.stat()
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                h = new_hash()
+                h.update(head + fh.read(min(n, MAX_HEADER)))  # validated already; the cap is for a shard swapped since
+        except OSError as e:
+            raise CheckpointError(f"{f}: cannot read: {e.strerror or e}") from None
+        out[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header": h.hexdigest()}
     return out
 
 

@@ -71,6 +71,8 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
     meta = hdr.pop("__metadata__", None) or {}
     entries: dict[str, STEntry] = {}
     for name, e in hdr.items():
+        if not name.isprintable():  # a newline in a name would split every message that names it
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor name {clip(repr(name))} holds a control character")
         bad = lambda msg: CheckpointError(f"{path}: tensor {clip(name)}: {msg}")  # noqa: E731
         if not isinstance(e, dict):
             raise bad("header entry is not an object")
@@ -95,9 +97,11 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
                 f"{max(data_len, 0)} data bytes"
             )
         entries[name] = STEntry(name, dtype, tuple(shape), data_start + b, data_start + en)
-    ordered = sorted(entries.values(), key=lambda x: (x.begin, x.end))
+    # Zero-byte tensors share no bytes, and one sorted between two overlapping tensors hid their
+    # overlap; without them, any overlap shows between neighbours in offset order.
+    ordered = sorted((x for x in entries.values() if x.end > x.begin), key=lambda x: (x.begin, x.end))
     for prev, cur in zip(ordered, ordered[1:]):
-        if cur.begin < prev.end and cur.end > cur.begin and prev.end > prev.begin:
+        if cur.begin < prev.end:
             raise CheckpointError(
                 f"{path}: corrupt safetensors header: tensor {clip(cur.name)} (bytes {cur.begin - data_start}.."
                 f"{cur.end - data_start}) overlaps tensor {clip(prev.name)} (bytes {prev.begin - data_start}..{prev.end - data_start})"
