@@ -69,6 +69,9 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
     return x if x.shape[0] == rows else torch.cat((x, x.new_zeros(rows - x.shape[0], *x.shape[1:])))
 
 
+SPARSE_ROWS = 16  # queries per gathered top-k attention product (mla_prefill): [16, topk, R] fp32 at a time
+
+
 def _key_block(t: Tensor, p0: int, size: int) -> Tensor:
     """Rows p0 .. p0+size-1 of t [n, d], zero rows past the end: one fixed-size key block."""
     return _pad_rows(t[p0 : p0 + size], size)
@@ -191,16 +194,21 @@ class TorchBackend:
         index: (qi [T, Hi, Di], wi [T, Hi], ki_cache [n, Di], topk) restricts query t to the
         Lightning Indexer's top-k of positions <= t, or None (causal dense). Returns [T, H, dv].
 
-        Query tiles of `q_tile` rows against key blocks of `key_block` positions from 0 up,
-        online softmax (running max, sum, accumulator over the R latent): no buffer grows
-        past q_tile x n, and every product has a fixed shape, so a row's bits are the same
-        whatever T, start or its tile companions are.
+        Query tiles of `q_tile` rows. A query that sees every position <= t (no index, or
+        t + 1 <= topk) runs against key blocks of `key_block` positions from 0 up with an online
+        softmax (running max, sum, accumulator over the R latent): no buffer grows past
+        q_tile x n. A query past topk gathers its topk selected positions (ascending) and runs
+        one softmax over them, SPARSE_ROWS queries at a time: its cost stays topk keys however
+        long the context. Every product has a fixed shape and each query takes one of the two
+        by its own position, so a row's bits are the same whatever T, start or its tile
+        companions are.
         """
         T, H, _ = q_nope.shape
         R = c_cache.shape[-1]
         _, TQ, KB = self.tiles(q_nope.device)
-        ar_q, ar_k = torch.arange(TQ, device=q_nope.device), torch.arange(KB, device=q_nope.device)
+        ar_q = torch.arange(TQ, device=q_nope.device)
         w_uk, w_uv_t = w_uk.float(), w_uv.float().transpose(1, 2)  # [H, dn, R], [H, R, dv]
+        topk = index[3] if index is not None else None
         outs = []
         for t0 in range(0, T, TQ):
             m = min(TQ, T - t0)
@@ -209,30 +217,71 @@ class TorchBackend:
             q_lat = torch.bmm(_pad_rows(q_nope[t0 : t0 + m].float(), TQ).transpose(0, 1), w_uk)  # [H, TQ, R]
             q_lat = q_lat.transpose(0, 1).reshape(TQ * H, R)
             q_r = _pad_rows(q_rot[t0 : t0 + m].float(), TQ).reshape(TQ * H, -1)  # [TQ*H, Dr]
-            sel = None
-            if index is not None:
-                qi, wi, ki, topk = index
+            sparse = (qpos + 1 > topk) if topk is not None else torch.zeros_like(qpos, dtype=torch.bool)  # [TQ]
+            n_sparse = int(sparse[:m].sum())
+            o_lat = None
+            if n_sparse < m:
+                o_lat = self._attend_blocks(q_lat, q_r, c_cache, kr_cache, qpos, nb, scale).view(TQ, H, R)
+            if n_sparse:
+                qi, wi, ki, _ = index
                 sel = self._index_select(_pad_rows(qi[t0 : t0 + m], TQ), _pad_rows(wi[t0 : t0 + m], TQ), ki, qpos, nb, topk)
-            run_max = q_lat.new_full((TQ * H,), float("-inf"))
-            run_sum = q_lat.new_zeros(TQ * H)
-            acc = q_lat.new_zeros(TQ * H, R)
-            for j in range(nb):  # ascending, whatever the chunking
-                cb, krb = _key_block(c_cache, j * KB, KB).float(), _key_block(kr_cache, j * KB, KB).float()
-                s = (q_lat @ cb.T + q_r @ krb.T) * scale  # [TQ*H, KB]
-                allow = (j * KB + ar_k)[None, :] <= qpos[:, None]  # [TQ, KB] causal
-                if sel is not None:
-                    allow = allow & sel[:, j * KB : (j + 1) * KB]
-                s = s.view(TQ, H, KB).masked_fill(~allow[:, None], float("-inf")).view(TQ * H, KB)
-                new_max = torch.maximum(run_max, s.amax(-1))
-                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-                alpha = torch.exp(run_max - safe)  # 1 exactly when the block changed nothing
-                p = torch.exp(s - safe[:, None])  # [TQ*H, KB], 0 where masked
-                run_sum = run_sum * alpha + p.sum(-1)
-                acc = acc * alpha[:, None] + p @ cb  # [TQ*H, R]
-                run_max = new_max
-            o_lat = (acc / run_sum[:, None]).view(TQ, H, R)
+                o_sp = self._attend_selected(q_lat.view(TQ, H, R), q_r.view(TQ, H, -1), c_cache, kr_cache, sel, topk, scale)
+                o_lat = o_sp if o_lat is None else torch.where(sparse[:, None, None], o_sp, o_lat)
             o = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [TQ, H, dv]
             outs.append(o[:m])
+        return torch.cat(outs)
+
+    def _attend_blocks(self, q_lat: Tensor, q_r: Tensor, c_cache: Tensor, kr_cache: Tensor, qpos: Tensor, nb: int,
+                       scale: float) -> Tensor:
+        """Causal attention of a query tile (q_lat [TQ*H, R], q_r [TQ*H, Dr]) over key blocks 0..nb-1,
+        ascending, online softmax -> [TQ*H, R]. A block a row cannot see leaves its bits as they are."""
+        R = q_lat.shape[-1]
+        TQ = qpos.shape[0]
+        H = q_lat.shape[0] // TQ
+        KB = self.tiles(q_lat.device)[2]
+        ar_k = torch.arange(KB, device=q_lat.device)
+        run_max = q_lat.new_full((TQ * H,), float("-inf"))
+        run_sum = q_lat.new_zeros(TQ * H)
+        acc = q_lat.new_zeros(TQ * H, R)
+        for j in range(nb):  # ascending, whatever the chunking
+            cb, krb = _key_block(c_cache, j * KB, KB).float(), _key_block(kr_cache, j * KB, KB).float()
+            s = (q_lat @ cb.T + q_r @ krb.T) * scale  # [TQ*H, KB]
+            allow = (j * KB + ar_k)[None, :] <= qpos[:, None]  # [TQ, KB] causal
+            s = s.view(TQ, H, KB).masked_fill(~allow[:, None], float("-inf")).view(TQ * H, KB)
+            new_max = torch.maximum(run_max, s.amax(-1))
+            safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            alpha = torch.exp(run_max - safe)  # 1 exactly when the block changed nothing
+            p = torch.exp(s - safe[:, None])  # [TQ*H, KB], 0 where masked
+            run_sum = run_sum * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + p @ cb  # [TQ*H, R]
+            run_max = new_max
+        return acc / run_sum[:, None]
+
+    @staticmethod
+    def _attend_selected(q_lat: Tensor, q_r: Tensor, c_cache: Tensor, kr_cache: Tensor, sel: Tensor, topk: int,
+                         scale: float) -> Tensor:
+        """Each query of a tile (q_lat [TQ, H, R], q_r [TQ, H, Dr]) over its selected positions
+        only (sel bool [TQ, >= n], at most topk per row), gathered in ascending order and padded
+        to topk, SPARSE_ROWS rows per product -> [TQ, H, R]."""
+        TQ = q_lat.shape[0]
+        n = c_cache.shape[0]
+        # selected positions first, ascending (the largest keys L - position), then padding
+        L = sel.shape[-1]
+        key = torch.where(sel, L - torch.arange(L, dtype=torch.int32, device=sel.device), 0)  # [TQ, L]
+        order = key.topk(topk, dim=-1, sorted=True).indices  # [TQ, topk]
+        valid = torch.arange(topk, device=sel.device)[None, :] < sel.sum(-1, keepdim=True)  # [TQ, topk]
+        order = order.clamp(max=n - 1)  # padding entries read a real row, then are masked
+        outs = []
+        for r0 in range(0, TQ, SPARSE_ROWS):
+            rows = slice(r0, r0 + SPARSE_ROWS)
+            idx = _pad_rows(order[rows], SPARSE_ROWS)
+            ok = _pad_rows(valid[rows], SPARSE_ROWS).clone()
+            ok[:, 0] = True  # a padding row attends to one entry rather than to none (NaN); real rows have one
+            cg, kg = c_cache[idx].float(), kr_cache[idx].float()  # [S, topk, R], [S, topk, Dr]
+            s = (torch.bmm(_pad_rows(q_lat[rows], SPARSE_ROWS), cg.transpose(1, 2))
+                 + torch.bmm(_pad_rows(q_r[rows], SPARSE_ROWS), kg.transpose(1, 2))) * scale  # [S, H, topk]
+            p = torch.softmax(s.masked_fill(~ok[:, None, :], float("-inf")), dim=-1)
+            outs.append(torch.bmm(p, cg)[: min(SPARSE_ROWS, TQ - r0)])  # [S, H, R]
         return torch.cat(outs)
 
     def _index_select(self, qi: Tensor, wi: Tensor, ki: Tensor, qpos: Tensor, nb: int, topk: int) -> Tensor:

@@ -8,8 +8,9 @@ Decode, and prefill on a cache, run the absorbed form over the latent cache (R +
 per token):
     q_lat_h = W_UK[h]^T q_nope_h;  p = softmax((q_lat.c + q_rot.kr) * s);  O_h = W_UV[h] (sum p c)
 A prefill chunk on a cache goes through `Backend.mla_prefill`: fixed query tiles against fixed
-key blocks with an online softmax, the indexer's top-k per query tile, so memory is the cache
-plus a constant and a position's bits do not depend on the chunking. Without a cache (training,
+key blocks with an online softmax, and a query past the indexer's top-k over its gathered top-k
+keys only, so memory is the cache plus a constant, a long context costs each query topk keys,
+and a position's bits do not depend on the chunking. Without a cache (training,
 reference) the expanded form (K and V per head from the latent) runs over all T x T at once.
 """
 
