@@ -70,6 +70,9 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
 
 
 SPARSE_ROWS = 16  # queries per gathered top-k attention product (mla_prefill): [16, topk, R] fp32 at a time
+# mla_prefill: a query at position t gathers its top-k keys once t + 1 > SPARSE_FROM * topk; below,
+# the masked block loop reads fewer bytes than a per-query gather of topk keys
+SPARSE_FROM = 4
 
 
 def _key_block(t: Tensor, p0: int, size: int) -> Tensor:
@@ -194,14 +197,13 @@ class TorchBackend:
         index: (qi [T, Hi, Di], wi [T, Hi], ki_cache [n, Di], topk) restricts query t to the
         Lightning Indexer's top-k of positions <= t, or None (causal dense). Returns [T, H, dv].
 
-        Query tiles of `q_tile` rows. A query that sees every position <= t (no index, or
-        t + 1 <= topk) runs against key blocks of `key_block` positions from 0 up with an online
-        softmax (running max, sum, accumulator over the R latent): no buffer grows past
-        q_tile x n. A query past topk gathers its topk selected positions (ascending) and runs
-        one softmax over them, SPARSE_ROWS queries at a time: its cost stays topk keys however
-        long the context. Every product has a fixed shape and each query takes one of the two
-        by its own position, so a row's bits are the same whatever T, start or its tile
-        companions are.
+        Query tiles of `q_tile` rows, against key blocks of `key_block` positions from 0 up with
+        an online softmax (running max, sum, accumulator over the R latent) under the indexer's
+        mask: no buffer grows past q_tile x n. A query at t + 1 > SPARSE_FROM * topk instead
+        gathers its topk selected positions (ascending) and runs one softmax over them,
+        SPARSE_ROWS queries at a time, so its cost stays topk keys however long the context.
+        Every product has a fixed shape and each query takes one of the two by its own
+        position, so a row's bits are the same whatever T, start or its tile companions are.
         """
         T, H, _ = q_nope.shape
         R = c_cache.shape[-1]
@@ -217,14 +219,16 @@ class TorchBackend:
             q_lat = torch.bmm(_pad_rows(q_nope[t0 : t0 + m].float(), TQ).transpose(0, 1), w_uk)  # [H, TQ, R]
             q_lat = q_lat.transpose(0, 1).reshape(TQ * H, R)
             q_r = _pad_rows(q_rot[t0 : t0 + m].float(), TQ).reshape(TQ * H, -1)  # [TQ*H, Dr]
-            sparse = (qpos + 1 > topk) if topk is not None else torch.zeros_like(qpos, dtype=torch.bool)  # [TQ]
+            sel = None
+            if index is not None:
+                qi, wi, ki, _ = index
+                sel = self._index_select(_pad_rows(qi[t0 : t0 + m], TQ), _pad_rows(wi[t0 : t0 + m], TQ), ki, qpos, nb, topk)
+            sparse = (qpos + 1 > SPARSE_FROM * topk) if topk is not None else torch.zeros_like(qpos, dtype=torch.bool)
             n_sparse = int(sparse[:m].sum())
             o_lat = None
             if n_sparse < m:
-                o_lat = self._attend_blocks(q_lat, q_r, c_cache, kr_cache, qpos, nb, scale).view(TQ, H, R)
+                o_lat = self._attend_blocks(q_lat, q_r, c_cache, kr_cache, qpos, nb, scale, sel).view(TQ, H, R)
             if n_sparse:
-                qi, wi, ki, _ = index
-                sel = self._index_select(_pad_rows(qi[t0 : t0 + m], TQ), _pad_rows(wi[t0 : t0 + m], TQ), ki, qpos, nb, topk)
                 o_sp = self._attend_selected(q_lat.view(TQ, H, R), q_r.view(TQ, H, -1), c_cache, kr_cache, sel, topk, scale)
                 o_lat = o_sp if o_lat is None else torch.where(sparse[:, None, None], o_sp, o_lat)
             o = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [TQ, H, dv]
@@ -232,9 +236,10 @@ class TorchBackend:
         return torch.cat(outs)
 
     def _attend_blocks(self, q_lat: Tensor, q_r: Tensor, c_cache: Tensor, kr_cache: Tensor, qpos: Tensor, nb: int,
-                       scale: float) -> Tensor:
+                       scale: float, sel: Tensor | None) -> Tensor:
         """Causal attention of a query tile (q_lat [TQ*H, R], q_r [TQ*H, Dr]) over key blocks 0..nb-1,
-        ascending, online softmax -> [TQ*H, R]. A block a row cannot see leaves its bits as they are."""
+        ascending, online softmax, restricted to sel [TQ, nb*KB] if given -> [TQ*H, R]. A block a
+        row cannot see leaves its bits as they are."""
         R = q_lat.shape[-1]
         TQ = qpos.shape[0]
         H = q_lat.shape[0] // TQ
@@ -247,6 +252,8 @@ class TorchBackend:
             cb, krb = _key_block(c_cache, j * KB, KB).float(), _key_block(kr_cache, j * KB, KB).float()
             s = (q_lat @ cb.T + q_r @ krb.T) * scale  # [TQ*H, KB]
             allow = (j * KB + ar_k)[None, :] <= qpos[:, None]  # [TQ, KB] causal
+            if sel is not None:
+                allow = allow & sel[:, j * KB : (j + 1) * KB]
             s = s.view(TQ, H, KB).masked_fill(~allow[:, None], float("-inf")).view(TQ * H, KB)
             new_max = torch.maximum(run_max, s.amax(-1))
             safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
