@@ -189,6 +189,19 @@ def write_error(path: Path, e: OSError) -> CheckpointError:
     return CheckpointError(f"{path}: write failed: {e.strerror or e}")
 
 
+def create_tmp(path: Path, tmp: Path, flags: int) -> int:
+    """The parent directories and the open temp file of a writer. An OSError (permission
+    denied, a file where a directory belongs, a name too long) is one CheckpointError naming
+    the final path; nothing was written yet."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(tmp, flags | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full_error(path, e) from None
+        raise CheckpointError(f"{path}: cannot create: {e.strerror or e}") from None
+
+
 class AtomicWriter:
     """`with AtomicWriter(path) as w: w.write(...)`; commits (fsync + rename) on clean exit,
     `w.digest` is then the file's checksum under the current tree rule.
@@ -215,9 +228,7 @@ class AtomicWriter:
         self.background = background_hash
         self.defer_commit = defer_commit
         self.finished = self.committed = False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_RDWR if background_hash else os.O_WRONLY
-        self.fd = os.open(self.tmp, flags | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = create_tmp(self.path, self.tmp, os.O_RDWR if background_hash else os.O_WRONLY)
         self.parts: list = []  # chunk digests (inline) or futures of them (background), in order
         self.cur = new_hash()  # inline mode: the chunk being written
         self.cur_n = 0
@@ -335,8 +346,7 @@ class RangeWriter:
         self.left = len(self.ranges)
         self.lock = threading.Lock()
         self.digest: str | None = None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = create_tmp(self.path, self.tmp, os.O_WRONLY)
 
     def write_chunk(self, i: int, pieces, on_bytes: Callable[[int], None] | None = None) -> bool:
         """Chunk i from `pieces`, consecutive buffers (each may be reused once the next is
@@ -397,11 +407,8 @@ class RangeWriter:
 def write_bytes_atomic(path: Path, data: bytes) -> tuple[int, str]:
     """Write data to path atomically (temp name, fsync, rename); (size, checksum). An OSError
     (the temp file cannot be created, a full disk, ...) is one CheckpointError naming path."""
-    try:
-        with AtomicWriter(path) as w:
-            w.write(data)
-    except OSError as e:  # from creating the directory or the temp file
-        raise write_error(Path(path), e) from None
+    with AtomicWriter(path) as w:
+        w.write(data)
     return w.size, w.digest  # type: ignore[return-value]
 
 
@@ -436,12 +443,16 @@ def check_output_path(path: str | os.PathLike, flag: str) -> Path:
     path = Path(path).expanduser()
     if path.name in ("", ".", ".."):
         raise StreamrtError(f"{flag} {path}: not a file name")
-    if path.is_dir():
-        raise StreamrtError(f"{flag} {path}: is a directory; give a file name")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
+    try:  # pathlib lets some OSErrors through (a name too long, a parent we may not search)
+        if path.is_dir():
+            raise StreamrtError(f"{flag} {path}: is a directory; give a file name")
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        parent_is_dir = parent.is_dir()
+    except OSError as e:
+        raise StreamrtError(f"{flag} {path}: cannot be written: {e.strerror or e}") from None
+    if not parent_is_dir:
         raise StreamrtError(f"{flag} {path}: {parent} is not a directory")
     why = writable_dir_error(parent)
     if why:

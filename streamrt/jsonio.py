@@ -10,7 +10,8 @@ message starts with the file name and says what was wrong: too large, not UTF-8 
 byte offset), nested deeper than `max_depth` (checked on the bytes BEFORE `json.loads`
 recurses, so 1,000 nested brackets are an error, not a RecursionError), invalid JSON (line
 and column), a non-standard constant (NaN, Infinity), a number too long to convert, or the
-wrong top-level type (`expect`). A file that cannot be read is the same one-line error;
+wrong top-level type (`expect`); with `unique_keys`, an object naming a key twice
+(json.loads would keep the last copy silently). A file that cannot be read is the same one-line error;
 nothing else escapes.
 """
 
@@ -20,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from streamrt.errors import CheckpointError, StreamrtError
+from streamrt.errors import CheckpointError, StreamrtError, clip
 
 DEFAULT_MAX_DEPTH = 64  # our formats nest at most ~4 levels; 64 leaves room and stays far from recursion
 DEFAULT_MAX_BYTES = 100 << 20  # the safetensors header limit; callers reading small files pass less
@@ -53,6 +54,22 @@ def _reject_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys_object(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook that refuses a key named twice in one object."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(f"key {clip(key, 100)!r} appears twice in one object; the file is ambiguous")
+            seen.add(key)
+    return obj
+
+
 def load_json(
     source: str | os.PathLike | bytes | bytearray | memoryview,
     *,
@@ -62,6 +79,7 @@ def load_json(
     max_depth: int = DEFAULT_MAX_DEPTH,
     max_bytes: int = DEFAULT_MAX_BYTES,
     error: type[StreamrtError] = CheckpointError,
+    unique_keys: bool = False,
 ):
     """Parse JSON from a path or from bytes already read.
 
@@ -71,6 +89,8 @@ def load_json(
     expect: required type of the top-level value (e.g. dict), or None for any.
     max_depth, max_bytes: limits, checked before parsing.
     error:  the StreamrtError subclass raised (ConfigError for configs).
+    unique_keys: refuse an object that names a key twice (headers, indexes, configs: which
+            copy counts must not depend on the parser).
 
     Returns the parsed value; raises `error("<name>: <what>: <reason>")`, always one line."""
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -100,9 +120,12 @@ def load_json(
     if depth > max_depth:
         raise fail(f"nested more than {max_depth} levels deep; the file is corrupt")
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant,
+                           object_pairs_hook=_unique_keys_object if unique_keys else None)
     except json.JSONDecodeError as e:
         raise fail(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except _DuplicateKey as e:
+        raise fail(str(e)) from None
     except (ValueError, RecursionError) as e:  # a constant we reject, an int past Python's digit limit
         reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
         raise fail(f"invalid JSON: {reason[:120]}") from None

@@ -26,14 +26,19 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
 
         return default_model_dir(notice)
     path = Path(model).expanduser()
-    if not path.exists():
-        raise StreamrtError(f"--model {model}: no such directory")
-    if not path.is_dir():
-        raise StreamrtError(f"--model {model}: not a directory (give a converted streamrt tree)")
-    if (path / "manifest.json").exists() and not (path / "manifest.json").is_file():
-        raise StreamrtError(f"--model {model}: manifest.json is not a file")
-    if not (path / "manifest.json").is_file():
-        if (path / "config.json").is_file():
+    try:
+        if not path.exists():
+            raise StreamrtError(f"--model {model}: no such directory")
+        if not path.is_dir():
+            raise StreamrtError(f"--model {model}: not a directory (give a converted streamrt tree)")
+        if (path / "manifest.json").exists() and not (path / "manifest.json").is_file():
+            raise StreamrtError(f"--model {model}: manifest.json is not a file")
+        release = (path / "config.json").is_file()
+        tree = (path / "manifest.json").is_file()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise StreamrtError(f"--model {model}: {e.strerror or e}") from None
+    if not tree:
+        if release:
             raise StreamrtError(
                 f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
                 f"streamrt convert {model} OUT_DIR"

@@ -161,7 +161,7 @@ def read_index(root: Path) -> dict[str, str]:
             hdr = read_header(root / SINGLE)
             return {n: SINGLE for n in hdr.entries}
         raise CheckpointError(f"{root}: not a release tree (no {INDEX} or {SINGLE})")
-    data = load_json(idx, what="index", expect=dict)
+    data = load_json(idx, what="index", expect=dict, unique_keys=True)
     wm = data.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CheckpointError(f"{idx}: field 'weight_map' missing or not an object of name -> shard file")

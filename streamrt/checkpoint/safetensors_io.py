@@ -65,7 +65,8 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
         )
     if len(raw) != n:
         raise CheckpointError(f"{path}: truncated safetensors header ({len(raw)} of {n} bytes)")
-    hdr = load_json(raw, what="corrupt safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER)
+    hdr = load_json(raw, what="corrupt safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER,
+                    unique_keys=True)
     data_start = 8 + n
     data_len = size - data_start
     meta = hdr.pop("__metadata__", None) or {}

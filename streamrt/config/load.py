@@ -3,6 +3,7 @@ tensor index feeds the variant gate)."""
 
 from __future__ import annotations
 
+import stat
 from importlib import resources
 from pathlib import Path
 
@@ -24,41 +25,56 @@ def load_config(source: str | Path, *, check_tensors: bool = True) -> ModelConfi
     `manifest.json`), unless `check_tensors` is False.
     """
     path = Path(source)
+    kind = _kind(path)
     tensor_names: set[str] | None = None
-    if str(source) in BUNDLED and not path.exists():
+    if str(source) in BUNDLED and kind is None:
         raw: Path | bytes = resources.files("streamrt").joinpath("configs", f"{source}.json").read_bytes()
         cfg_path = f"<bundled {source}>"
         name = str(source)
-    elif path.is_dir():
+    elif kind == "dir":
         raw = path / "config.json"
-        if not raw.is_file():
+        if _kind(raw) != "file":
             raise ConfigError(f"{path}: not a checkpoint directory (no config.json)")
         cfg_path, name = str(raw), path.name
         if check_tensors:
             tensor_names = tensor_names_of_tree(path)
-    elif path.is_file():
+    elif kind == "file":
         raw, cfg_path, name = path, str(path), path.stem
     else:
         hint = f" (bundled configs: {', '.join(BUNDLED)})" if "/" not in str(source) else ""
         raise ConfigError(f"{source}: no such config file or checkpoint directory{hint}")
-    data = load_json(raw, what="config", name=cfg_path, expect=dict, max_bytes=MAX_CONFIG_BYTES, error=ConfigError)
+    data = load_json(raw, what="config", name=cfg_path, expect=dict, max_bytes=MAX_CONFIG_BYTES, error=ConfigError,
+                     unique_keys=True)
     return config_from_dict(data, name=name, source=cfg_path, tensor_names=tensor_names)
+
+
+def _kind(path: Path) -> str | None:
+    """What is at path: "dir", "file" (a regular one), "other", or None (nothing). pathlib's
+    exists / is_file let some OSErrors through (a name too long, a parent we may not
+    search): here they are the one-line error naming the path."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as e:  # ValueError: an embedded NUL byte
+        raise ConfigError(f"{path}: cannot access: {getattr(e, 'strerror', None) or e}") from None
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
 
 def tensor_names_of_tree(path: Path) -> set[str] | None:
     """Tensor names listed by a checkpoint tree's index, or None if it has none."""
     for index_name in ("model.safetensors.index.json", "manifest.json"):
         f = path / index_name
-        if not f.is_file():
+        if _kind(f) != "file":
             continue
-        idx = load_json(f, what="tensor index", expect=dict, error=ConfigError)
+        idx = load_json(f, what="tensor index", expect=dict, error=ConfigError, unique_keys=True)
         key, kind = ("weight_map", dict) if index_name == "model.safetensors.index.json" else ("tensor_names", list)
         names = idx.get(key)
         if not isinstance(names, kind) or not all(isinstance(n, str) for n in names):
             raise ConfigError(f"{f}: field {key!r} missing or not {'an object' if kind is dict else 'a list'} of tensor names")
         return set(names)
     single = path / "model.safetensors"
-    if single.is_file():
+    if _kind(single) == "file":
         return _safetensors_names(single)
     return None
 
@@ -74,5 +90,6 @@ def _safetensors_names(path: Path) -> set[str]:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
     if n < 0 or len(raw) != n:
         raise ConfigError(f"{path}: truncated safetensors header")
-    hdr = load_json(raw, what="safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER_BYTES, error=ConfigError)
+    hdr = load_json(raw, what="safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER_BYTES, error=ConfigError,
+                    unique_keys=True)
     return {k for k in hdr if k != "__metadata__"}

@@ -79,7 +79,14 @@ def check_architecture(w: Fields, variant: str) -> str | None:
 
 def check_quantization(w: Fields, t: Fields) -> None:
     """The routed experts must be MXFP4 in groups of 32. The release keeps the block inside
-    text_config (ports lift it from there); trees written before that carry it on the wrapper."""
+    text_config (ports lift it from there); trees written before that carry it on the wrapper.
+    Both present is fine only as identical copies: picking one would hide which the author meant."""
+    both = t.has("quantization_config") and w.has("quantization_config")
+    if both and t.d["quantization_config"] != w.d["quantization_config"]:
+        raise ConfigError(
+            f"{w.source}: quantization_config (top level) and text_config.quantization_config disagree; "
+            "the release keeps it inside text_config: remove or correct the top-level copy"
+        )
     where = t if t.has("quantization_config") else w if w.has("quantization_config") else None
     if where is None:
         raise t.err("quantization_config", f"missing: streamrt reads releases whose routed experts are {MXFP4_FORMAT}, group {MXFP4_GROUP}")
