@@ -2,13 +2,14 @@
 # Everything that needs the GPU, in one call on the device machine (H200, no network, repo not
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
 #   bash profiling/device_session.sh [stages...]
-#   stages: tests kernels variants access profile decode trace sweep convert kda
+#   stages: tests kernels variants access profile decode trace sweep convert kda mla
 #           slice deep serve dense parts prefill experts drop-slice
 #           (slice / deep: synthesise slice-k3.1-pro, ~30 s, / deep-k3.1-pro, ~2 min; serve 1/4/16
 #           clients, dense streaming and prefill run on whichever of the two is present; the disk
 #           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
 #   env: T_<STAGE> timeouts, DECODE_ARGS, CONVERT_ARGS, PROFILE_BACKENDS, TRACE_SLOTS, TRACE_BACKEND,
-#        KDA_BASELINE (an older kda.py for bench_kda_prefill), DEEP_LENGTHS, DEEP_SLOTS, SLICE_LENGTHS,
+#        KDA_BASELINE (an older kda.py for bench_kda_prefill), MLA_BASELINE (an older torch_backend.py
+#        for bench_mla_prefill), DEEP_LENGTHS, DEEP_SLOTS, SLICE_LENGTHS,
 #        SLICE_SLOTS (bench_prefill rows)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # wheels carried for serve go after the tree
@@ -92,6 +93,11 @@ if has kda; then
   stage "bench KDA chunked prefill form (deep and real head counts)"
   timeout ${T_KDA:-120} python3 profiling/bench_kda_prefill.py --device cuda --heads 8,96 --tokens 4096,32768 --reps 2 \
     ${KDA_BASELINE:+--baseline "$KDA_BASELINE"} 2>&1 | grep -v USDT | tee "$L/bench_kda.log"
+fi
+if has mla; then
+  stage "bench MLA prefill attention with the indexer (deep and real head counts)"
+  timeout ${T_MLA:-150} python3 profiling/bench_mla_prefill.py --device cuda --heads 8,96 --context ${MLA_CONTEXT:-8192,32768,131072} \
+    ${MLA_BASELINE:+--baseline "$MLA_BASELINE"} 2>&1 | tee "$L/bench_mla.log"
 fi
 if has parts; then
   stage "profile one 4k prefill by model part (deep, all experts resident)"
