@@ -62,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         from streamrt.sweep import main as sweep_main
 
         return sweep_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
+        parser = build_parser()  # imports torch: a Ctrl-C can land here too
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return int(args.func(args) or 0)
     except StreamrtError as e:
         print(f"streamrt: {e}", file=sys.stderr)

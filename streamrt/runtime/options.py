@@ -227,7 +227,16 @@ class RuntimeOptions:
 
         for flag, path in (("--stats-json", self.stats_json), ("--trace", self.trace)):
             if path is not None:
-                check_output_path(path, flag)
+                path = check_output_path(path, flag)
+                # the write is temp file + rename, which would replace a device or FIFO (as root,
+                # --stats-json /dev/null turned /dev/null into a regular file for the whole system)
+                try:
+                    special = path.exists() and not path.is_file()
+                except OSError:
+                    special = False  # check_output_path already vetted what it could reach
+                if special:
+                    raise StreamrtError(f"{flag} {path}: not a regular file (a device, FIFO or socket); "
+                                        f"give a file name")
         return self
 
     def with_plan(self, plan) -> "RuntimeOptions":
@@ -270,6 +279,7 @@ class RuntimeOptions:
             else:
                 budget = CPU_SLAB_BYTES
             slots = min(cfg.expert_files, budget // file_bytes)
+        slots = min(slots, cfg.expert_files)  # a slot past the last expert is never filled, only allocated
         if slots < per_layer:
             raise StreamrtError(
                 f"--gpu-experts {slots}: one layer request needs up to {per_layer} expert slots "

@@ -58,7 +58,7 @@ import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
 from streamrt.expert_weights import ExpertWeights, unique_ids
-from streamrt.runtime.aio import event_done, gather_all, new_event_loop
+from streamrt.runtime.aio import event_done, gather_all, new_event_loop, settled
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.pool_reads import PoolReads
 from streamrt.runtime.predictor import Predictor
@@ -134,7 +134,7 @@ class StreamingRuntime:
         opts, fb = self.options, self.layout.file_bytes
         kind, budget, why = choose_host_tier(opts.host_tier if opts.staging else "mapped",
                                              self.cfg.expert_files * fb, opts.host_mem,
-                                             available_memory() if opts.host_mem is None else None)
+                                             available_memory())
         self.reads: PoolReads | None = None
         if kind == "pool":
             self.reads = PoolReads(self.tree, budget, why, options=opts, device=self.device, loop=self.loop,
@@ -483,6 +483,12 @@ class StreamingRuntime:
     def close(self) -> None:
         if self.loop.is_closed():
             return
+        # a step cut short (Ctrl-C) leaves its tasks pending: cancel them, else closing the loop
+        # prints "Task was destroyed but it is pending!" for each, and settle() could wait on them
+        leftover = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for t in leftover:
+            t.cancel()
+        self.loop.run_until_complete(settled(leftover))
         self.loop.run_until_complete(self.stager.settle())
         if self.reads is not None:
             self.reads.close()  # queued reads cancelled, running ones finished

@@ -32,7 +32,12 @@ class DeviceTier:
         self.device = device
         self.policy = policy
         self.stats = stats
-        self.slab = device.alloc_slab(slots, slot_bytes)  # [M, file_bytes] uint8
+        try:
+            self.slab = device.alloc_slab(slots, slot_bytes)  # [M, file_bytes] uint8
+        except RuntimeError:  # torch's out-of-memory (a traceback otherwise)
+            raise StreamrtError(f"--gpu-experts {slots}: cannot allocate {slots} x {slot_bytes}-byte expert slots "
+                                f"({slots * slot_bytes / (1 << 30):.1f} GiB) on {device.kind}; lower --gpu-experts "
+                                f"or --gpu-mem") from None
         self._slot_of: dict[ExpertKey, int] = {}
         self._key_of: list[ExpertKey | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import mmap
 import os
+import stat
 import sys
 import threading
 import time
@@ -74,7 +75,10 @@ class FileReader:
         if fd is None:  # O_DIRECT refused at open: buffered from now on
             direct, fd = False, self._open_file(path, False)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(path)
+            size = st.st_size
             if size != nbytes:
                 raise CheckpointError(f"expert file {path}: {size} bytes, expected {nbytes}; re-run 'streamrt convert'")
             cached = 0 if direct else resident_file_bytes(fd, nbytes)
@@ -95,13 +99,16 @@ class FileReader:
         return ReadResult(nbytes, direct, cached, t0, time.perf_counter())
 
     def _open_file(self, path, direct: bool) -> int | None:
-        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        # O_NONBLOCK: a FIFO in the file's place would block open() forever; a regular file ignores it
+        flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if direct else 0)
         try:
             return self._open(str(path), flags)
         except FileNotFoundError:
             raise CheckpointError(f"expert file {path}: missing; run 'streamrt verify'") from None
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
+                if not _is_regular(path):  # a directory or device refuses O_DIRECT too: not the filesystem's fault
+                    raise _not_regular(path) from None
                 self._fall_back(path, "EINVAL on open")
                 return None
             raise CheckpointError(f"expert file {path}: cannot open ({e.strerror or e})") from None
@@ -124,6 +131,17 @@ class FileReader:
             self.fallback_note = (f"O_DIRECT unsupported where {path} lives ({why}); reading expert files "
                                   f"buffered (through the page cache)")
         self._notice(self.fallback_note)
+
+
+def _not_regular(path) -> CheckpointError:
+    return CheckpointError(f"expert file {path}: not a regular file; re-run 'streamrt convert'")
+
+
+def _is_regular(path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 # ---- the reader threads ------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from streamrt.errors import CheckpointError
+from streamrt.errors import CheckpointError, StreamrtError
 from streamrt.store.disk_reader import resident_bytes
 from streamrt.store.keys import ExpertKey
 from streamrt.store.retire import RetireQueue
@@ -41,13 +42,19 @@ class HostMapping:
     def __init__(self, key: ExpertKey, path: Path, nbytes: int, device, register: bool) -> None:
         self.key, self.path, self.nbytes, self._device = key, path, nbytes, device
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size != nbytes:
+            # O_NONBLOCK: a FIFO in the file's place would block open() forever; a regular file ignores it
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise CheckpointError(f"expert file {path}: not a regular file; re-run 'streamrt convert'")
+                if st.st_size != nbytes:
                     raise CheckpointError(
-                        f"expert file {path}: {size} bytes, expected {nbytes}; re-run 'streamrt convert'"
+                        f"expert file {path}: {st.st_size} bytes, expected {nbytes}; re-run 'streamrt convert'"
                     )
-                self._mm = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ)
+                self._mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             raise CheckpointError(f"expert file {path}: missing; run 'streamrt verify'") from None
         except OSError as e:
@@ -207,7 +214,8 @@ def available_memory() -> int | None:
 def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None, available: int | None) -> tuple[str, int | None, str]:
     """(kind, pool budget, why). `auto`: mapped when every expert file fits in --host-mem (or,
     without it, in the memory available now), else the pool under --host-mem (or half of what
-    is available). `mode` is RuntimeOptions.host_tier, checked there."""
+    is available). `mode` is RuntimeOptions.host_tier, checked there. A pool under a --host-mem
+    above `available` is refused."""
     gib = 1 << 30
     room, named = (host_mem, "--host-mem") if host_mem is not None else (available, "available memory")
     fits = room is None or expert_bytes <= room
@@ -218,5 +226,9 @@ def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None, availab
         return "mapped", None, why
     budget = host_mem if host_mem is not None else int(POOL_SHARE_OF_AVAILABLE * (available or 0))
     budget = min(budget, expert_bytes)
+    if host_mem is not None and available is not None and budget > available:
+        # the pool is anonymous (on CUDA page-locked) memory, all of it touched: past RAM it is the OOM killer
+        raise StreamrtError(f"--host-mem {budget / gib:.1f} GiB of pool buffers is more than the {available / gib:.1f} "
+                            f"GiB of memory available; lower --host-mem")
     why = "--host-tier pool" if mode == "pool" else f"{expert_bytes / gib:.1f} GiB of experts > {named} {room / gib:.1f} GiB"
     return "pool", budget, why

@@ -66,7 +66,12 @@ class PoolTier:
         self.path_of, self.file_bytes, self.device, self.stats = path_of, file_bytes, device, stats
         self.capacity = count
         self.bytes_allocated = count * file_bytes  # <= budget_bytes, allocated once
-        self.arena, self.registered = device.alloc_host_arena(self.bytes_allocated)
+        try:
+            self.arena, self.registered = device.alloc_host_arena(self.bytes_allocated)
+        except (OSError, RuntimeError) as e:  # ENOMEM from mmap, or the page-locking refused
+            raise StreamrtError(f"--host-mem {budget_bytes} bytes: cannot allocate the {count} pool buffers "
+                                f"({self.bytes_allocated / (1 << 30):.1f} GiB): {getattr(e, 'strerror', None) or e}; "
+                                f"lower --host-mem") from None
         self._views = [self.arena[i * file_bytes:(i + 1) * file_bytes] for i in range(count)]
         self._mem = memoryview(self.arena.numpy())  # what the reader threads write through
         self._free = list(range(count - 1, -1, -1))
