@@ -21,6 +21,7 @@ import errno
 import hashlib
 import os
 import re
+import stat
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -149,9 +150,20 @@ def fd_digest(fd: int, size: int, rule: str | None = None, chunk_bytes: int | No
     return _tree_digest(size, chunk, lambda off, n: _hash_range(fd, off, n))
 
 
+def open_regular(path: Path) -> int:
+    """A read-only fd of path, which must be a regular file: a FIFO standing in a file's place
+    would block open() forever (O_NONBLOCK), and a directory or device is no tree file. An
+    OSError from the open is the caller's to word."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd
+
+
 def file_digest(path: Path, rule: str | None = None, *, chunk_bytes: int | None = None) -> str:
     """Checksum of a file under `rule` (a manifest "checksum" value; default the current rule)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         return fd_digest(fd, os.fstat(fd).st_size, rule, chunk_bytes)
     finally:

@@ -183,3 +183,18 @@ def test_ctrl_c_mid_step_leaves_no_pending_tasks(tmp_path_factory, caplog):
     assert pending, "the step was not cut short mid-fetch (the test needs it to be)"
     assert all(t.done() for t in pending)
     assert "Task was destroyed" not in caplog.text
+
+
+def test_fifo_in_place_of_a_dense_file_is_an_error_not_a_hang(tmp_path):
+    """The dense files are read through the tree's header check and a private mapping: the same
+    FIFO must be one line naming the file, not an open() that never returns."""
+    from streamrt.checkpoint.safetensors_io import read_header
+
+    fifo = tmp_path / "plane.L001.safetensors"
+    os.mkfifo(fifo)
+    t, exc = _within(5, lambda: read_header(fifo))
+    if t.is_alive():
+        _unblock(fifo)
+        t.join(5)
+        pytest.fail("read_header of a FIFO dense file blocked")
+    assert isinstance(exc, CheckpointError) and str(fifo) in str(exc) and "not a regular file" in str(exc), exc

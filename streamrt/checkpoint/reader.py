@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 from streamrt.checkpoint.manifest import FORMAT, MANIFEST, READ_VERSIONS, dense_files, geometry, manifest_rule
 from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert
-from streamrt.fileio import (buffer_digest, file_digest, new_hash, rule_chunk, writable_dir_error,
-                                       write_bytes_atomic)
+from streamrt.fileio import (buffer_digest, file_digest, new_hash, open_regular, rule_chunk, writable_dir_error,
+                             write_bytes_atomic)
 from streamrt.checkpoint.names import TensorSpec, dense_specs, expert_relpath, strip_prefix
 from streamrt.checkpoint.safetensors_io import STHeader, read_header
 from streamrt.config import ModelConfig, load_config
@@ -51,7 +51,7 @@ TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F6
 def _map_private(path: Path) -> mmap.mmap:
     """Copy-on-write mapping: zero-copy reads, and a stray in-place write cannot reach the file."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot map: {e}") from None

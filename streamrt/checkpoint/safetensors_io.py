@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 from streamrt import fileio
-from streamrt.fileio import AtomicWriter
+from streamrt.fileio import AtomicWriter, open_regular
 from streamrt.checkpoint.names import DTYPE_BYTES
 from streamrt.errors import CheckpointError, clip
 from streamrt.jsonio import load_json
@@ -48,7 +48,7 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
     try:
         size = os.path.getsize(path) if file_size is None else file_size
         if head is None:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:
                 head = f.read(8)
                 n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
                 raw = f.read(n) if n is not None and 8 + n <= size and n <= MAX_HEADER else b""
