@@ -448,8 +448,9 @@ def writable_dir_error(directory: Path) -> str | None:
 
 def check_output_path(path: str | os.PathLike, flag: str) -> Path:
     """Before any work: StreamrtError (one line, naming `flag` and the path) unless `path` can
-    be written: not a directory, and the nearest existing parent a directory where files can
-    be created (missing parents are created at write time). Returns the path."""
+    be written: not a directory, device, FIFO or socket, and the nearest existing parent a
+    directory where files can be created (missing parents are created at write time). Returns
+    the path."""
     from streamrt.errors import StreamrtError
 
     path = Path(path).expanduser()
@@ -458,6 +459,10 @@ def check_output_path(path: str | os.PathLike, flag: str) -> Path:
     try:  # pathlib lets some OSErrors through (a name too long, a parent we may not search)
         if path.is_dir():
             raise StreamrtError(f"{flag} {path}: is a directory; give a file name")
+        # the write is temp file + rename, which would replace a device or FIFO (as root,
+        # --stats-json /dev/null turned /dev/null into a regular file for the whole system)
+        if path.exists() and not path.is_file():
+            raise StreamrtError(f"{flag} {path}: not a regular file (a device, FIFO or socket); give a file name")
         parent = path.parent
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent

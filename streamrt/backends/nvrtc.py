@@ -13,10 +13,11 @@ back. Signatures and math: `backends/base.py` (the torch backend is the referenc
 hold these kernels to). The router and expert FFN: `nvrtc_moe.py`; the GEMV variants:
 `gemv_plan.py`.
 
-Prefill: `linear` with more than `rowwise_max` rows runs one GEMM through torch, bf16 weights as
-three bf16 tensor-core GEMMs with fp32 accuracy (`bf16x3.py`); up to `rowwise_max` rows it runs the GEMV kernel 8 rows at a time, so a row's result is
-bit-identical alone or in a batch. `expert_ffn` at large T launches the decode kernels over
-chunks of 64 (row, expert) pairs: correct, not tuned for prefill.
+Prefill: `linear` with more than `rowwise_max` rows runs one GEMM through torch, bf16 weights
+as three bf16 tensor-core GEMMs with fp32 accuracy (`bf16x3.py`); up to `rowwise_max` rows it
+runs the GEMV kernel 8 rows at a time, so a row's result is bit-identical alone or in a batch.
+The prefill view (`for_prefill`) runs the routed experts as grouped GEMMs (`nvfp4_gemm.py`) once
+a chunk gives each expert enough rows, else the decode kernels.
 """
 
 from __future__ import annotations

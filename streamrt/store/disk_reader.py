@@ -77,7 +77,7 @@ class FileReader:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise _not_regular(path)
+                raise not_regular_error(path)
             size = st.st_size
             if size != nbytes:
                 raise CheckpointError(f"expert file {path}: {size} bytes, expected {nbytes}; re-run 'streamrt convert'")
@@ -108,7 +108,7 @@ class FileReader:
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 if not _is_regular(path):  # a directory or device refuses O_DIRECT too: not the filesystem's fault
-                    raise _not_regular(path) from None
+                    raise not_regular_error(path) from None
                 self._fall_back(path, "EINVAL on open")
                 return None
             raise CheckpointError(f"expert file {path}: cannot open ({e.strerror or e})") from None
@@ -133,7 +133,7 @@ class FileReader:
         self._notice(self.fallback_note)
 
 
-def _not_regular(path) -> CheckpointError:
+def not_regular_error(path) -> CheckpointError:
     return CheckpointError(f"expert file {path}: not a regular file; re-run 'streamrt convert'")
 
 

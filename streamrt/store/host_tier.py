@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from streamrt.errors import CheckpointError, StreamrtError
-from streamrt.store.disk_reader import resident_bytes
+from streamrt.store.disk_reader import not_regular_error, resident_bytes
 from streamrt.store.keys import ExpertKey
 from streamrt.store.retire import RetireQueue
 
@@ -47,7 +47,7 @@ class HostMapping:
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
-                    raise CheckpointError(f"expert file {path}: not a regular file; re-run 'streamrt convert'")
+                    raise not_regular_error(path)
                 if st.st_size != nbytes:
                     raise CheckpointError(
                         f"expert file {path}: {st.st_size} bytes, expected {nbytes}; re-run 'streamrt convert'"
