@@ -90,6 +90,7 @@ class NvrtcBackend(MoeOps):
         self.pair_ready = True
         self._ready = None
         self._ptr_cache = ExpertPointerCache(self.device)
+        self._torch_attention = None  # TorchBackend for mla_prefill, made on first use
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
         self._gemv_choice: dict[tuple, str] = {}
         self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split; changes bits)
@@ -412,21 +413,19 @@ class NvrtcBackend(MoeOps):
         return out[0] if one else out
 
     # Prefill attention on a cache: the torch reference (fixed query tiles x key blocks, online
-    # softmax; torch_backend.TorchBackend.mla_prefill) on this device until a kernel replaces it.
+    # softmax, gathered top-k; TorchBackend.mla_prefill) on this device until a kernel replaces it.
     def tiles(self, device) -> tuple[int, int, int]:
-        from streamrt.backends.torch_backend import TorchBackend
-
-        return TorchBackend.TILES["cuda"]
+        return self._prefill_attention().tiles(self.device)
 
     def mla_prefill(self, q_nope, q_rot, w_uk, w_uv, c_cache, kr_cache, start, scale, index=None):
-        from streamrt.backends.torch_backend import TorchBackend
+        return self._prefill_attention().mla_prefill(q_nope, q_rot, w_uk, w_uv, c_cache, kr_cache, start, scale, index)
 
-        return TorchBackend.mla_prefill(self, q_nope, q_rot, w_uk, w_uv, c_cache, kr_cache, start, scale, index)
+    def _prefill_attention(self):
+        if self._torch_attention is None:
+            from streamrt.backends.torch_backend import TorchBackend
 
-    def _index_select(self, qi, wi, ki, qpos, nb, topk):
-        from streamrt.backends.torch_backend import TorchBackend
-
-        return TorchBackend._index_select(self, qi, wi, ki, qpos, nb, topk)
+            self._torch_attention = TorchBackend()
+        return self._torch_attention
 
     # ---- AttnRes -------------------------------------------------------------------------------
 
