@@ -49,6 +49,7 @@ from streamrt.backends.kernel_defines import (
 )
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, block_threads, f32, i32, i64, inplace_buf, ptr, situ_args
 from streamrt.backends.nvrtc_moe import NVFP4_IMPLS, TC_PIPES, TC_SHAPE, MoeOps, tc_smem
+from streamrt.backends.torch_backend import TorchBackend
 
 # what tests and benchmarks import from here (defined in the modules above)
 __all__ = ["NvrtcBackend", "CudaError", "GEMV_VARIANTS", "gemv_plan", "gemv_tc_split", "MOE_MAXP", "NVFP4_IMPLS",
@@ -90,7 +91,7 @@ class NvrtcBackend(MoeOps):
         self.pair_ready = True
         self._ready = None
         self._ptr_cache = ExpertPointerCache(self.device)
-        self._torch_attention = None  # TorchBackend for mla_prefill, made on first use
+        self._torch_attention = TorchBackend()  # runs mla_prefill (see below)
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
         self._gemv_choice: dict[tuple, str] = {}
         self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split; changes bits)
@@ -415,17 +416,10 @@ class NvrtcBackend(MoeOps):
     # Prefill attention on a cache: the torch reference (fixed query tiles x key blocks, online
     # softmax, gathered top-k; TorchBackend.mla_prefill) on this device until a kernel replaces it.
     def tiles(self, device) -> tuple[int, int, int]:
-        return self._prefill_attention().tiles(self.device)
+        return self._torch_attention.tiles(self.device)
 
     def mla_prefill(self, q_nope, q_rot, w_uk, w_uv, c_cache, kr_cache, start, scale, index=None):
-        return self._prefill_attention().mla_prefill(q_nope, q_rot, w_uk, w_uv, c_cache, kr_cache, start, scale, index)
-
-    def _prefill_attention(self):
-        if self._torch_attention is None:
-            from streamrt.backends.torch_backend import TorchBackend
-
-            self._torch_attention = TorchBackend()
-        return self._torch_attention
+        return self._torch_attention.mla_prefill(q_nope, q_rot, w_uk, w_uv, c_cache, kr_cache, start, scale, index)
 
     # ---- AttnRes -------------------------------------------------------------------------------
 
