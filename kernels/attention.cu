@@ -20,17 +20,21 @@ SRT_DEV float ldc(const void* p, long long i, int bf16) { return ldw(p, i, bf16)
 //   score_j = (q_lat[h] . c[pos_j] + q_rot[h] . kr[pos_j]) * scale
 //   m_s = max_j score_j;  p_j = exp(score_j - m_s);  l_s = sum_j p_j;  acc_s = sum_j p_j c[pos_j]
 // part_acc [S, H, R], part_ml [S, H, 2]. grid (S, ceil(H / MLA_HG)), block MLA_THREADS,
-// dynamic smem MLA_HG * (R + Dr) * 4 bytes.
+// dynamic smem MLA_HG * (R + Dr) * 4 bytes. m_dev (CUDA graphs: the cache length lives on the
+// device): when given, j < min(m, *m_dev) and the grid is sized for m; splits past it do nothing.
 extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     srt_mla_partial(const float* __restrict__ q_lat, const float* __restrict__ q_rot, const void* __restrict__ c,
-                    const void* __restrict__ kr, int cache_bf16, const long long* __restrict__ select, int m, int H,
-                    int R, int Dr, float scale, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+                    const void* __restrict__ kr, int cache_bf16, const long long* __restrict__ select, int m,
+                    const int* __restrict__ m_dev, int H, int R, int Dr, float scale, float* __restrict__ part_acc,
+                    float* __restrict__ part_ml) {
   extern __shared__ float qs[];  // [MLA_HG][R + Dr]
   __shared__ float sp[MLA_HG][MLA_CHUNK];
   __shared__ long long pos[MLA_CHUNK];
+  if (m_dev != nullptr) m = min(m, *m_dev);
   const int split = blockIdx.x, hg0 = blockIdx.y * MLA_HG;
   const int nh = min(MLA_HG, H - hg0);
   const int j0 = split * MLA_CHUNK, cnt = min(MLA_CHUNK, m - j0);
+  if (cnt <= 0) return;
   const int QW = R + Dr;
   for (int i = threadIdx.x; i < MLA_HG * QW; i += blockDim.x) {
     const int h = i / QW, d = i - h * QW;
@@ -94,9 +98,12 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 }
 
 // Merge the splits in ascending split order: M = max_s m_s, L = sum_s l_s e^(m_s - M),
-// out[h, d] = sum_s acc_s[h, d] e^(m_s - M) / L. grid H, block 256.
+// out[h, d] = sum_s acc_s[h, d] e^(m_s - M) / L. grid H, block 256. m_dev: as srt_mla_partial's
+// (S is then the splits of min(m, *m_dev) positions).
 extern "C" __global__ void srt_mla_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                           float* __restrict__ out, int S, int H, int R) {
+                                           float* __restrict__ out, int S, int H, int R, int m,
+                                           const int* __restrict__ m_dev) {
+  if (m_dev != nullptr) S = (min(m, *m_dev) + MLA_CHUNK - 1) / MLA_CHUNK;
   const int h = blockIdx.x;
   float M = part_ml[(long long)h * 2];
   for (int s = 1; s < S; ++s) M = fmaxf(M, part_ml[((long long)s * H + h) * 2]);
@@ -115,6 +122,7 @@ extern "C" __global__ void srt_mla_combine(const float* __restrict__ part_acc, c
 // q [Hi, Di], w [Hi] fp32; k [n, Di] fp32 or bf16. One warp per position: the key row is staged
 // in shared memory, lane h computes head h's dot (d ascending), heads meet in a butterfly.
 // grid ceil(n / (IDX_WARPS*IDX_PPW)), block IDX_WARPS*32, dynamic smem (Hi*(Di+1) + IDX_WARPS*Di)*4.
+// n_dev: when given, only s < min(n, *n_dev) are scored (the grid is sized for n).
 #ifndef IDX_WARPS
 #error "IDX_WARPS is passed by the host (-DIDX_WARPS=..., streamrt/backends/kernel_defines.py)"
 #endif
@@ -123,8 +131,10 @@ extern "C" __global__ void srt_mla_combine(const float* __restrict__ part_acc, c
 #endif
 extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
     srt_indexer_scores(const float* __restrict__ q, const float* __restrict__ w, const void* __restrict__ kc,
-                       int kc_bf16, float* __restrict__ out, int n, int Hi, int Di) {
+                       int kc_bf16, float* __restrict__ out, int n, const int* __restrict__ n_dev, int Hi,
+                       int Di) {
   extern __shared__ float ism[];
+  if (n_dev != nullptr) n = min(n, *n_dev);
   float* qs = ism;                        // [Hi][Di + 1] (padded: lanes read different rows)
   float* ks = ism + Hi * (Di + 1);        // [IDX_WARPS][Di]
   for (int i = threadIdx.x; i < Hi * Di; i += blockDim.x) {

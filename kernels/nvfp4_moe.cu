@@ -1,7 +1,8 @@
 // NVFP4 routed-expert FFN for decode, reading experts straight from their device slots.
 //
 // One launch covers up to SRT_MOE_MAXP (row t, expert) pairs of one layer; the slot pointers
-// travel by value in a __grid_constant__ table (no host->device copy per step). A pair's rows
+// travel by value in a __grid_constant__ table (no host->device copy per step), or, in a CUDA
+// graph, in a table `srt_moe_tables` builds on the GPU from the routed ids (the *_dt entries). A pair's rows
 // of h and y are named in the table (dst), so the host may launch resident experts first and
 // experts still in flight after their copy events, with the same result bits.
 //   1. srt_nvfp4_gateup: h[p, i] = situ_glu(gate_e[i, :] . z[t], up_e[i, :] . z[t])      [P, I]
@@ -97,11 +98,8 @@ SRT_DEV void stage_row(float* xs, const float* __restrict__ x, int n) {
 
 // grid (ceil(I / (MOE_WARPS*2)), P), block MOE_WARPS*32, dynamic smem Dl*4 bytes.
 // z [*, Dl] fp32; h [*, I] fp32: pair p writes row dst[p].
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    srt_nvfp4_gateup(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
-                     int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
-  extern __shared__ f32x4 smem_gu[];
-  float* xs = (float*)smem_gu;
+SRT_DEV void gateup_cc(const GateUpTable& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
+                       float beta, int beta_inf, float lbeta, int has_lin, float* xs) {
   const int p = blockIdx.y;
   stage_row(xs, z + (long long)tab.row[p] * Dl, Dl);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -128,11 +126,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 
 // grid (ceil(Dl / (MOE_WARPS*4)), P), block MOE_WARPS*32, dynamic smem I*4 bytes.
 // h [*, I] fp32; y [*, Dl] fp32: pair p reads h row dst[p] and writes y row dst[p].
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    srt_nvfp4_down(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,
-                   int I) {
-  extern __shared__ f32x4 smem_dn[];
-  float* xs = (float*)smem_dn;
+SRT_DEV void down_cc(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
+                     float* xs) {
   const int p = blockIdx.y;
   stage_row(xs, h + (long long)tab.dst[p] * I, I);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -154,6 +149,71 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     const float v = warp_sum(acc[s]);
     if (lane == s && r0 + s < Dl) y[(long long)tab.dst[p] * Dl + r0 + s] = v * dg[rr[s]];
   }
+}
+
+// Entry points: the table by value (the host's), or in device memory (`srt_moe_tables`' output,
+// one table per 64 pairs; CUDA graphs replay these with tables rebuilt on the GPU).
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    srt_nvfp4_gateup(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
+                     int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
+  extern __shared__ f32x4 smem_gu[];
+  gateup_cc(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, (float*)smem_gu);
+}
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    srt_nvfp4_gateup_dt(const GateUpTable* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h,
+                        int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
+  extern __shared__ f32x4 smem_gu_dt[];
+  gateup_cc(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, (float*)smem_gu_dt);
+}
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    srt_nvfp4_down(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,
+                   int I) {
+  extern __shared__ f32x4 smem_dn[];
+  down_cc(tab, h, y, Dl, I, (float*)smem_dn);
+}
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    srt_nvfp4_down_dt(const DownTable* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl,
+                      int I) {
+  extern __shared__ f32x4 smem_dn_dt[];
+  down_cc(*tab, h, y, Dl, I, (float*)smem_dn_dt);
+}
+
+// The tables of P = T*k pairs in device memory, from the routed ids [T, k] and a layer's pointer
+// table experts [E, SRT_EXPERT_COLS] (u64: gate packed / scales / global, up ..., down ...;
+// ExpertPointers' order, backends/expert_pointers.py). Pair p = t*k + j reads z row t and writes
+// h / y row p; the pairs are ordered by (expert, p), as the host orders them (a batch's pairs of
+// one expert adjacent; a pair's bits do not depend on its place). Pair p's place
+// r = #{q : (e_q, q) < (e_p, p)} is entry r % 64 of table r / 64.
+// grid ceil(P / 256), block 256.
+#ifndef SRT_EXPERT_COLS
+#error "SRT_EXPERT_COLS is passed by the host (-DSRT_EXPERT_COLS=..., streamrt/backends/kernel_defines.py)"
+#endif
+extern "C" __global__ void srt_moe_tables(const long long* __restrict__ ids, const u64* __restrict__ experts, int P,
+                                          int k, GateUpTable* __restrict__ gtab, DownTable* __restrict__ dtab) {
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= P) return;
+  const long long ep = ids[p];
+  int r = 0;
+  for (int q = 0; q < P; ++q) {
+    const long long eq = ids[q];
+    r += eq < ep || (eq == ep && q < p);
+  }
+  const int c = r / SRT_MOE_MAXP, i = r - c * SRT_MOE_MAXP;
+  const u64* e = experts + ep * SRT_EXPERT_COLS;
+  GateUpTable& g = gtab[c];
+  DownTable& d = dtab[c];
+  g.gate_packed[i] = e[0];
+  g.gate_scales[i] = e[1];
+  g.gate_global[i] = e[2];
+  g.up_packed[i] = e[3];
+  g.up_scales[i] = e[4];
+  g.up_global[i] = e[5];
+  g.row[i] = p / k;
+  g.dst[i] = p;
+  d.packed[i] = e[6];
+  d.scales[i] = e[7];
+  d.global[i] = e[8];
+  d.dst[i] = p;
 }
 
 // out[t, d] = w[t,0]*y[t*k, d] + w[t,1]*y[t*k+1, d] + ... (left to right, each product rounded).
@@ -535,7 +595,8 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
 }
 
 // Entry points per (stages S, blocks per stage KBS): the benchmark's variants; the backend picks one.
-#define SRT_TC_ENTRY(GU_NAME, DN_NAME, S, KBS)                                                                      \
+// *_dt: the same kernels reading their table from device memory (srt_moe_tables).
+#define SRT_TC_ENTRY(GU_NAME, DN_NAME, GU_DT, DN_DT, S, KBS)                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       GU_NAME(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h, int I,   \
               int Dl, float beta, int beta_inf, float lbeta, int has_lin, int* ready) {                            \
@@ -549,8 +610,22 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
     __shared__ float red[32];                                                                                      \
     down_tc<S, KBS>(tab, h, y, Dl, I, ready, target, (u8*)smem_##DN_NAME, red);                                    \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
+      GU_DT(const GateUpTable* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, \
+            float beta, int beta_inf, float lbeta, int has_lin, int* ready) {                                      \
+    extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
+    __shared__ float red[32];                                                                                      \
+    gateup_tc<S, KBS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, (u8*)smem_##GU_DT, red);           \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
+      DN_DT(const DownTable* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,   \
+            const int* ready, int target) {                                                                        \
+    extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
+    __shared__ float red[32];                                                                                      \
+    down_tc<S, KBS>(*tab, h, y, Dl, I, ready, target, (u8*)smem_##DN_DT, red);                                     \
   }
 
-SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, 2, 2)
-SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, 3, 2)
-SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, 4, 1)
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, srt_nvfp4_gateup_tc2x2_dt, srt_nvfp4_down_tc2x2_dt, 2, 2)
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, srt_nvfp4_gateup_tc3x2_dt, srt_nvfp4_down_tc3x2_dt, 3, 2)
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, srt_nvfp4_gateup_tc4x1_dt, srt_nvfp4_down_tc4x1_dt, 4, 1)

@@ -21,17 +21,28 @@ SRT_DEV u32 lanemask_lt() {
 // 2. One ascending sweep compacts: positions with key > v in ascending order into out[0..],
 //    positions with key == v in ascending order into out[k - need ..] until `need` are out.
 // Deterministic: integer counts, block scans in warp order.
+// n_dev (CUDA graphs: the length lives on the device): when given, the row holds min(n, *n_dev)
+// scores (n stays the row stride); if that is at most k, out[0..count) = 0, 1, ... ascending
+// (every position, in the order the unselected attention reads them).
 #ifndef TOPK_THREADS
 #error "TOPK_THREADS is passed by the host (-DTOPK_THREADS=..., streamrt/backends/kernel_defines.py)"
 #endif
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
-    srt_select_topk(const float* __restrict__ scores, long long* __restrict__ out, int n, int k) {
+    srt_select_topk(const float* __restrict__ scores, long long* __restrict__ out, int n, int k,
+                    const int* __restrict__ n_dev) {
   __shared__ u32 hist[256];
   __shared__ u32 sh_prefix, sh_need;
   __shared__ u32 wg[32], we[32];
   const float* s = scores + (long long)blockIdx.x * n;
   long long* o = out + (long long)blockIdx.x * k;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+  if (n_dev != nullptr) {
+    n = min(n, *n_dev);
+    if (n <= k) {
+      for (int i = tid; i < n; i += blockDim.x) o[i] = i;
+      return;
+    }
+  }
 
   u32 prefix = 0u, mask = 0u, need = (u32)k;
   for (int pass = 0; pass < 4; ++pass) {

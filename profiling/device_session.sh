@@ -3,7 +3,7 @@
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
 #   bash profiling/device_session.sh [stages...]
 #   stages: tests kernels variants access profile decode trace sweep convert kda mla
-#           slice deep serve dense parts prefill experts drop-slice
+#           slice graphs-slice deep graphs-deep serve dense parts prefill experts drop-slice
 #           (slice / deep: synthesise slice-k3.1-pro, ~30 s, / deep-k3.1-pro, ~2 min; serve 1/4/16
 #           clients, dense streaming and prefill run on whichever of the two is present; the disk
 #           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
@@ -71,9 +71,19 @@ if has slice; then
   stage "synthesise slice-k3.1-pro (streamrt format)"
   (cd profiling && python3 -c "import sys; from pathlib import Path; from bench_decode import ensure_tree; ensure_tree(Path(sys.argv[1]), 'slice-k3.1-pro')" "$W") 2>&1 | tail -1
 fi
+if has graphs-slice; then
+  stage "bench CUDA-graph decode (slice: graphs vs op by op vs torch, B 1/4/16, a third streaming)"
+  [ -f "$TREE/manifest.json" ] && timeout ${T_GRAPHS_SLICE:-240} python3 profiling/bench_graphs.py --workdir "$W" --config slice-k3.1-pro \
+    --torch --json "$OUT/graphs_slice.json" 2>&1 | grep -v USDT | tee "$L/graphs_slice.log" | tail -30
+fi
 if has deep; then
   stage "synthesise deep-k3.1-pro (streamrt format)"
   [ -f "$DEEP/manifest.json" ] || python3 -m streamrt synth --config deep-k3.1-pro --format streamrt --out "$DEEP" 2>&1 | tail -1
+fi
+if has graphs-deep; then
+  stage "bench CUDA-graph decode (deep: graphs vs op by op, B 1/4/16, a third streaming)"
+  [ -f "$DEEP/manifest.json" ] && timeout ${T_GRAPHS_DEEP:-420} python3 profiling/bench_graphs.py --workdir "$W" --config deep-k3.1-pro \
+    --json "$OUT/graphs_deep.json" 2>&1 | grep -v USDT | tee "$L/graphs_deep.log" | tail -30
 fi
 if has serve; then  # needs the fastapi / uvicorn / pydantic / opentelemetry-api wheels on PYTHONPATH
   stage "bench serve (deep, a third of the experts in slots; slice)"

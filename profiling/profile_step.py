@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="nvrtc", choices=("nvrtc", "torch"))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--gpu-experts", type=int, default=None, help="default: all (resident)")
+    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
+                    help="decode: auto replays CUDA graphs once every expert is resident (nvrtc); off: op by op")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (torch backend)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill instead of decode steps")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (default: the model's)")
@@ -107,7 +109,8 @@ def main(argv=None) -> int:
         backend = TorchBackend(q_tile=q_tile, key_block=key_block)
     model = load_model(tree, device.torch_device, dtype=torch.bfloat16 if cuda else None, backend=backend)
     slots = args.gpu_experts or cfg.expert_files
-    rt = StreamingRuntime(tree, model, RuntimeOptions(device=args.device, gpu_experts=slots), device=device)
+    rt = StreamingRuntime(tree, model, RuntimeOptions(device=args.device, gpu_experts=slots, cuda_graphs=args.cuda_graphs),
+                          device=device)
     if slots >= cfg.expert_files:
         rt.preload()
     if args.prefill:
@@ -146,7 +149,8 @@ def main(argv=None) -> int:
 
     kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kern) / 1e3 / args.steps  # ms
-    print(f"profile_step: {args.config}, backend {args.backend}, {slots} device slots, {args.steps} steps")
+    print(f"profile_step: {args.config}, backend {args.backend}, {slots} device slots, {args.steps} steps, "
+          f"{rt.stats.graph_steps} of them CUDA-graph replays")
     print(f"wall {wall * 1e3:.2f} ms/step (no profiler); GPU kernels {busy:.2f} ms/step busy; "
           f"{len(kern) / args.steps:.0f} kernels/step; GPU busy / wall = {busy / (wall * 1e3):.2f}")
     by = {}

@@ -68,6 +68,11 @@ class RoutedExperts:
     def is_local(self, e: int) -> bool:
         return True
 
+    @property
+    def ids(self) -> Tensor:
+        """The ids a backend indexes with: the host ids (ResidentExperts: the router's device ids)."""
+        return self.host_ids
+
     def missing(self) -> list[int]:
         """Routed ids the answer holds no weights for (a provider's bug)."""
         return [e for e in self.unique if not self.has(e)]
@@ -95,6 +100,39 @@ class _WithIds(RoutedExperts):
         return self._whole.is_local(e)
 
 
+class ResidentExperts(RoutedExperts):
+    """The answer when every expert of the layer sits in a device slot that does not move: the
+    router's ids stay on the device (`ids`; nothing waits for them), and beside the views the
+    layer's pointer table on the device (`table` [E, 9] int64, backends/expert_pointers.ExpertTable;
+    `inter` the experts' intermediate size), from which kernels gather their own pointers, so a
+    CUDA graph of the step replays for any routing; `tensor_core`: the table's experts meet the
+    tensor-core kernels' alignment. Host ids exist only when a backend asks for them
+    (`host_ids`: one device-to-host copy; the torch backend's per-expert loop)."""
+
+    def __init__(self, views: Mapping[int, ExpertWeights], table: Tensor, inter: int, ids: Tensor, layer: int = -1,
+                 tensor_core: bool = True):
+        self._views, self.table, self.inter, self._ids, self.layer = views, table, inter, ids, layer
+        self.tensor_core = tensor_core
+        self._host = None
+
+    @property
+    def ids(self) -> Tensor:
+        return self._ids
+
+    @property
+    def host_ids(self) -> Tensor:
+        if self._host is None:
+            self._host = self._ids.cpu()
+        return self._host
+
+    @property
+    def unique(self) -> list[int]:
+        return unique_ids(self.host_ids)
+
+    def missing(self) -> list[int]:
+        return []  # the table holds every expert of the layer (ExpertTable.complete)
+
+
 def answer_to(answer, ids: Tensor) -> RoutedExperts:
     """A provider's answer to the request for `ids` as RoutedExperts: itself, or a plain
     {id: weights} mapping wrapped (simple providers; `ids` come to the host once)."""
@@ -106,5 +144,5 @@ def as_routed(experts, ids: Tensor) -> RoutedExperts:
     when it was given for exactly these ids, its share for other ids, or a plain mapping wrapped
     (tests, benchmarks)."""
     if isinstance(experts, RoutedExperts):
-        return experts if experts.host_ids is ids else experts.with_ids(ids.cpu())
+        return experts if experts.ids is ids else experts.with_ids(ids.cpu())
     return answer_to(experts, ids)

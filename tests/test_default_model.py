@@ -51,9 +51,10 @@ def weather(runner):
     seen = []
     orig = be.select_topk
 
-    def record(scores, k):
-        sel = orig(scores, k)
-        seen.append((scores.numel(), sel.numel(), int(torch.unique(sel).numel())))
+    def record(scores, k, length=None):
+        sel = orig(scores, k, length)
+        n = scores.numel() if length is None else int(length)  # decode: scores over the capacity, valid below length
+        seen.append((n, sel.numel(), int(torch.unique(sel).numel())))
         return sel
 
     be.select_topk = record

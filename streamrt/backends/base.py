@@ -52,12 +52,16 @@ class Backend(Protocol):
         S <- diag(exp(g)) S; S <- S + beta k (v - S^T k)^T; returns o = S^T q [T, H, V]."""
 
     def mla_decode(
-        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None
+        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None,
+        length: Tensor | None = None,
     ) -> Tensor:
         """Absorbed MLA attention for one query row: q_lat [H, R], q_rot [H, Dr],
         c_cache [n, R], kr_cache [n, Dr], select LongTensor[m] of positions or None (all).
         softmax over positions of (q_lat.c + q_rot.kr) * scale; returns sum p c  [H, R].
-        The model passes select in select_topk's emitted order, and None while n <= index_topk."""
+        The model passes select in select_topk's emitted order, and None while n <= index_topk.
+        length: int32 [1] on the cache's device (the decode path; a CUDA graph cannot take a
+        host length): only the first `length` positions are valid, c_cache / kr_cache may be
+        longer (their capacity), and only select[:length] is read."""
 
     def mla_prefill(
         self, q_nope: Tensor, q_rot: Tensor, w_uk: Tensor, w_uv: Tensor, c_cache: Tensor, kr_cache: Tensor,
@@ -70,13 +74,16 @@ class Backend(Protocol):
         positions <= t (all of them while t + 1 <= topk), else causal dense. Returns [T, H, dv].
         Memory O(tile x n), never T x n per head; a row's bits must not depend on T or start."""
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor) -> Tensor:
+    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
         """Lightning Indexer scores of one query: q [Hi, Di], w [Hi], k_cache [n, Di] ->
-        [n] fp32, I[s] = sum_h w[h] * relu(q[h] . k[s])."""
+        [n] fp32, I[s] = sum_h w[h] * relu(q[h] . k[s]). length (as mla_decode's): only
+        s < length are scored (the rest of the result is not defined)."""
 
-    def select_topk(self, scores: Tensor, k: int) -> Tensor:
+    def select_topk(self, scores: Tensor, k: int, length: Tensor | None = None) -> Tensor:
         """Exact top-k positions with the tie rule (K31_INDEXER.md): strictly-above-threshold
-        positions ascending, then the boundary group from the lowest position up."""
+        positions ascending, then the boundary group from the lowest position up. length (as
+        mla_decode's): top-k of scores[:length]; if length <= k, every position ascending
+        (0, 1, ..., length - 1: the order of the unselected attention)."""
 
     def router(
         self, x: Tensor, w_gate: Tensor, bias: Tensor, k: int, renormalize: bool, scale: float,

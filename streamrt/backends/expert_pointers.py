@@ -1,9 +1,11 @@
-"""An NVFP4 expert's device pointers, checked once, and the by-value tables the MoE kernels take.
+"""An NVFP4 expert's device pointers, checked once, and the tables the MoE kernels take.
 
 `ExpertPointers` names the nine section pointers (gate, up, down: packed nibbles, E4M3
 scales, fp32 global scale) and the intermediate size; `ExpertPointerCache` checks an
 `ExpertWeights` once per object; `tables` packs up to `MOE_MAXP` (pair, row, expert) entries
-into the `GateUpTable` / `DownTable` structs of `kernels/nvfp4_moe.cu`.
+into the `GateUpTable` / `DownTable` structs of `kernels/nvfp4_moe.cu` (passed by value).
+`ExpertTable` keeps every resident expert's pointers on the device, from which the kernel
+`srt_moe_tables` builds those structs on the GPU (a CUDA graph of a step replays for any ids).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from streamrt.backends.kernel_defines import MOE_MAXP
+from streamrt.backends.kernel_defines import EXPERT_COLS, MOE_MAXP
 from streamrt.backends.nvrtc_args import aligned
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 
@@ -109,3 +111,51 @@ def tables(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPointers]) -
         dp[:, i] = pe[DOWN]
         di[i] = p
     return g, d
+
+
+GATE_UP_TABLE_BYTES = 6 * MOE_MAXP * 8 + 2 * MOE_MAXP * 4  # sizeof(GateUpTable)
+DOWN_TABLE_BYTES = 3 * MOE_MAXP * 8 + MOE_MAXP * 4  # sizeof(DownTable)
+
+
+class ExpertTable:
+    """Every MoE layer's expert pointers on the device: `layer(l)` is int64 [E, EXPERT_COLS] in
+    ExpertPointers' order, each row checked once when its expert is placed (`place`), so the
+    per-step work is one gather on the GPU. Valid while the experts stay where they were placed
+    (the all-resident runtime never moves them); `upload` makes the device copy current."""
+
+    def __init__(self, moe_layers: list[int], num_experts: int, routed_width: int, device: torch.device):
+        self.device, self.routed_width, self.num_experts = torch.device(device), routed_width, num_experts
+        self._row = {layer: i for i, layer in enumerate(moe_layers)}
+        self._host = torch.zeros(len(moe_layers), num_experts, EXPERT_COLS, dtype=torch.int64)
+        self._placed = torch.zeros(len(moe_layers), num_experts, dtype=torch.bool)
+        self._device = torch.zeros_like(self._host, device=self.device)
+        self.inter: int | None = None
+
+    def place(self, layer: int, e: int, ew: ExpertWeights) -> None:
+        """Expert e of `layer` is `ew` (device views) until the table is dropped: checked here."""
+        if layer not in self._row:
+            raise ValueError(f"expert table: layer {layer} is not a MoE layer")
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"expert table: expert {e} outside 0..{self.num_experts - 1}")
+        p = expert_pointers(ew, e, self.routed_width, self.device)
+        if self.inter is not None and p.inter != self.inter:
+            raise ValueError(f"expert table: layer {layer} expert {e} has intermediate size {p.inter}, others {self.inter}")
+        self.inter = p.inter
+        self._host[self._row[layer], e] = torch.tensor(p[:EXPERT_COLS], dtype=torch.int64)
+        self._placed[self._row[layer], e] = True
+
+    def complete(self) -> bool:
+        """Every expert of every MoE layer is placed."""
+        return bool(self._placed.all())
+
+    def tensor_core_ready(self) -> bool:
+        """The tensor-core kernels' alignment holds for every placed expert (scales 8-byte aligned)."""
+        scales = self._host[..., [1, 4, 7]][self._placed]
+        return bool((scales % 8 == 0).all())
+
+    def upload(self) -> None:
+        self._device.copy_(self._host)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self._device[self._row[layer]]
+

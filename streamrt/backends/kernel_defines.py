@@ -11,6 +11,7 @@ from __future__ import annotations
 # nvfp4_moe.cu
 MOE_MAXP = 64  # (row, expert) pairs per launch: the length of the by-value pointer tables
 MOE_WARPS = 8  # warps per block of the CUDA-core NVFP4 kernels
+EXPERT_COLS = 9  # u64 columns per expert of a device pointer table (ExpertPointers' nine sections)
 TC_WBYTES = 32 * 64  # tensor-core NVFP4 kernels: one 128-column block of 32 rows, weights ...
 TC_SBYTES = 32 * 8  # ... and its E4M3 scales
 # kda.cu: the largest head dim (a state column lives in registers)
@@ -38,7 +39,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS},
     "kda": {"SRT_KDA_MAXK": KDA_MAXK},
     "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS},
-    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "MOE_WARPS": MOE_WARPS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES},
+    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES},
     "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},
 }
 

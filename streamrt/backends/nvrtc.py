@@ -89,7 +89,7 @@ class NvrtcBackend(MoeOps):
         # (per-pair counts), not once the whole gate+up grid is: the first experts' down work
         # runs while the last experts' gate+up does.
         self.pair_ready = True
-        self._ready = None
+        self._ready, self._ready_outgrown = None, []
         self._ptr_cache = ExpertPointerCache(self.device)
         self._torch_attention = TorchBackend()  # runs mla_prefill (see below)
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
@@ -339,10 +339,13 @@ class NvrtcBackend(MoeOps):
     # ---- MLA + indexer -------------------------------------------------------------------------
 
     def mla_decode(
-        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None
+        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None,
+        length: Tensor | None = None,
     ) -> Tensor:
         """q_lat [H, R], q_rot [H, Dr], c_cache [n, R], kr_cache [n, Dr] (fp32 or bf16), select
-        [m] positions or None -> softmax((q_lat.c + q_rot.kr) * scale) @ c  [H, R] fp32."""
+        [m] positions or None -> softmax((q_lat.c + q_rot.kr) * scale) @ c  [H, R] fp32.
+        length: int32 [1] on the device, the valid positions (base.py); the grid is then sized
+        for the capacity n (or m) and the kernels stop at the length (graph-capturable)."""
         dev = self.device
         q_lat, q_rot = as_act(q_lat, "mla_decode.q_lat", dev), as_act(q_rot, "mla_decode.q_rot", dev)
         H, R = q_lat.shape
@@ -366,6 +369,7 @@ class NvrtcBackend(MoeOps):
             m = n
         if m == 0:
             raise ValueError("mla_decode: no positions to attend to")
+        length = self._length(length, "mla_decode")
         S = math.ceil(m / MLA_CHUNK)
         part_acc = self._empty(S, H, R, dtype=torch.float32)
         part_ml = self._empty(S, H, 2, dtype=torch.float32)
@@ -373,14 +377,20 @@ class NvrtcBackend(MoeOps):
         smem = MLA_HG * (R + Dr) * 4
         self._k("attention", "srt_mla_partial")(
             (S, math.ceil(H / MLA_HG)), (MLA_THREADS,),
-            [ptr(q_lat), ptr(q_rot), ptr(c_cache), ptr(kr_cache), i32(cb), ptr(select), i32(m), i32(H), i32(R), i32(Dr),
-             f32(scale), ptr(part_acc), ptr(part_ml)],
+            [ptr(q_lat), ptr(q_rot), ptr(c_cache), ptr(kr_cache), i32(cb), ptr(select), i32(m), ptr(length), i32(H), i32(R),
+             i32(Dr), f32(scale), ptr(part_acc), ptr(part_ml)],
             smem=smem,
         )
-        self._k("attention", "srt_mla_combine")((H,), (block_threads(R, 256),), [ptr(part_acc), ptr(part_ml), ptr(out), i32(S), i32(H), i32(R)])
+        self._k("attention", "srt_mla_combine")(
+            (H,), (block_threads(R, 256),), [ptr(part_acc), ptr(part_ml), ptr(out), i32(S), i32(H), i32(R), i32(m), ptr(length)])
         return out
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor) -> Tensor:
+    def _length(self, length: Tensor | None, what: str) -> Tensor | None:
+        if length is not None and (length.device != self.device or length.dtype != torch.int32 or length.numel() != 1):
+            raise ValueError(f"{what}: length must be one int32 on {self.device}, got {length.dtype} {tuple(length.shape)} on {length.device}")
+        return length
+
+    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
         """q [Hi, Di], w [Hi], k_cache [n, Di] (fp32 or bf16) -> I [n] = sum_h w[h] relu(q[h].k[s]) fp32."""
         dev = self.device
         q, w = as_act(q, "indexer_scores.q", dev), as_act(w, "indexer_scores.w", dev).reshape(-1)
@@ -389,18 +399,21 @@ class NvrtcBackend(MoeOps):
             raise ValueError(f"indexer_scores: q {tuple(q.shape)} w {tuple(w.shape)} k_cache {tuple(k_cache.shape)} do not agree")
         k_cache, kb = as_weight(k_cache, "indexer_scores.k_cache", dev)
         n = k_cache.shape[0]
+        length = self._length(length, "indexer_scores")
         out = self._empty(n, dtype=torch.float32)
         if n:
             smem = (Hi * (Di + 1) + IDX_WARPS * Di) * 4
             self._k("attention", "srt_indexer_scores")(
-                (math.ceil(n / (IDX_WARPS * IDX_PPW)),), (IDX_WARPS * 32,), [ptr(q), ptr(w), ptr(k_cache), i32(kb), ptr(out), i32(n), i32(Hi), i32(Di)], smem=smem
+                (math.ceil(n / (IDX_WARPS * IDX_PPW)),), (IDX_WARPS * 32,),
+                [ptr(q), ptr(w), ptr(k_cache), i32(kb), ptr(out), i32(n), ptr(length), i32(Hi), i32(Di)], smem=smem
             )
         return out
 
-    def select_topk(self, scores: Tensor, k: int) -> Tensor:
+    def select_topk(self, scores: Tensor, k: int, length: Tensor | None = None) -> Tensor:
         """Exact top-k positions with the tie rule: scores [n] (or [rows, n]) -> LongTensor [min(k, n)]
         (or [rows, min(k, n)]): positions above the threshold ascending, then the boundary group
-        from the lowest position up."""
+        from the lowest position up. length (one row): of scores[:length]; the first
+        min(k, length) entries are the result (base.py)."""
         s = as_act(scores, "select_topk.scores", self.device)
         one = s.dim() == 1
         if s.dim() not in (1, 2):
@@ -408,9 +421,12 @@ class NvrtcBackend(MoeOps):
         s2 = s.view(1, -1) if one else s
         rows, n = s2.shape
         kk = min(int(k), n)
+        length = self._length(length, "select_topk")
+        if length is not None and rows != 1:
+            raise ValueError(f"select_topk: a device length takes one row of scores, got {rows}")
         out = self._empty(rows, max(kk, 0), dtype=torch.int64)
         if kk > 0 and rows:
-            self._k("topk", "srt_select_topk")((rows,), (TOPK_THREADS,), [ptr(s2), ptr(out), i32(n), i32(kk)])
+            self._k("topk", "srt_select_topk")((rows,), (TOPK_THREADS,), [ptr(s2), ptr(out), i32(n), i32(kk), ptr(length)])
         return out[0] if one else out
 
     # Prefill attention on a cache: the torch reference (fixed query tiles x key blocks, online

@@ -18,11 +18,11 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from streamrt.backends.expert_pointers import scales_aligned8, tables
+from streamrt.backends.expert_pointers import DOWN_TABLE_BYTES, GATE_UP_TABLE_BYTES, scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, as_routed
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts, as_routed
 from streamrt.ops import route, sigmoid
 
 # Tensor-core NVFP4 kernels: warps per block (gate+up, down), cp.async stages per warp, 128-column
@@ -52,12 +52,15 @@ class MoeOps:
     # (bench_prefill_experts.py, 2026-12-02): 32 pairs per expert 8.6 ms grouped against 4.3 ms
     # per-pair, 85 pairs 8.7 against 10.8.
     grouped_min_pairs = 64
+    _ready_outgrown: list  # earlier, smaller `ready` sets (the backend sets it)
 
     def _ready_counts(self, n: int) -> Tensor:
         """Per pair of an expert-FFN call, how many gate+up blocks are done (the down kernel's
         blocks wait on their pair's count). Zero between calls: the weighted sum zeroes them.
         One set per backend: calls on one stream (the runtime's compute stream)."""
         if self._ready is None or self._ready.numel() < n:
+            if self._ready is not None:  # a captured CUDA graph may point at it: kept, not freed
+                self._ready_outgrown.append(self._ready)
             self._ready = torch.zeros(max(n, 1024), dtype=torch.int32, device=self.device)
         return self._ready
 
@@ -119,6 +122,8 @@ class MoeOps:
             raise ValueError(f"expert_ffn: z {tuple(z.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} do not agree")
         k = ids.shape[1]
         w = as_act(weights, "expert_ffn.weights", dev)
+        if isinstance(experts, ResidentExperts) and ids is experts.ids and not self.grouped_prefill:
+            return self._expert_ffn_table(z, experts, w, beta, linear_beta)
         experts = as_routed(experts, ids)
         missing = experts.missing()
         if missing:
@@ -138,7 +143,10 @@ class MoeOps:
             return out
         id_rows = experts.host_ids.tolist()
         pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
-        groups = [[q for q in pairs if q[2] not in late], [q for q in pairs if q[2] in late]]
+        # by expert within each group, as srt_moe_tables orders them (a batch's pairs of one expert
+        # adjacent; a pair's bits do not depend on its place)
+        groups = [sorted((q for q in pairs if q[2] not in late), key=lambda q: (q[2], q[0])),
+                  sorted((q for q in pairs if q[2] in late), key=lambda q: (q[2], q[0]))]
         ptrs, I = {}, None
         act = situ_args(beta, linear_beta)
         h = y = None
@@ -164,6 +172,38 @@ class MoeOps:
             if ready is not None:  # the sum that zeroes the counts will not run (queued after any launch made)
                 ready.zero_()
             raise
+        self._combine(y, w, out, T, k, Dl, ready)
+        return out
+
+    def _expert_ffn_table(self, z: Tensor, experts: ResidentExperts, w: Tensor, beta: float,
+                          linear_beta: float | None) -> Tensor:
+        """expert_ffn with the pairs' pointers gathered on the GPU from the layer's table
+        (`srt_moe_tables`): nothing on this path reads the ids on the host, so it is captured in
+        a CUDA graph once and replays for any routing. Pairs, chunks and kernels are the host
+        path's for the same ids (no expert is late here): the same bits."""
+        ids = experts.ids.contiguous()
+        if ids.device != self.device or ids.dtype != torch.int64:
+            raise ValueError(f"expert_ffn: device ids must be int64 on {self.device}, got {ids.dtype} on {ids.device}")
+        (T, Dl), k, I = z.shape, ids.shape[1], experts.inter
+        P = T * k
+        out = self._empty(T, Dl, dtype=torch.float32)
+        if P == 0:
+            return out.zero_()
+        chunks = math.ceil(P / MOE_MAXP)
+        gtab = self._empty(chunks, GATE_UP_TABLE_BYTES, dtype=torch.uint8)
+        dtab = self._empty(chunks, DOWN_TABLE_BYTES, dtype=torch.uint8)
+        self._k("nvfp4_moe", "srt_moe_tables")(
+            (math.ceil(P / 256),), (256,), [ptr(ids), ptr(experts.table), i32(P), i32(k), ptr(gtab), ptr(dtab)])
+        h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
+        ready = self._ready_counts(P) if self.pair_ready and k <= Dl else None
+        act = situ_args(beta, linear_beta)
+        tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and experts.tensor_core
+        for c in range(chunks):
+            n = min(MOE_MAXP, P - c * MOE_MAXP)
+            g, d = ptr(gtab[c]), ptr(dtab[c])
+            # the gate+up kernel reads its table before pdl_wait(), and the table is the kernel
+            # before's output here: a plain launch (the down kernel and the sum stay programmatic)
+            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, pdl_gateup=False, suffix="_dt")
         self._combine(y, w, out, T, k, Dl, ready)
         return out
 
@@ -225,29 +265,34 @@ class MoeOps:
         )
 
     def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup) -> None:
-        """gate+up+SiTU into h and down into y for up to 64 pairs (the tensor-core kernels count
-        into `ready`; the CUDA-core ones leave it alone)."""
+        """gate+up+SiTU into h and down into y for up to 64 pairs, their tables by value."""
         gtab, dtab = tables(chunk, ptrs)
-        np_ = len(chunk)
-        hp, yp = ptr(h), ptr(y)
         # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
-        if self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs):
+        tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs)
+        self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, pdl_gateup)
+
+    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, pdl_gateup, suffix="") -> None:
+        """The gate+up and down kernels for np_ pairs: tables by value (the struct bytes), or
+        `suffix="_dt"` and pointers to tables in device memory. The tensor-core kernels count
+        into `ready`; the CUDA-core ones leave it alone."""
+        hp, yp = ptr(h), ptr(y)
+        if tc:
             tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
             if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
                 raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
             gu_blocks = math.ceil(I / (16 * tg))
-            self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}")(
+            self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}{suffix}")(
                 (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready)],
                 smem=tc_smem(Dl, tg, st, kbs),
                 # programmatic: reads z after pdl_wait(); before it only weights, and only of
                 # resident experts (a late expert's copy is waited for by an event before this)
                 pdl=self.pdl and pdl_gateup)
-            self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}")(
+            self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}{suffix}")(
                 (math.ceil(Dl / (32 * td)), np_), (td * 32,), [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks)],
                 smem=tc_smem(I, td, st, kbs), pdl=self.pdl)
             return
-        self._k("nvfp4_moe", "srt_nvfp4_gateup")(
+        self._k("nvfp4_moe", f"srt_nvfp4_gateup{suffix}")(
             (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
             [gtab, ptr(z), hp, i32(I), i32(Dl), *act], smem=Dl * 4)
-        self._k("nvfp4_moe", "srt_nvfp4_down")(
+        self._k("nvfp4_moe", f"srt_nvfp4_down{suffix}")(
             (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, i32(Dl), i32(I)], smem=I * 4)

@@ -171,20 +171,32 @@ class TorchBackend:
     # ---- MLA + indexer -------------------------------------------------------------
 
     def mla_decode(
-        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None
+        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None,
+        length: Tensor | None = None,
     ) -> Tensor:
         """q_lat [H, R], q_rot [H, Dr], c_cache [n, R], kr_cache [n, Dr] -> sum_t p c_t [H, R]."""
+        if length is not None:  # the host reads it (this backend is not captured in CUDA graphs)
+            n = int(length)
+            c_cache, kr_cache = c_cache[:n], kr_cache[:n]
+            select = None if select is None else select[:n]
         if select is not None:
             c_cache, kr_cache = c_cache[select], kr_cache[select]  # [m, R], [m, Dr]
         s = (q_lat @ c_cache.T + q_rot @ kr_cache.T) * scale  # [H, m]
         p = torch.softmax(s, dim=-1)
         return p @ c_cache  # [H, R]
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor) -> Tensor:
+    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
         """q [Hi, Di], w [Hi], k_cache [n, Di] -> I [n] = sum_h w[h] relu(q[h].k[s])."""
+        if length is not None:
+            k_cache = k_cache[: int(length)]
         return (torch.relu(q @ k_cache.T) * w[:, None]).sum(0)
 
-    def select_topk(self, scores: Tensor, k: int) -> Tensor:
+    def select_topk(self, scores: Tensor, k: int, length: Tensor | None = None) -> Tensor:
+        if length is not None:
+            n = int(length)
+            if n <= k:
+                return torch.arange(n, device=scores.device)
+            scores = scores[..., :n]
         return select_topk(scores, k)
 
     def mla_prefill(

@@ -88,11 +88,42 @@ class MLACache:
 
 
 class ModelCache:
-    """Every layer's decode state for a batch of B sequences."""
+    """Every layer's decode state for a batch of B sequences. `lengths` (host) and `device_lengths`
+    (int32 [B] beside the caches) both count each row's valid positions: decode reads the
+    device copy, so a CUDA graph of a step needs no host value that changes per token."""
 
     def __init__(self, layers: list, lengths: list[int]):
         self.layers = layers  # KDACache | MLACache per layer
         self.lengths = lengths  # valid positions per row
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: list[int]) -> None:
+        self._lengths = list(lengths)
+        device = self.layers[0].tensors()[0].device if self.layers else torch.device("cpu")
+        self.device_lengths = torch.tensor(self._lengths, dtype=torch.int32, device=device)
+
+    def advance(self, t: int, *, on_device: bool = True) -> None:
+        """Every row gained t positions: on the host, and in place on the device (capturable;
+        on_device=False: a graph's replay did that part)."""
+        self._lengths = [n + t for n in self._lengths]
+        if on_device:
+            self.device_lengths.add_(t)
+
+    def reserve(self, n: int) -> None:
+        """Every MLA layer's capacity to at least n positions (doubling, as a step's own growth)."""
+        for lc in self.layers:
+            if isinstance(lc, MLACache):
+                lc.reserve(n)
+
+    def tensor_addresses(self) -> tuple:
+        """Where every cache tensor lives, and its shape: a CUDA graph of a step is valid while
+        these stay (a freed cache's memory may come back at the same address, another size)."""
+        ts = [self.device_lengths, *(t for lc in self.layers for t in lc.tensors())]
+        return tuple((t.data_ptr(), *t.shape) for t in ts)
 
     @classmethod
     def empty(cls, cfg, batch: int, device=None) -> "ModelCache":
@@ -144,6 +175,11 @@ class Step:
     seqlen: int  # T new tokens per sequence
     cache: ModelCache | None
     start: int  # first position of the new tokens (prefill forms; rows share it)
+    valid: Tensor | None = None  # decode: int32 [B] on the device, positions valid once this step's token is in
+
+    def __post_init__(self) -> None:
+        if self.valid is None and self.decode:
+            self.valid = self.cache.device_lengths + 1
 
     @property
     def decode(self) -> bool:

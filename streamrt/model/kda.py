@@ -187,8 +187,9 @@ class KimiDeltaAttention(nn.Module):
                 for z, w, st in zip((zq, zk, zv), convs, (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v))
             ]
             q, k, v = (r[0].reshape(N, -1) for r in res)
-            if cache is not None:
-                cache.conv_q, cache.conv_k, cache.conv_v = (r[1].detach() for r in res)
+            if cache is not None:  # in place: the cache keeps its addresses (a decode graph stays valid)
+                for state, r in zip((cache.conv_q, cache.conv_k, cache.conv_v), res):
+                    state.copy_(r[1].detach())
         f = be.linear(be.linear(x, self.f_a_proj.weight), self.f_b_proj.weight).view(N, H, K)
         g = kda_gate(f, self.A_log[:H], self.dt_bias, self.lower_bound)  # [N, H, K], log-decay in (lb, 0)
         beta = sigmoid(be.linear(x, self.b_proj.weight))  # [N, H]
@@ -218,6 +219,8 @@ class KimiDeltaAttention(nn.Module):
         seq = new if pending is None else [torch.cat((p, t), 1) for p, t in zip(pending, new)]  # [B, L+T, ...]
         o, S, S_whole = kda_chunked(*seq, S0, KDA_CHUNK, boundary=True)
         whole = (L + T) // KDA_CHUNK * KDA_CHUNK
-        cache.state = S.detach()
+        if S_whole.data_ptr() == cache.state.data_ptr():  # no boundary crossed: the anchor is the old state,
+            S_whole = S_whole.clone()  # which the copy below (and every decode step) overwrites
+        cache.state.copy_(S.detach())
         cache.set_anchor(S_whole.detach(), [t[:, whole:] for t in seq])
         return o[:, L:]

@@ -106,21 +106,26 @@ class KimiMLAAttention(nn.Module):
         return torch.cat(outs)  # [B*T, H, dv]
 
     def _decode(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache) -> Tensor:
-        be, H, dn, R = step.be, self.H, self.dn, self.R
-        lengths = step.cache.lengths
-        cache.reserve(max(lengths) + 1)
+        """One new token per row, each at its own position (the cache's device lengths, so the
+        step holds no host length: a CUDA graph of it replays at any length up to the capacity)."""
+        be, B, H, dn, R = step.be, step.batch, self.H, self.dn, self.R
+        cache.reserve(max(step.cache.lengths) + 1)  # growth moves the cache: never inside a graph
+        cap = cache.c.shape[1]
+        at = step.cache.device_lengths.long() + torch.arange(B, device=c.device) * cap  # [B] flat positions
+        cache.c.view(B * cap, R).index_copy_(0, at, c.detach())
+        cache.kr.view(B * cap, -1).index_copy_(0, at, kr.detach())
+        if idx is not None:
+            cache.ik.view(B * cap, -1).index_copy_(0, at, idx[1].detach())
         W = self.kv_b_proj.weight.float().view(H, dn + self.dv, R)
         W_UK, W_UV = W[:, :dn], W[:, dn:]  # [H, dn, R], [H, dv, R]
         outs = []
-        for b, n in enumerate(lengths):  # row-wise: each sequence on its own
-            cache.c[b, n], cache.kr[b, n] = c[b].detach(), kr[b].detach()
-            if idx is not None:
-                cache.ik[b, n] = idx[1][b].detach()
+        for b in range(B):  # row-wise: each sequence on its own
+            n = step.valid[b : b + 1]  # positions valid once this token is in: int32 [1] on the device
             q_lat = torch.bmm(q_nope[b][:, None, :], W_UK)[:, 0]  # [H, R]
             select = None
-            if idx is not None and self.sparse and n + 1 > self.indexer.topk:
-                scores = be.indexer_scores(idx[0][b], idx[2][b], cache.ik[b, : n + 1])  # [n+1]
-                select = be.select_topk(scores, self.indexer.topk)
-            o_lat = be.mla_decode(q_lat, q_rot[b], cache.c[b, : n + 1], cache.kr[b, : n + 1], self.scale, select)  # [H, R]
+            if idx is not None and self.sparse:  # every position, ascending, while n <= topk
+                scores = be.indexer_scores(idx[0][b], idx[2][b], cache.ik[b], n)  # [cap], valid below n
+                select = be.select_topk(scores, self.indexer.topk, n)
+            o_lat = be.mla_decode(q_lat, q_rot[b], cache.c[b], cache.kr[b], self.scale, select, n)  # [H, R]
             outs.append(torch.bmm(W_UV, o_lat[:, :, None])[..., 0])  # [H, dv]
         return torch.stack(outs)  # [B, H, dv]

@@ -165,6 +165,9 @@ class KimiLinearForCausalLM(nn.Module):
         self.prefill_chunk: int | None = None
         # Around every layer: acquire / release its dense weights (RESIDENT: they never move).
         self.layer_weights: LayerWeights = RESIDENT
+        # Decode steps as CUDA graphs (runtime/decode_graphs.DecodeGraphs), set by the runtime
+        # when every routed expert is resident; None: every step runs op by op.
+        self.decode_graphs = None
         self.model = KimiLinearModel(cfg, float_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -189,7 +192,7 @@ class KimiLinearForCausalLM(nn.Module):
         (training, or a reference).
         """
         cfg = self.config
-        ids = torch.as_tensor(input_ids, device=self.lm_head.weight.device)
+        ids = torch.as_tensor(input_ids)
         squeeze = ids.dim() == 1
         ids = ids[None] if squeeze else ids
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
@@ -197,13 +200,18 @@ class KimiLinearForCausalLM(nn.Module):
         B, T = ids.shape
         if T == 0:
             raise StreamrtError("input_ids is empty")
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
-            raise StreamrtError(f"token id out of range [0, {cfg.vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
+        lo, hi = int(ids.min()), int(ids.max())  # where the ids are (host ids: no device synchronize)
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise StreamrtError(f"token id out of range [0, {cfg.vocab_size}): min {lo}, max {hi}")
+        ids = ids.to(self.lm_head.weight.device)
         if cache is not None:
             if cache.batch != B:
                 raise StreamrtError(f"cache holds {cache.batch} sequences but input_ids has {B}")
             if T > 1 and len(set(cache.lengths)) > 1:
                 raise StreamrtError(f"a prefill on a cache needs rows of one length, got lengths {cache.lengths}")
+        if cache is not None and T == 1 and self.decode_graphs is not None:
+            logits = self.decode_graphs.decode(ids, cache, last_only)  # a replayed CUDA graph (no yields)
+            return logits[0] if squeeze else logits
         if cache is not None and T > 1:
             C = int(prefill_chunk or self.prefill_chunk or default_prefill_chunk(cfg, ids.device))
             if C < 1:
@@ -211,16 +219,16 @@ class KimiLinearForCausalLM(nn.Module):
             if T > C:
                 outs = []
                 for t0 in range(0, T, C):
-                    out = yield from self._forward(ids[:, t0 : t0 + C], cache, last_only)
+                    out = yield from self.forward_chunk(ids[:, t0 : t0 + C], cache, last_only)
                     outs.append(out)
                 logits = outs[-1] if last_only else torch.cat(outs, dim=1)  # [B, T or 1, V]
                 return logits[0] if squeeze else logits
-        logits = yield from self._forward(ids, cache, last_only)
+        logits = yield from self.forward_chunk(ids, cache, last_only)
         return logits[0] if squeeze else logits
 
-    def _forward(self, ids: Tensor, cache: ModelCache | None, last_only: bool) -> ForwardSteps:
-        """One forward over ids [B, T] (one prefill chunk, a decode step, or the cache-less
-        form) -> logits [B, T or 1, V]."""
+    def forward_chunk(self, ids: Tensor, cache: ModelCache | None, last_only: bool) -> ForwardSteps:
+        """One forward over ids [B, T] on the model's device, already checked (one prefill
+        chunk, a decode step, or the cache-less form) -> logits [B, T or 1, V]."""
         be = self.backend
         B, T = ids.shape
         decode = cache is not None and T == 1
@@ -240,7 +248,7 @@ class KimiLinearForCausalLM(nn.Module):
             finally:  # also when the forward is closed or fails inside the layer
                 weights.release(layer.layer_idx)  # its buffer may be refilled once this compute ran
         if cache is not None:
-            cache.lengths = [n + T for n in cache.lengths]
+            cache.advance(T)
         if last_only:  # every op below is row-wise
             rows = torch.arange(B, device=ids.device) * T + (T - 1)
             partial, blocks, T = partial[rows], [b[rows] for b in blocks], 1

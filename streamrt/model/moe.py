@@ -89,12 +89,13 @@ class LatentMoE(nn.Module):
         else:
             answer = yield ExpertRequest(self.layer_idx, ids, w, x)
             # The runtime and the providers answer with the ids already on the host (RoutedExperts),
-            # which keeps this layer free of another device synchronize; a plain mapping is wrapped.
+            # which keeps this layer free of another device synchronize, or, every expert resident,
+            # with the device ids and a pointer table (ResidentExperts); a plain mapping is wrapped.
             experts = answer_to(answer, ids)
             missing = experts.missing()
             if missing:
                 raise StreamrtError(f"expert provider returned no weights for layer {self.layer_idx} experts {missing[:8]}")
-            u = be.expert_ffn(z, experts.host_ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
+            u = be.expert_ffn(z, experts.ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u, be)
         y = be.linear(u, self.routed_expert_up_proj.weight)  # [N, D]

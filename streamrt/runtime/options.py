@@ -184,6 +184,9 @@ class RuntimeOptions:
     gds: str = _flag("auto", "pool tier: GPUDirect Storage through kvikio/cuFile where present (auto), required "
                              "(on) or not used (off); the start line says which path runs",
                      choices=("auto", "on", "off"))
+    cuda_graphs: str = _flag("auto", "auto: once every routed expert sits in a device slot (and the backend is nvrtc, "
+                                     "the dense layers resident), decode steps replay CUDA graphs; off: op by op (the "
+                                     "same tokens, more host time)", choices=("auto", "off"))
     device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
     backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
                                   "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))

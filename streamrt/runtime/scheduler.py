@@ -58,7 +58,10 @@ import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
 from streamrt.expert_weights import ExpertWeights, unique_ids
+from streamrt.backends.expert_pointers import ExpertTable
+from streamrt.model.model import ResidentWeights
 from streamrt.runtime.aio import event_done, gather_all, new_event_loop, settled
+from streamrt.runtime.decode_graphs import DecodeGraphs
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.pool_reads import PoolReads
 from streamrt.runtime.predictor import Predictor
@@ -125,6 +128,7 @@ class StreamingRuntime:
         self._held: list[ExpertKey] = []  # keys the last served request pinned
         self._transient: dict[ExpertKey, tuple] = {}  # overflow of a request wider than the slab
         self._verified: set[ExpertKey] = set()  # checksummed once in this process (--verify-experts)
+        self.graphs_refused: str | None = None  # why decode stays op by op with every expert resident
         if opts.preparse and not self.pooled:
             self.host.preparse(self._every_key(), lambda buf: parse_expert(buf, self.layout))
 
@@ -175,6 +179,8 @@ class StreamingRuntime:
         t0, b0 = time.perf_counter(), self.stats.bytes_h2d
         tracer = self.tracer
         tracer.begin_step()
+        if tokens and self.model is not None and self.model.decode_graphs is None and self.graphs_refused is None:
+            self._try_decode_graphs()
         hinted = self.stager.hints_first
         if hinted:
             self.model.step_hint = self.stager.stage_first
@@ -199,6 +205,31 @@ class StreamingRuntime:
             self.stats.decode_bytes_h2d += self.stats.bytes_h2d - b0
         tracer.end_step()
         return logits
+
+    def _try_decode_graphs(self) -> None:
+        """Once every routed expert sits in a device slot, nothing is left to fetch: decode steps
+        replay CUDA graphs (runtime/decode_graphs.py) and skip `serve`, unless --cuda-graphs off,
+        the backend is not nvrtc, dense layers stream, or a trace wants per-layer spans. The
+        table of slot pointers is checked once here; a slot refilled later drops the graphs."""
+        if (len(self.gpu) < self.cfg.expert_files or self.options.cuda_graphs == "off" or self.device.kind != "cuda"
+                or getattr(self.model.backend, "name", None) != "nvrtc" or not isinstance(self.model.layer_weights, ResidentWeights)
+                or self.tracer.enabled or self.stats.trace is not None):
+            return
+        table = ExpertTable(self.cfg.moe_layers, self.cfg.num_experts, self.cfg.routed_expert_hidden_size, self.device.torch_device)
+        views: dict[int, dict[int, ExpertWeights]] = {}
+        try:
+            for key in self._every_key():
+                ew = self.gpu.views(self.gpu.slot_of(key), self._slot_views)
+                table.place(key.layer, key.expert, ew)
+                views.setdefault(key.layer, {})[key.expert] = ew
+        except ValueError as e:  # an expert the table's kernels cannot take: op by op, as before
+            self.graphs_refused = str(e)
+            return
+        self.model.decode_graphs = DecodeGraphs(self.model, table, views, stats=self.stats)
+
+    def _drop_decode_graphs(self) -> None:
+        if self.model is not None and self.model.decode_graphs is not None:
+            self.model.decode_graphs = None
 
     # ---- one layer request: the I/O story ---------------------------------------------
 
@@ -342,6 +373,7 @@ class StreamingRuntime:
         """Give `key` a slot and queue its copy from mapping `m` (one ready event)."""
         if key in self.gpu or key in self._transient:
             return True
+        self._drop_decode_graphs()  # a slot may be refilled: the graphs' pointer table would go stale
         slot = self.gpu.admit(key, required=False)
         if slot is None:  # every slot pinned: only a request wider than the slab gets here
             if required:
@@ -483,6 +515,7 @@ class StreamingRuntime:
     def close(self) -> None:
         if self.loop.is_closed():
             return
+        self._drop_decode_graphs()  # the graphs point into this runtime's slots
         # a step cut short (Ctrl-C) leaves its tasks pending: cancel them, else closing the loop
         # prints "Task was destroyed but it is pending!" for each, and settle() could wait on them
         leftover = [t for t in asyncio.all_tasks(self.loop) if not t.done()]

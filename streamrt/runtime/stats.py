@@ -22,6 +22,8 @@ A runtime's `--stats-json` adds the staging counters (STAGING_KEYS) after those:
                                layer's router spoke first (or the step ended): they cost no
                                link time; a routed one was fetched as an ordinary miss.
                                staged + stage_dropped = guesses queued (not already resident)
+  graph_steps                  decode steps replayed as a CUDA graph (every expert resident: no
+                               expert is requested, so the hit counters above stay still)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ PAYLOAD_KEYS = (
     "bytes_disk", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
     "effective_gbps",
 )
-STAGING_KEYS = ("staged", "stage_dropped")
+STAGING_KEYS = ("staged", "stage_dropped", "graph_steps")
 # Disk tier (issue 21): where the expert bytes came from. Added to a runtime's payload when the
 # pool tier runs or --host-tier was given (see DISK_DOC below).
 DISK_KEYS = ("host_tier", "disk_bytes", "page_cache_bytes", "pool_hits", "pool_misses", "readahead_reads",
@@ -69,6 +71,7 @@ class RuntimeStats:
     routed: int = 0  # routed experts of requests that had a prediction
     staged: int = 0  # experts copied ahead on a prediction (staged copies issued)
     stage_dropped: int = 0  # queued guesses dropped unissued (mostly: their router spoke first)
+    graph_steps: int = 0  # decode steps replayed as a CUDA graph (runtime/decode_graphs.py)
     host_tier: str = "mapped"  # DISK_KEYS, see DISK_DOC
     disk_bytes: int = 0
     page_cache_bytes: int = 0
@@ -109,7 +112,7 @@ class RuntimeStats:
         }
         assert tuple(out) == PAYLOAD_KEYS
         if staging:
-            out.update(staged=self.staged, stage_dropped=self.stage_dropped)
+            out.update(staged=self.staged, stage_dropped=self.stage_dropped, graph_steps=self.graph_steps)
         if disk:
             out.update({k: getattr(self, k) for k in DISK_KEYS})
         return out

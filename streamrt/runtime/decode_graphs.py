@@ -1,0 +1,101 @@
+"""Decode steps as CUDA graphs, once every routed expert is resident (issue 24).
+
+A decode step on the NVRTC backend is some 5,000 small launches; issued from Python one by one
+they take many times the GPU's own time. With every routed expert in a device slot that does
+not move, nothing in a step needs the host: the cache lengths live on the device
+(`ModelCache.device_lengths`), the expert FFN gathers its pointers on the GPU from an
+`ExpertTable` (the layer's answer is `ResidentExperts`), and the token ids come in through one
+buffer. So a step is captured once and replayed:
+
+    first step of a shape   op by op (compiles kernels, allocates the backend's lasting
+                            buffers), then the same step captured (captured work does not run)
+    every later step        ids copied in, the graph replayed, the host lengths counted
+
+A graph holds the addresses of the cache tensors: it is kept per (ids shape, last_only, cache
+addresses). The MLA caches grow by doubling before a step (`ModelCache.reserve`), which moves
+them, so a context that doubles captures once more; at most `keep` graphs stay (least recently
+used first out). A replay runs the kernels of the op-by-op step with the same arguments: the
+same bits (tests/test_decode_graphs_gpu.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from streamrt.backends.expert_pointers import ExpertTable
+from streamrt.expert_weights import ExpertWeights, ResidentExperts
+from streamrt.model.cache import ModelCache
+from streamrt.model.model import run_sync
+
+
+class DecodeGraphs:
+    """`model.decode_graphs` (the model's forward replays through `decode`): every MoE layer's
+    experts in `views` ({layer: {expert: device views}}) and placed in `table`."""
+
+    def __init__(self, model, table: ExpertTable, views: Mapping[int, Mapping[int, ExpertWeights]], *, keep: int = 4,
+                 stats=None):
+        if getattr(model.backend, "name", None) != "nvrtc":
+            raise ValueError("decode graphs need the nvrtc backend (the torch backend reads ids on the host)")
+        if not table.complete():
+            raise ValueError("decode graphs need every routed expert placed in the expert table")
+        self.model, self.table, self.views, self.keep = model, table, views, keep
+        self.tensor_core = table.tensor_core_ready()
+        table.upload()
+        self._graphs: OrderedDict[tuple, tuple[Tensor, torch.cuda.CUDAGraph, Tensor]] = OrderedDict()
+        self.stats = stats  # RuntimeStats: graph_steps counts the replays
+        self.captures = self.replays = 0
+
+    def answer(self, req) -> ResidentExperts:
+        """A layer's experts: its table and views, the router's ids left on the device."""
+        return ResidentExperts(self.views[req.layer], self.table.layer(req.layer), self.table.inter, req.ids,
+                               req.layer, self.tensor_core)
+
+    def decode(self, ids: Tensor, cache: ModelCache, last_only: bool) -> Tensor:
+        """One decode step of ids [B, 1] (checked, on the device) -> logits [B, 1, V]."""
+        # growth moves the caches: before the key is taken, and one position ahead, so that the
+        # capture after a first step (one position later) never grows them inside the graph
+        cache.reserve(max(cache.lengths) + 2)
+        key = (tuple(ids.shape), last_only, cache.tensor_addresses())
+        entry = self._graphs.get(key)
+        if entry is None:
+            hint, self.model.step_hint = self.model.step_hint, None  # nothing to stage: every expert is resident
+            try:
+                logits = run_sync(self.model.forward_chunk(ids, cache, last_only), self.answer)
+                self._capture(key, ids, cache, last_only)
+            finally:
+                self.model.step_hint = hint
+            return logits
+        self._graphs.move_to_end(key)
+        static_ids, graph, logits = entry
+        static_ids.copy_(ids)
+        graph.replay()  # on the current stream, behind whatever the caller queued there
+        cache.advance(1, on_device=False)  # the replay advanced the device lengths
+        self.replays += 1
+        if self.stats is not None:
+            self.stats.graph_steps += 1
+        return logits.clone()  # the next replay overwrites the graph's own output
+
+    def _capture(self, key: tuple, ids: Tensor, cache: ModelCache, last_only: bool) -> None:
+        """Capture the step for ids' shape on this cache. Capturing runs the step's Python but not
+        its kernels: the host lengths it counted are taken back."""
+        static_ids = ids.clone()
+        before = cache.lengths[0]
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(ids.device)  # capture needs a stream other than the default
+        side.wait_stream(torch.cuda.current_stream(ids.device))
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                logits = run_sync(self.model.forward_chunk(static_ids, cache, last_only), self.answer)
+        finally:
+            counted = cache.lengths[0] - before
+            if counted:
+                cache.advance(-counted, on_device=False)
+        torch.cuda.current_stream(ids.device).wait_stream(side)
+        while len(self._graphs) >= self.keep:
+            self._graphs.popitem(last=False)
+        self._graphs[key] = (static_ids, graph, logits)
+        self.captures += 1
