@@ -123,18 +123,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_cpu_s_per_step'] * 1e3:.2f} ms/step, {r['graph_steps']} graph steps{busy}", flush=True)
 
     T = args.warmup + args.tokens
-    with resident("off") as rt:
-        for i in range(args.repeats):
-            record(f"off B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
-                                                    profile_steps=args.profile_steps if i == 0 else 0))
-        for B in batches[1:]:
-            record(f"off B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
-    with resident("auto") as rt:
-        for i in range(args.repeats):
-            record(f"graphs B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
-                                                       profile_steps=args.profile_steps if i == 0 else 0))
-        for B in batches[1:]:
-            record(f"graphs B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
+    for graphs, label in (("off", "off"), ("auto", "graphs")):
+        with resident(graphs) as rt:
+            for i in range(args.repeats):
+                record(f"{label} B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
+                                                            profile_steps=args.profile_steps if i == 0 else 0))
+            for B in batches[1:]:
+                record(f"{label} B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
     if args.torch:
         tmodel = load_model(tree, device.torch_device, dtype=torch.bfloat16)
         with resident("off", tmodel) as rt:
