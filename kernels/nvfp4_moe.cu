@@ -2,9 +2,9 @@
 //
 // One launch covers up to SRT_MOE_MAXP (row t, expert) pairs of one layer; the slot pointers
 // travel by value in a __grid_constant__ table (no host->device copy per step), or, in a CUDA
-// graph, in a table `srt_moe_tables` builds on the GPU from the routed ids (the *_dt entries). A pair's rows
-// of h and y are named in the table (dst), so the host may launch resident experts first and
-// experts still in flight after their copy events, with the same result bits.
+// graph, in a table `srt_moe_tables` builds on the GPU from the routed ids (the *_dt entries).
+// A pair's rows of h and y are named in the table (dst), so the host may launch resident experts
+// first and experts still in flight after their copy events, with the same result bits.
 //   1. srt_nvfp4_gateup: h[p, i] = situ_glu(gate_e[i, :] . z[t], up_e[i, :] . z[t])      [P, I]
 //   2. srt_nvfp4_down:   y[p, d] = down_e[d, :] . h[p]                                      [P, Dl]
 //   3. srt_moe_combine:  out[t, d] = sum_j (j ascending) w[t, j] * y[t*k + j, d]           [T, Dl]

@@ -59,6 +59,17 @@ def ensure_tree(workdir: Path, config: str):
     return open_tree(root)
 
 
+def ensure_warm_tree(workdir: Path, config: str):
+    """The tree at workdir/config (synthesised if absent), every expert file read once into the
+    page cache (experts in host RAM), with a line saying how long that took."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tree = ensure_tree(workdir, config)
+    t = time.perf_counter()
+    gb = warm_page_cache(tree)
+    print(f"page cache: read {gb:.1f} GB of expert files in {time.perf_counter() - t:.1f} s", flush=True)
+    return tree
+
+
 def warm_page_cache(tree) -> float:
     """Read every expert file once (experts in host RAM). Returns GB read."""
     cfg, n = tree.config, 0
@@ -228,12 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config)
     device = make_device(args.device)
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    tree = ensure_tree(args.workdir, args.config)
+    tree = ensure_warm_tree(args.workdir, args.config)
     cfg = tree.config
-    t = time.perf_counter()
-    gb = warm_page_cache(tree)
-    print(f"page cache: read {gb:.1f} GB of expert files in {time.perf_counter() - t:.1f} s", flush=True)
     dtype = torch.bfloat16 if device.kind == "cuda" else None
     model = load_model(tree, device.torch_device, dtype=dtype)
 

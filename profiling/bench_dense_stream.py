@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_decode import decode_run, ensure_tree, git_commit, machine, measure_link, pinned_rate, warm_page_cache  # noqa: E402
+from bench_decode import decode_run, ensure_warm_tree, git_commit, machine, measure_link, pinned_rate  # noqa: E402
 
 from streamrt.loader import load_model  # noqa: E402
 from streamrt.placement import format_plan, layer_dense_bytes, plan_placement  # noqa: E402
@@ -89,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     device = make_device(args.device)
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    tree = ensure_tree(args.workdir, args.config)
+    tree = ensure_warm_tree(args.workdir, args.config)
     cfg = tree.config
-    t = time.perf_counter()
-    print(f"page cache: read {warm_page_cache(tree):.1f} GB of expert files in {time.perf_counter() - t:.1f} s", flush=True)
 
     from streamrt.runtime.options import parse_bytes
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench_decode import ensure_tree, git_commit, machine, measure_link, warm_page_cache
+from bench_decode import ensure_warm_tree, git_commit, machine, measure_link
 from streamrt.backends.nvrtc import NvrtcBackend
 from streamrt.loader import load_model
 from streamrt.model.cache import ModelCache
@@ -91,12 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     device = make_device("cuda")
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    tree = ensure_tree(args.workdir, args.config)
+    tree = ensure_warm_tree(args.workdir, args.config)
     cfg = tree.config
-    t = time.perf_counter()
-    gb = warm_page_cache(tree)
-    print(f"page cache: {gb:.1f} GB of expert files in {time.perf_counter() - t:.1f} s", flush=True)
     link = measure_link(device, tree)
     batches = [int(b) for b in args.batches.split(",")]
     Bmax = max(batches)

@@ -113,7 +113,7 @@ class ResidentExperts(RoutedExperts):
                  tensor_core: bool = True):
         self._views, self.table, self.inter, self._ids, self.layer = views, table, inter, ids, layer
         self.tensor_core = tensor_core
-        self._host = None
+        self._host = self._unique = None
 
     @property
     def ids(self) -> Tensor:
@@ -127,7 +127,9 @@ class ResidentExperts(RoutedExperts):
 
     @property
     def unique(self) -> list[int]:
-        return unique_ids(self.host_ids)
+        if self._unique is None:
+            self._unique = unique_ids(self.host_ids)
+        return self._unique
 
     def missing(self) -> list[int]:
         return []  # the table holds every expert of the layer (ExpertTable.complete)

@@ -95,13 +95,17 @@ def scales_aligned8(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPoi
     )
 
 
+GATE_UP_TABLE_BYTES = 6 * MOE_MAXP * 8 + 2 * MOE_MAXP * 4  # sizeof(GateUpTable)
+DOWN_TABLE_BYTES = 3 * MOE_MAXP * 8 + MOE_MAXP * 4  # sizeof(DownTable)
+
+
 def tables(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPointers]) -> tuple[np.ndarray, np.ndarray]:
     """The by-value GateUpTable (6 x 64 u64 + 2 x 64 int32) and DownTable (3 x 64 u64 + 64
     int32) for pairs (pair index = h / y row, token row, expert)."""
-    g = np.zeros(6 * MOE_MAXP * 8 + 2 * MOE_MAXP * 4, dtype=np.uint8)
+    g = np.zeros(GATE_UP_TABLE_BYTES, dtype=np.uint8)
     gp = g[: 6 * MOE_MAXP * 8].view(np.uint64).reshape(6, MOE_MAXP)
     gi = g[6 * MOE_MAXP * 8 :].view(np.int32).reshape(2, MOE_MAXP)
-    d = np.zeros(3 * MOE_MAXP * 8 + MOE_MAXP * 4, dtype=np.uint8)
+    d = np.zeros(DOWN_TABLE_BYTES, dtype=np.uint8)
     dp = d[: 3 * MOE_MAXP * 8].view(np.uint64).reshape(3, MOE_MAXP)
     di = d[3 * MOE_MAXP * 8 :].view(np.int32)
     for i, (p, t, e) in enumerate(chunk):
@@ -111,10 +115,6 @@ def tables(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPointers]) -
         dp[:, i] = pe[DOWN]
         di[i] = p
     return g, d
-
-
-GATE_UP_TABLE_BYTES = 6 * MOE_MAXP * 8 + 2 * MOE_MAXP * 4  # sizeof(GateUpTable)
-DOWN_TABLE_BYTES = 3 * MOE_MAXP * 8 + MOE_MAXP * 4  # sizeof(DownTable)
 
 
 class ExpertTable:
@@ -158,4 +158,3 @@ class ExpertTable:
 
     def layer(self, layer: int) -> torch.Tensor:
         return self._device[self._row[layer]]
-

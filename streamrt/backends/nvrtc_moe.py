@@ -145,8 +145,8 @@ class MoeOps:
         pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
         # by expert within each group, as srt_moe_tables orders them (a batch's pairs of one expert
         # adjacent; a pair's bits do not depend on its place)
-        groups = [sorted((q for q in pairs if q[2] not in late), key=lambda q: (q[2], q[0])),
-                  sorted((q for q in pairs if q[2] in late), key=lambda q: (q[2], q[0]))]
+        groups = [sorted((q for q in pairs if (q[2] in late) == is_late), key=lambda q: (q[2], q[0]))
+                  for is_late in (False, True)]
         ptrs, I = {}, None
         act = situ_args(beta, linear_beta)
         h = y = None

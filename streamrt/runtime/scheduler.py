@@ -228,7 +228,7 @@ class StreamingRuntime:
         self.model.decode_graphs = DecodeGraphs(self.model, table, views, stats=self.stats)
 
     def _drop_decode_graphs(self) -> None:
-        if self.model is not None and self.model.decode_graphs is not None:
+        if self.model is not None:
             self.model.decode_graphs = None
 
     # ---- one layer request: the I/O story ---------------------------------------------
