@@ -244,21 +244,23 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 
 // ============================ tensor-core path (mma.sync, sm_89+) ============================
 //
-// Same math; the 16-row x 16-k products run on tensor cores. Per warp: two 16-row tiles (gate
-// and up rows r0..r0+15, or down rows r0..r0+31) share the activation operand B.
+// Same math; the products run on tensor cores, and one block takes up to TC_TOKENS pairs of one
+// expert (its rows of z, or of h), so a batch reads and decodes each expert's weights once per
+// group of rows instead of once per row. Per warp: two 16-row tiles (gate and up rows
+// r0..r0+15, or down rows r0..r0+31) share the activation operand B.
 //  * A (weights): lane (g = lane/4, c = lane%4) takes 16 bytes (32 elements = 2 scale groups)
 //    of rows g and g+8 per 128-column block, decoded in registers to fp16 (e2m1 * 2^-14, exact;
-//    e2m1x8_h2). The k order inside a word is the decoder's; B is staged in the same order.
-//  * B (activation): x * 2^s (s a power of two putting max|x| in [2^14, 2^15)) split exactly
-//    enough into fp16 hi + lo (|x - hi - lo| <= 2^-22 |x|).
-//  * Block scales stay out of the operands. An mma's 16 k values come from the chunks of the
-//    4 lanes c = 0..3 of a row group (4 values each, all in one 16-element scale group of that
-//    lane's chunk). Column n = 2c + h of B carries x (h = 0: hi, 1: lo) only for the k values
-//    of lane c and zero elsewhere, so D[row][2c + h] is lane c's group partial, unscaled. Four
-//    mma steps from zero cover a group; lane (g, c) holds exactly its own groups' columns and
-//    applies its own E4M3 scales in fp32: acc += (d_hi + d_lo) * scale, in block order. The 4
-//    lanes of a row are summed at the end (xor 1, then xor 2). Fixed order throughout: the bits
-//    do not depend on T, the block shape or the pipeline depth.
+//    e2m1x8_h2) and multiplied by the element's E4M3 block scale in fp16, also exact (a product
+//    of a 2-bit and a 4-bit significand, a multiple of 2^-24 below 0.17). The k order inside a
+//    word is the decoder's; B is staged in the same order.
+//  * B (activation): x * 2^s per row (s a power of two putting max|x| in [2^14, 2^15)) split
+//    exactly enough into fp16 hi + lo (|x - hi - lo| <= 2^-22 |x|). Column n = 2j + h of B is
+//    row j of a set of four rows of the group (h = 0: hi, 1: lo), so the tensor core sums a
+//    whole weight row against each column in fp32, in a fixed order (two chains, tc_rows):
+//    D[r][2j] + D[r][2j+1] is row j's dot product, unscaled. Lane (g, c) ends holding rows
+//    j = c (and 4 + c) of its tile rows g and g+8. A column's sum does not depend on the other
+//    columns: a row's bits do not depend on the rows beside it, T, the block shape or the
+//    pipeline depth.
 //  * Weights and scales travel global -> shared by cp.async through a ring of S stages per
 //    warp, KBS 128-column blocks of the warp's 32 rows per stage, so S - 1 stages are in flight
 //    while one is decoded, without holding them in registers.
@@ -271,18 +273,31 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 //  * All three kernels are launched programmatically (sm_90+): gate+up queues its first weight
 //    stages while the kernel before it ends and reads z after pdl_wait(); once its blocks are
 //    past that, down blocks may take the slots its last wave leaves free and queue their first
-//    weight stages. A down block then waits for its own pair only: each gate+up block adds one
-//    to ready[pair] when its rows of h are written, so the first experts' down work runs while
-//    the last experts' gate+up does (0.78 -> 0.81 of the copy rate). The sum waits for the down
-//    grid and zeroes the counts for the next call.
+//    weight stages. A down block then waits for its own group only: each gate+up block adds one
+//    to ready[the group's first pair] when its rows of h are written, so the first experts' down
+//    work runs while the last experts' gate+up does (0.78 -> 0.81 of the copy rate). The sum
+//    waits for the down grid and zeroes the counts for the next call.
 // Requires in % 128 == 0 and 8-byte aligned scale rows; other shapes use the CUDA-core kernels.
-// Shared memory: xh, xl [in/32 chunks][20] u32 (16 fp16 pairs per chunk, padded; in * 5
-// bytes), then per warp S * KBS * (TC_WBYTES + TC_SBYTES) bytes of ring.
+// Shared memory: per row of the group (up to `cap`) xh, xl [in/32 chunks][20] u32 (16 fp16
+// pairs per chunk, padded; tc_xwords each), then per warp S * KBS * (TC_WBYTES + TC_SBYTES)
+// bytes of ring.
 
+#ifndef TC_TOKENS  // the most pairs of one expert one block takes
+#error "TC_TOKENS is passed by the host (-DTC_TOKENS=..., streamrt/backends/kernel_defines.py)"
+#elif TC_TOKENS > 8
+#error "TC_TOKENS > 8: the mma's 8 columns hold 4 rows (hi, lo), tc_rows two sets of them"
+#endif
 #define MMA_XSTRIDE 20
 
+// u32 words of one staged hi (or lo) row, a multiple of 16 and not of 32: the 8 lanes of one
+// phase of a B load read a row's hi and lo arrays at the same chunks, in different banks.
+SRT_DEV int tc_xwords(int in) {
+  const int w = (in >> 5) * MMA_XSTRIDE;
+  return w + ((w & 31) == 0 ? 16 : 0);
+}
+
 // 16-byte load from L2, past L1: x may have been written during this launch by another grid's
-// blocks (the down kernel starting on a pair's gate+up count), which L1 does not see.
+// blocks (the down kernel starting on a group's gate+up count), which L1 does not see.
 SRT_DEV f32x4 ld_cg4(const f32x4* p) {
   f32x4 v;
   asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
@@ -310,41 +325,92 @@ SRT_DEV void stage_item(u32* xh, u32* xl, int it, f32x4 a, f32x4 b, float up) {
 
 SRT_DEV float absmax4(f32x4 v) { return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))); }
 
-// Stage x (n floats, n % 32 == 0, 16-byte aligned) as prescaled fp16 hi/lo pairs; returns
-// 2^(14 - s), the factor that undoes the prescale and the decode's 2^-14. Every block of a launch
-// stages its own copy before its rows can start, and the down kernel's blocks do it while the
-// memory system is loaded: up to 4 items per thread are read once, all loads in flight, and
-// kept in registers for the conversion; longer x takes a second read.
-SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, float* red) {
-  const f32x4* x4 = (const f32x4*)x;
-  const int items = n >> 3, nt = blockDim.x;
-  const bool held = items <= 4 * nt;
+// v[j] for a j known only at run time, without an indexed array (which would sit in local memory).
+SRT_DEV float pick(const float v[TC_TOKENS], int j) {
+  float r = v[0];
+#pragma unroll
+  for (int i = 1; i < TC_TOKENS; ++i) r = j == i ? v[i] : r;
+  return r;
+}
+
+// Stage rows x + idx[j] * in (j < n <= TC_TOKENS; in % 32 == 0, 16-byte aligned) as prescaled
+// fp16 hi/lo pairs: row j's hi at xs + 2j * tc_xwords(in), its lo one array on. unscale[j] is
+// 2^(14 - s_j), the factor that undoes row j's prescale and the decode's 2^-14. Every block of a
+// launch stages its own copy before its rows can start, and the down kernel's blocks do it
+// while the memory system is loaded: up to 4 items per thread are read once, all loads in
+// flight, and kept in registers for the conversion; more rows take a second read.
+SRT_DEV void stage_rows_f16(u32* xs, const float* __restrict__ x, const int* idx, int n, int in, float* red,
+                            float unscale[TC_TOKENS]) {
+  const int items = in >> 3, total = n * items, nt = blockDim.x, words = tc_xwords(in);
+  const bool held = total <= 4 * nt;
   f32x4 a[4], b[4];
-  float m = 0.0f;
-  for (int i = threadIdx.x; i < items; i += 4 * nt) {
+  float m[TC_TOKENS];
+#pragma unroll
+  for (int j = 0; j < TC_TOKENS; ++j) m[j] = 0.0f;
+  for (int i = threadIdx.x; i < total; i += 4 * nt) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const bool in = i + u * nt < items;
-      a[u] = in ? ld_cg4(x4 + (i + u * nt) * 2) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
-      b[u] = in ? ld_cg4(x4 + (i + u * nt) * 2 + 1) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+      const int iu = i + u * nt, j = iu / items;
+      const bool in_range = iu < total;
+      const f32x4* x4 = (const f32x4*)(x + (long long)idx[in_range ? j : 0] * in) + (iu - j * items) * 2;
+      a[u] = in_range ? ld_cg4(x4) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+      b[u] = in_range ? ld_cg4(x4 + 1) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) m = fmaxf(m, fmaxf(absmax4(a[u]), absmax4(b[u])));
+    for (int u = 0; u < 4; ++u) {
+      const int j = (i + u * nt) / items;
+      const float v = fmaxf(absmax4(a[u]), absmax4(b[u]));
+#pragma unroll
+      for (int jj = 0; jj < TC_TOKENS; ++jj) m[jj] = jj == j ? fmaxf(m[jj], v) : m[jj];
+    }
   }
-  m = block_max(m, red);
-  int e = 0;
-  if (m > 0.0f) frexpf(m, &e);  // m < 2^e
-  const int s = max(-100, min(100, 15 - e));
-  const float up = ldexpf(1.0f, s);
+  // every row's max over the block: per warp, then across the warps (red: 32 * TC_TOKENS floats)
+  const int nw = (nt + 31) >> 5, w = threadIdx.x >> 5;
+#pragma unroll
+  for (int j = 0; j < TC_TOKENS; ++j) m[j] = warp_max(m[j]);
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int j = 0; j < TC_TOKENS; ++j) red[j * 32 + w] = m[j];
+  __syncthreads();
+  float up[TC_TOKENS];
+#pragma unroll
+  for (int j = 0; j < TC_TOKENS; ++j) {
+    float mj = red[j * 32];
+    for (int v = 1; v < nw; ++v) mj = fmaxf(mj, red[j * 32 + v]);
+    int e = 0;
+    if (mj > 0.0f) frexpf(mj, &e);  // mj < 2^e
+    const int s = max(-100, min(100, 15 - e));
+    up[j] = ldexpf(1.0f, s);
+    unscale[j] = ldexpf(1.0f, 14 - s);
+  }
   if (held) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (threadIdx.x + u * nt < items) stage_item(xh, xl, threadIdx.x + u * nt, a[u], b[u], up);
+    for (int u = 0; u < 4; ++u) {
+      const int iu = threadIdx.x + u * nt, j = iu / items;
+      if (iu < total) stage_item(xs + 2 * j * words, xs + (2 * j + 1) * words, iu - j * items, a[u], b[u], pick(up, j));
+    }
   } else {
-    for (int it = threadIdx.x; it < items; it += nt) stage_item(xh, xl, it, ld_cg4(x4 + it * 2), ld_cg4(x4 + it * 2 + 1), up);
+    for (int iu = threadIdx.x; iu < total; iu += nt) {
+      const int j = iu / items, it = iu - j * items;
+      const f32x4* x4 = (const f32x4*)(x + (long long)idx[j] * in) + it * 2;
+      stage_item(xs + 2 * j * words, xs + (2 * j + 1) * words, it, ld_cg4(x4), ld_cg4(x4 + 1), pick(up, j));
+    }
   }
   __syncthreads();
-  return ldexpf(1.0f, 14 - s);
+}
+
+// The pairs of this block: entries p .. p + n - 1 of a table ordered by expert (srt_moe_tables,
+// the host's packer), so that an expert's pairs are adjacent and `key` (one of its pointers) is
+// equal along them. Each expert's run is cut into groups of `cap`; the block of a group's first
+// entry takes the group, every other block returns 0 and exits.
+SRT_DEV int group_size(const u64* key, int p, int np, int cap) {
+  const u64 e = key[p];
+  int first = p;
+  while (first > 0 && key[first - 1] == e) --first;
+  if ((p - first) % cap) return 0;
+  int n = 1;
+  while (n < cap && p + n < np && key[p + n] == e) ++n;
+  return n;
 }
 
 #ifndef TC_WBYTES  // one 128-column block of 32 rows: weights
@@ -354,11 +420,11 @@ SRT_DEV float stage_x_f16(u32* xh, u32* xl, const float* __restrict__ x, int n, 
 #error "TC_SBYTES is passed by the host (-DTC_SBYTES=..., streamrt/backends/kernel_defines.py)"
 #endif
 
-// Two E4M3 bytes (low byte first) -> two floats, exact (sm_89+ conversion).
-SRT_DEV void e4m3x2_to_f32(u32 v, float& lo, float& hi) {
+// Two E4M3 bytes (low byte first) -> an fp16 pair, exact (sm_89+ conversion).
+SRT_DEV u32 e4m3x2_h2(u32 v) {
   u32 h;
   asm("{\n\t.reg .b16 s;\n\tcvt.u16.u32 s, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, s;\n\t}" : "=r"(h) : "r"(v));
-  h2_to_f32(h, lo, hi);
+  return h;
 }
 
 // A warp's 32 rows: 4 slots of 8 rows (slot q = rows row0[q] .. row0[q] + 7 of matrix q, clamped
@@ -429,16 +495,40 @@ SRT_DEV void e2m1x8_h2(u32 q, u32 out[4]) {
   out[3] = __byte_perm(od, 0u, 0x3424);
 }
 
-// acc[q]: slot q's row g (this lane's row of the slot), summed over the whole row.
-template <int S, int KBS>
-SRT_DEV void tc_rows(const TcRows& R, const u32* xh, const u32* xl, const u8* wring, const u8* sring, float acc[4]) {
+// a * b per fp16 half, rounded to nearest (exact for the scaled weights).
+SRT_DEV u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// acc[t][s]: tile t's sums for rows 4s..4s+3 of the group (n rows, staged at xs; s < SETS,
+// SETS = 2 when n > 4), over the whole row: [0] / [1] row g hi / lo of group row 4s + c, [2] / [3]
+// row g + 8. Each word's two mmas feed two accumulators (one chain would put the mma latency
+// between every pair), added at the end: the same order for every n, so a row's bits do not
+// depend on SETS.
+template <int S, int KBS, int SETS>
+SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8* wring, const u8* sring,
+                     float acc[2][2][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int nst = (R.nkb + KBS - 1) / KBS;
   const u32 wbuf = smem_addr(wring), sbuf = smem_addr(sring);
-  const bool holds_b = (g >> 1) == c;  // B column g = 2c + h belongs to this lane's chunk
-  const u32* xsrc = (g & 1) ? xl : xh;
+  // B column g: row 4s + g/2 of the group, hi (g even) or lo; rows from n on are zero
+  const u32* bsrc[SETS];
+  bool bval[SETS];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) acc[q] = 0.0f;
+  for (int s = 0; s < SETS; ++s) {
+    const int j = 4 * s + (g >> 1);
+    bval[s] = j < n;
+    bsrc[s] = xs + (2 * j + (g & 1)) * words + c * MMA_XSTRIDE;
+  }
+  float part[2][SETS][2][4];  // [tile][set][first / second mma of a word][fragment]
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) part[t][s][i >> 2][i & 3] = 0.0f;
   for (int st = 0; st < nst; ++st) {
     tc_issue<S, KBS>(st + S - 1, R, wbuf, sbuf);
     cp_async_wait<S - 1>();
@@ -450,64 +540,69 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xh, const u32* xl, const u8* wr
       const int kb = st * KBS + u;
       if (kb >= R.nkb) break;  // warp-uniform
       u32x4 w[4];
-      u32 sv[4];
+      u32 sc[4][2];  // slot q's two scales of this lane's chunk, each in both fp16 halves
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         w[q] = *(const u32x4*)(wst + (q * 8 + g) * (KBS * 64) + (tc_swizzle<KBS>(u * 4 + c, g) << 4));
-        sv[q] = *(const u16*)(sst + ((q * 8 + g) * KBS + u) * 8 + 2 * c);
-      }
-      u32 bq[16];
-      if (holds_b) {
-        const u32x4* src = (const u32x4*)(xsrc + (kb * 4 + c) * MMA_XSTRIDE);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const u32x4 b = src[v];
-          bq[4 * v] = b.x; bq[4 * v + 1] = b.y; bq[4 * v + 2] = b.z; bq[4 * v + 3] = b.w;
-        }
-      } else {
-#pragma unroll
-        for (int v = 0; v < 16; ++v) bq[v] = 0u;
+        const u32 h = e4m3x2_h2(*(const u16*)(sst + ((q * 8 + g) * KBS + u) * 8 + 2 * c));
+        sc[q][0] = __byte_perm(h, 0u, 0x1010);
+        sc[q][1] = __byte_perm(h, 0u, 0x3232);
       }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const u32 q0[4] = {w[2 * t].x, w[2 * t].y, w[2 * t].z, w[2 * t].w};
         const u32 q1[4] = {w[2 * t + 1].x, w[2 * t + 1].y, w[2 * t + 1].z, w[2 * t + 1].w};
-        float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int wi = 0; wi < 4; ++wi) {  // word wi: elements 0-3 then 4-7 of rows g (q0) and g + 8 (q1)
           u32 a0[4], a1[4];
           e2m1x8_h2(q0[wi], a0);
           e2m1x8_h2(q1[wi], a1);
-          mma16816(wi < 2 ? dl : dh, a0[0], a1[0], a0[1], a1[1], bq[4 * wi], bq[4 * wi + 1]);
-          mma16816(wi < 2 ? dl : dh, a0[2], a1[2], a0[3], a1[3], bq[4 * wi + 2], bq[4 * wi + 3]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // words 0-1 are the chunk's first scale group, 2-3 its second
+            a0[e] = hmul2(a0[e], sc[2 * t][wi >> 1]);
+            a1[e] = hmul2(a1[e], sc[2 * t + 1][wi >> 1]);
+          }
+#pragma unroll
+          for (int s = 0; s < SETS; ++s) {  // B word wi of this lane's column (read per use: fewer live registers)
+            const u32x4 b = bval[s] ? *(const u32x4*)(bsrc[s] + kb * 4 * MMA_XSTRIDE + 4 * wi) : u32x4{0u, 0u, 0u, 0u};
+            mma16816(part[t][s][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
+            mma16816(part[t][s][1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
+          }
         }
-        float s0l, s0h, s1l, s1h;
-        e4m3x2_to_f32(sv[2 * t], s0l, s0h);
-        e4m3x2_to_f32(sv[2 * t + 1], s1l, s1h);
-        acc[2 * t] = fmaf(dh[0] + dh[1], s0h, fmaf(dl[0] + dl[1], s0l, acc[2 * t]));
-        acc[2 * t + 1] = fmaf(dh[2] + dh[3], s1h, fmaf(dl[2] + dl[3], s1l, acc[2 * t + 1]));
       }
     }
     __syncwarp();  // every lane has read ring slot st % S before a later tc_issue refills it
   }
   cp_async_wait<0>();
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    acc[q] += __shfl_xor_sync(SRT_FULL, acc[q], 1);
-    acc[q] += __shfl_xor_sync(SRT_FULL, acc[q], 2);
-  }
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][s][i] = part[t][s][0][i] + part[t][s][1][i];
 }
 
-// grid (ceil(I / (16 * warps)), P), block warps*32, smem Dl*5 + warps*S*KBS*(TC_WBYTES+TC_SBYTES).
-// With `ready`, each block counts itself done in ready[dst[p]] once its rows of h are written
-// (the down kernel waits for its pair's count, not for this whole grid).
+// Both instances of tc_rows: rows 0-3 (one B operand per mma) or 0-7 of the group.
+template <int S, int KBS>
+SRT_DEV void tc_group(const TcRows& R, const u32* xs, int words, int n, const u8* wring, const u8* sring,
+                      float acc[2][2][4]) {
+  if (n > 4) tc_rows<S, KBS, 2>(R, xs, words, n, wring, sring, acc);
+  else tc_rows<S, KBS, 1>(R, xs, words, n, wring, sring, acc);
+}
+
+// grid (ceil(I / (16 * warps)), pairs), block warps*32, smem cap * 8 * tc_xwords(Dl) + warps * S *
+// KBS * (TC_WBYTES + TC_SBYTES). A block takes the group of up to cap pairs its entry leads
+// (group_size). With `ready`, each block counts itself done in ready[dst[its first pair]] once
+// its rows of h are written (the down kernel waits for its group's count, not for this grid).
 template <int S, int KBS>
 SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
-                       float beta, int beta_inf, float lbeta, int has_lin, int* ready, u8* smem, float* red) {
-  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  u32* xh = (u32*)smem;
-  u32* xl = xh + (Dl >> 5) * MMA_XSTRIDE;
-  const u8* wring = smem + Dl * 5 + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+                       float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, u8* smem, float* red) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
+  if (n == 0) return;
+  const int words = tc_xwords(Dl);
+  u32* xs = (u32*)smem;
+  const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
   const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
@@ -520,19 +615,26 @@ SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, floa
   // The down kernel's blocks may now take SM slots this grid's last wave leaves free. Not before
   // pdl_wait(): they read `ready`, which the kernel before (the last call's sum) zeroes.
   pdl_launch_dependents();
-  const float unscale = stage_x_f16(xh, xl, z + (long long)tab.row[p] * Dl, Dl, red);
+  float unscale[TC_TOKENS];
+  stage_rows_f16(xs, z, &tab.row[p], n, Dl, red, unscale);
   if (r0 < I) {
-    float acc[4];
-    tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
-    if ((lane & 3) == 0) {
-      const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
-      const float* gg = (const float*)tab.gate_global[p];
-      const float* ug = (const float*)tab.up_global[p];
-      float* hp = h + (long long)tab.dst[p] * I;
+    float acc[2][2][4];
+    tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
+    const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
+    const float* gg = (const float*)tab.gate_global[p];
+    const float* ug = (const float*)tab.up_global[p];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int j = 4 * s + c;
+      if (j >= n) break;
+      const float u = pick(unscale, j);
+      const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
+      const float* ut = acc[1][s];
+      float* hp = h + (long long)tab.dst[p + j] * I;
       if (r0 + g < I)
-        hp[r0 + g] = situ(acc[0] * unscale * gg[ra], acc[2] * unscale * ug[ra], beta, beta_inf, lbeta, has_lin);
+        hp[r0 + g] = situ((gt[0] + gt[1]) * u * gg[ra], (ut[0] + ut[1]) * u * ug[ra], beta, beta_inf, lbeta, has_lin);
       if (r0 + g + 8 < I)
-        hp[r0 + g + 8] = situ(acc[1] * unscale * gg[rc], acc[3] * unscale * ug[rc], beta, beta_inf, lbeta, has_lin);
+        hp[r0 + g + 8] = situ((gt[2] + gt[3]) * u * gg[rc], (ut[2] + ut[3]) * u * ug[rc], beta, beta_inf, lbeta, has_lin);
     }
   }
   if (ready != nullptr) {
@@ -557,17 +659,20 @@ SRT_DEV void wait_count(const int* flag, int target) {
   __syncthreads();
 }
 
-// grid (ceil(Dl / (32 * warps)), P), block warps*32, smem I*5 + warps*S*KBS*(TC_WBYTES+TC_SBYTES).
-// With `ready`, a block starts on its pair once ready[dst[p]] reaches `target` (every gate+up
-// block of the pair is done) instead of waiting for the whole gate+up grid: the down work of the
-// first experts fills the slots the gate+up grid's last wave leaves free.
+// grid (ceil(Dl / (32 * warps)), pairs), block warps*32, smem cap * 8 * tc_xwords(I) + warps * S *
+// KBS * (TC_WBYTES + TC_SBYTES); the groups are gate+up's (the same table order). With `ready`,
+// a block starts on its group once ready[dst[its first pair]] reaches `target` (every gate+up
+// block of the group is done) instead of waiting for the whole gate+up grid: the down work of
+// the first experts fills the slots the gate+up grid's last wave leaves free.
 template <int S, int KBS>
 SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
-                     const int* ready, int target, u8* smem, float* red) {
-  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  u32* xh = (u32*)smem;
-  u32* xl = xh + (I >> 5) * MMA_XSTRIDE;
-  const u8* wring = smem + I * 5 + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+                     const int* ready, int target, int cap, u8* smem, float* red) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = group_size(tab.packed, p, gridDim.y, cap);
+  if (n == 0) return;
+  const int words = tc_xwords(I);
+  u32* xs = (u32*)smem;
+  const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
   const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
@@ -578,16 +683,23 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   if (ready != nullptr) wait_count(ready + tab.dst[p], target);
   else pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
-  const float unscale = stage_x_f16(xh, xl, h + (long long)tab.dst[p] * I, I, red);
+  float unscale[TC_TOKENS];
+  stage_rows_f16(xs, h, &tab.dst[p], n, I, red, unscale);
   if (r0 < Dl) {
-    float acc[4];
-    tc_rows<S, KBS>(R, xh, xl, wring, sring, acc);
-    if ((lane & 3) == 0) {
-      const float* dg = (const float*)tab.global[p];
+    float acc[2][2][4];
+    tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
+    const float* dg = (const float*)tab.global[p];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+    for (int s = 0; s < 2; ++s) {
+      const int j = 4 * s + c;
+      if (j >= n) break;
+      const float u = pick(unscale, j);
+      float* yp = y + (long long)tab.dst[p + j] * Dl;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // slot q: tile q / 2, its rows g (q even) or g + 8
         const int row = r0 + g + 8 * q;
-        if (row < Dl) y[(long long)tab.dst[p] * Dl + row] = acc[q] * unscale * dg[row];
+        const float* d = acc[q >> 1][s] + 2 * (q & 1);
+        if (row < Dl) yp[row] = (d[0] + d[1]) * u * dg[row];
       }
     }
   }
@@ -599,31 +711,31 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
 #define SRT_TC_ENTRY(GU_NAME, DN_NAME, GU_DT, DN_DT, S, KBS)                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       GU_NAME(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h, int I,   \
-              int Dl, float beta, int beta_inf, float lbeta, int has_lin, int* ready) {                            \
+              int Dl, float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                   \
     extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
-    __shared__ float red[32];                                                                                      \
-    gateup_tc<S, KBS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, (u8*)smem_##GU_NAME, red);          \
+    __shared__ float red[32 * TC_TOKENS];                                                                          \
+    gateup_tc<S, KBS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, (u8*)smem_##GU_NAME, red);     \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_NAME(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,    \
-              int I, const int* ready, int target) {                                                               \
+              int I, const int* ready, int target, int cap) {                                                      \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
-    __shared__ float red[32];                                                                                      \
-    down_tc<S, KBS>(tab, h, y, Dl, I, ready, target, (u8*)smem_##DN_NAME, red);                                    \
+    __shared__ float red[32 * TC_TOKENS];                                                                          \
+    down_tc<S, KBS>(tab, h, y, Dl, I, ready, target, cap, (u8*)smem_##DN_NAME, red);                               \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       GU_DT(const GateUpTable* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, \
-            float beta, int beta_inf, float lbeta, int has_lin, int* ready) {                                      \
+            float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                             \
     extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
-    __shared__ float red[32];                                                                                      \
-    gateup_tc<S, KBS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, (u8*)smem_##GU_DT, red);           \
+    __shared__ float red[32 * TC_TOKENS];                                                                          \
+    gateup_tc<S, KBS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, (u8*)smem_##GU_DT, red);      \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_DT(const DownTable* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,   \
-            const int* ready, int target) {                                                                        \
+            const int* ready, int target, int cap) {                                                               \
     extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
-    __shared__ float red[32];                                                                                      \
-    down_tc<S, KBS>(*tab, h, y, Dl, I, ready, target, (u8*)smem_##DN_DT, red);                                     \
+    __shared__ float red[32 * TC_TOKENS];                                                                          \
+    down_tc<S, KBS>(*tab, h, y, Dl, I, ready, target, cap, (u8*)smem_##DN_DT, red);                                \
   }
 
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, srt_nvfp4_gateup_tc2x2_dt, srt_nvfp4_down_tc2x2_dt, 2, 2)

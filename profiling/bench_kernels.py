@@ -2,7 +2,8 @@
 
 1. The HBM copy rate: a large device-to-device copy (bytes read + bytes written per second).
 2. NVFP4 expert FFN at `slice` geometry (Dl=3584, I=3072, 16 experts of one layer, one token):
-   effective bytes/s = expert bytes read (nibbles + E4M3 scales + global scales) / time.
+   effective bytes/s = expert bytes read (nibbles + E4M3 scales + global scales) / time; and a
+   batch of T = 4, 16 rows through 16 of 24 experts (each distinct expert's bytes counted once).
 3. BF16 GEMV at T=1 (7168x12288 and 12288x7168) and T=4, 8 (7168x12288): weight bytes / time
    (with --variants every stage depth and K split of the tensor-core kernel, and the CUDA-core one).
 4. A few other decode ops, for the record.
@@ -215,6 +216,18 @@ def expert_ffn_rows(args, nv, tb, dev, bench) -> None:
                   f"{'its pair' if pair else 'the whole gate+up grid'}", ex_bytes,
                   lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
         diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes)
+    # a deep-k3.1-pro layer in a batch: T rows, each through 16 of 24 experts; bytes counted once
+    # per distinct expert (the weights one launch must read at least)
+    many = dict(experts)
+    for e in range(k, 24):
+        many[e] = ExpertWeights(rand_nvfp4(I, Dl), rand_nvfp4(I, Dl), rand_nvfp4(Dl, I))
+    for T in (4, 16):
+        ids_t = torch.stack([torch.randperm(24)[:k] for _ in range(T)])
+        w_t = torch.softmax(torch.randn(T, k, device=dev), -1)
+        z_t = torch.randn(T, Dl, device=dev)
+        distinct = len(set(ids_t.flatten().tolist()))
+        bench(f"nvfp4 expert FFN batch, T={T} x 16 of 24 experts ({distinct} distinct, each counted once)",
+              distinct * ex_bytes // k, lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
 

@@ -466,7 +466,9 @@ def ffn_ref(z, ids, weights, experts, beta, lbeta):
 @pytest.mark.parametrize(
     "T,k,E,Dl,I",
     [(1, 16, 16, 3584, 3072), (1, 4, 32, 32, 64), (3, 4, 6, 64, 96), (5, 16, 20, 64, 96), (2, 8, 8, 256, 512),
-     (5, 16, 20, 128, 384), (1, 2, 3, 640, 128)],
+     (5, 16, 20, 128, 384), (1, 2, 3, 640, 128),
+     # more rows per expert than a tensor-core block takes (TC_TOKENS = 8): groups cut, chunks of 64
+     (12, 4, 5, 128, 256), (24, 6, 8, 256, 128)],
 )
 @pytest.mark.parametrize("impl", ["tc", "cuda_core"])
 def test_expert_ffn(gen, T, k, E, Dl, I, impl):
@@ -600,7 +602,7 @@ def test_expert_ffn_tc_shapes_same_bits(gen):
     timing only: same bits."""
     from streamrt.backends.nvrtc_moe import TC_PIPES, TC_SHAPE
 
-    E, T, k, Dl, I = 8, 2, 4, 640, 896  # 5 and 7 column blocks: partial last stages
+    E, T, k, Dl, I = 8, 6, 4, 640, 896  # 5 and 7 column blocks: partial last stages; up to 6 rows per expert
     experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights, z = rand(gen, T, k, lo=0.01, hi=1.0), randn(gen, T, Dl)
@@ -619,7 +621,8 @@ def test_expert_ffn_tc_shapes_same_bits(gen):
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
-def test_expert_ffn_back_to_back_same_bits(gen):
+@pytest.mark.parametrize("T", [1, 6])
+def test_expert_ffn_back_to_back_same_bits(gen, T):
     """Calls queued back to back (programmatic launches overlapping the call before, down blocks
     starting on their pair's gate+up count, the sum zeroing the counts for the next call) give
     the same bits as one call alone (each call routes z to other experts: a down block reading h
@@ -627,9 +630,9 @@ def test_expert_ffn_back_to_back_same_bits(gen):
     E, k, Dl, I = 6, 4, 256, 384  # a grid small enough for every block of a launch to be resident
     experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
     nv = NV_IMPLS["tc"]
-    ids = [torch.randperm(E, generator=gen, device=DEV)[:k].view(1, k).cpu() for _ in range(20)]
-    weights = [rand(gen, 1, k, lo=0.01, hi=1.0) for _ in range(20)]
-    z0 = randn(gen, 1, Dl)
+    ids = [torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)]).cpu() for _ in range(20)]
+    weights = [rand(gen, T, k, lo=0.01, hi=1.0) for _ in range(20)]
+    z0 = randn(gen, T, Dl)
 
     def chain(sync):
         outs = []

@@ -14,6 +14,7 @@ MOE_WARPS = 8  # warps per block of the CUDA-core NVFP4 kernels
 EXPERT_COLS = 9  # u64 columns per expert of a device pointer table (ExpertPointers' nine sections)
 TC_WBYTES = 32 * 64  # tensor-core NVFP4 kernels: one 128-column block of 32 rows, weights ...
 TC_SBYTES = 32 * 8  # ... and its E4M3 scales
+TC_TOKENS = 8  # the most (row, expert) pairs of one expert one tensor-core block takes
 # kda.cu: the largest head dim (a state column lives in registers)
 KDA_MAXK = 128
 # norms.cu: the most AttnRes sources (completed blocks + the partial prefix)
@@ -39,7 +40,8 @@ DEFINES: dict[str, dict[str, int]] = {
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS},
     "kda": {"SRT_KDA_MAXK": KDA_MAXK},
     "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS},
-    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES},
+    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
+                  "TC_TOKENS": TC_TOKENS},
     "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},
 }
 

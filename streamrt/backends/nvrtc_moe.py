@@ -2,8 +2,9 @@
 
 `MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
 and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `pdl`, `pair_ready`, `grouped_prefill`
-the backend sets; `prefill_rows` is its own). Decode runs the NVFP4 kernels per (row, expert)
-pair (batch-invariant); the prefill view (`for_prefill`) runs grouped GEMMs per expert
+the backend sets; `prefill_rows` is its own). Decode runs the NVFP4 kernels over (row, expert)
+pairs, a tensor-core block taking up to `TC_TOKENS` pairs of one expert (one weight read for
+them; each row's bits its own: batch-invariant); the prefill view (`for_prefill`) runs grouped GEMMs per expert
 (`nvfp4_gemm.py`).
 Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables
 (`expert_pointers.py`); the kernels: `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`:
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from streamrt.backends.expert_pointers import DOWN_TABLE_BYTES, GATE_UP_TABLE_BYTES, scales_aligned8, tables
-from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_WBYTES
+from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_TOKENS, TC_WBYTES
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts, as_routed
@@ -36,10 +37,13 @@ TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
 NVFP4_IMPLS = ("tc", "cuda_core")
 
 
-def tc_smem(in_features: int, warps: int, stages: int, blocks: int) -> int:
-    """Dynamic shared memory of a tensor-core NVFP4 block: the staged activation (fp16 hi + lo,
-    padded: 5 bytes per input) and each warp's cp.async ring."""
-    return in_features * 5 + warps * stages * blocks * TC_STAGE_SMEM
+def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 1) -> int:
+    """Dynamic shared memory of a tensor-core NVFP4 block that takes up to `rows` pairs of one
+    expert: each row's staged activation (fp16 hi + lo arrays of `tc_xwords` u32 words, as
+    kernels/nvfp4_moe.cu lays them out) and each warp's cp.async ring."""
+    words = in_features // 32 * 20
+    words += 16 if words % 32 == 0 else 0
+    return rows * 8 * words + warps * stages * blocks * TC_STAGE_SMEM
 
 
 class MoeOps:
@@ -167,7 +171,7 @@ class MoeOps:
                     h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
                 for c0 in range(0, len(group), MOE_MAXP):
                     chunk = group[c0 : c0 + MOE_MAXP]
-                    self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup=not late_group)
+                    self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, T, pdl_gateup=not late_group)
         except BaseException:
             if ready is not None:  # the sum that zeroes the counts will not run (queued after any launch made)
                 ready.zero_()
@@ -203,7 +207,7 @@ class MoeOps:
             g, d = ptr(gtab[c]), ptr(dtab[c])
             # the gate+up kernel reads its table before pdl_wait(), and the table is the kernel
             # before's output here: a plain launch (the down kernel and the sum stay programmatic)
-            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, pdl_gateup=False, suffix="_dt")
+            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, T, pdl_gateup=False, suffix="_dt")
         self._combine(y, w, out, T, k, Dl, ready)
         return out
 
@@ -264,32 +268,35 @@ class MoeOps:
             pdl=self.pdl,  # only y is the kernel before's output: read after pdl_wait()
         )
 
-    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, pdl_gateup) -> None:
+    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, T, pdl_gateup) -> None:
         """gate+up+SiTU into h and down into y for up to 64 pairs, their tables by value."""
         gtab, dtab = tables(chunk, ptrs)
         # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
         tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs)
-        self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, pdl_gateup)
+        self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, T, pdl_gateup)
 
-    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, pdl_gateup, suffix="") -> None:
-        """The gate+up and down kernels for np_ pairs: tables by value (the struct bytes), or
-        `suffix="_dt"` and pointers to tables in device memory. The tensor-core kernels count
-        into `ready`; the CUDA-core ones leave it alone."""
+    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, T, pdl_gateup, suffix="") -> None:
+        """The gate+up and down kernels for np_ pairs of a T-row call: tables by value (the
+        struct bytes), or `suffix="_dt"` and pointers to tables in device memory. A tensor-core
+        block takes up to min(TC_TOKENS, T) pairs of one expert (an expert has at most one pair
+        per row) and counts into `ready`; the CUDA-core kernels take one pair per block and leave
+        `ready` alone."""
         hp, yp = ptr(h), ptr(y)
         if tc:
             tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
             if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
                 raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
-            gu_blocks = math.ceil(I / (16 * tg))
+            gu_blocks, cap = math.ceil(I / (16 * tg)), min(TC_TOKENS, T)
             self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}{suffix}")(
-                (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready)],
-                smem=tc_smem(Dl, tg, st, kbs),
+                (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap)],
+                smem=tc_smem(Dl, tg, st, kbs, cap),
                 # programmatic: reads z after pdl_wait(); before it only weights, and only of
                 # resident experts (a late expert's copy is waited for by an event before this)
                 pdl=self.pdl and pdl_gateup)
             self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}{suffix}")(
-                (math.ceil(Dl / (32 * td)), np_), (td * 32,), [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks)],
-                smem=tc_smem(I, td, st, kbs), pdl=self.pdl)
+                (math.ceil(Dl / (32 * td)), np_), (td * 32,),
+                [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap)],
+                smem=tc_smem(I, td, st, kbs, cap), pdl=self.pdl)
             return
         self._k("nvfp4_moe", f"srt_nvfp4_gateup{suffix}")(
             (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
