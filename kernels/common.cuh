@@ -19,7 +19,6 @@ typedef unsigned long long u64;
 // ---- 16-byte vectors (own types: no CUDA headers needed) ----------------------------------
 
 struct __align__(16) u32x4 { u32 x, y, z, w; };
-struct __align__(8) u32x2 { u32 x, y; };
 struct __align__(16) f32x4 { float x, y, z, w; };
 
 // Streaming 16-byte load of read-only data (weights): read-only path, no L1 allocation.
