@@ -1,8 +1,9 @@
 // NVFP4 routed-expert FFN for decode, reading experts straight from their device slots.
 //
-// One launch covers up to SRT_MOE_MAXP (row t, expert) pairs of one layer; the slot pointers
+// One launch covers up to SRT_MOE_MAXP (row t, expert) pairs of one layer whose slot pointers
 // travel by value in a __grid_constant__ table (no host->device copy per step), or, in a CUDA
-// graph, in a table `srt_moe_tables` builds on the GPU from the routed ids (the *_dt entries).
+// graph, up to SRT_MOE_MAXP_DT pairs in a table `srt_moe_tables` builds on the GPU from the
+// routed ids (the *_dt entries).
 // A pair's rows of h and y are named in the table (dst), so the host may launch resident experts
 // first and experts still in flight after their copy events, with the same result bits.
 //   1. srt_nvfp4_gateup: h[p, i] = situ_glu(gate_e[i, :] . z[t], up_e[i, :] . z[t])      [P, I]
@@ -25,17 +26,31 @@
 #error "MOE_WARPS is passed by the host (-DMOE_WARPS=..., streamrt/backends/kernel_defines.py)"
 #endif
 
-struct GateUpTable {
-  u64 gate_packed[SRT_MOE_MAXP], gate_scales[SRT_MOE_MAXP], gate_global[SRT_MOE_MAXP];
-  u64 up_packed[SRT_MOE_MAXP], up_scales[SRT_MOE_MAXP], up_global[SRT_MOE_MAXP];
-  int row[SRT_MOE_MAXP];  // which row of z each pair reads
-  int dst[SRT_MOE_MAXP];  // which row of h (and later y) each pair writes
+#ifndef SRT_MOE_MAXP_DT
+#error "SRT_MOE_MAXP_DT is passed by the host (-DSRT_MOE_MAXP_DT=..., streamrt/backends/kernel_defines.py)"
+#endif
+
+// The pointer tables of up to N pairs: by value N = SRT_MOE_MAXP (a launch's parameters are
+// small), in device memory N = SRT_MOE_MAXP_DT (a whole batch's pairs in one launch, so a block
+// can take up to TC_TOKENS rows of one expert from anywhere in the batch).
+template <int N>
+struct GateUpTableN {
+  u64 gate_packed[N], gate_scales[N], gate_global[N];
+  u64 up_packed[N], up_scales[N], up_global[N];
+  int row[N];  // which row of z each pair reads
+  int dst[N];  // which row of h (and later y) each pair writes
 };
 
-struct DownTable {
-  u64 packed[SRT_MOE_MAXP], scales[SRT_MOE_MAXP], global[SRT_MOE_MAXP];
-  int dst[SRT_MOE_MAXP];  // which row of h each pair reads and of y it writes
+template <int N>
+struct DownTableN {
+  u64 packed[N], scales[N], global[N];
+  int dst[N];  // which row of h each pair reads and of y it writes
 };
+
+typedef GateUpTableN<SRT_MOE_MAXP> GateUpTable;
+typedef DownTableN<SRT_MOE_MAXP> DownTable;
+typedef GateUpTableN<SRT_MOE_MAXP_DT> GateUpTableDt;
+typedef DownTableN<SRT_MOE_MAXP_DT> DownTableDt;
 
 // Dot products of 4 NVFP4 row streams with x (shared memory, `in` floats) for this lane's
 // chunks; returns per-lane partials in acc[4] (caller reduces across the warp).
@@ -98,7 +113,8 @@ SRT_DEV void stage_row(float* xs, const float* __restrict__ x, int n) {
 
 // grid (ceil(I / (MOE_WARPS*2)), P), block MOE_WARPS*32, dynamic smem Dl*4 bytes.
 // z [*, Dl] fp32; h [*, I] fp32: pair p writes row dst[p].
-SRT_DEV void gateup_cc(const GateUpTable& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
+template <class Tab>
+SRT_DEV void gateup_cc(const Tab& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
                        float beta, int beta_inf, float lbeta, int has_lin, float* xs) {
   const int p = blockIdx.y;
   stage_row(xs, z + (long long)tab.row[p] * Dl, Dl);
@@ -126,7 +142,8 @@ SRT_DEV void gateup_cc(const GateUpTable& tab, const float* __restrict__ z, floa
 
 // grid (ceil(Dl / (MOE_WARPS*4)), P), block MOE_WARPS*32, dynamic smem I*4 bytes.
 // h [*, I] fp32; y [*, Dl] fp32: pair p reads h row dst[p] and writes y row dst[p].
-SRT_DEV void down_cc(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
+template <class Tab>
+SRT_DEV void down_cc(const Tab& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
                      float* xs) {
   const int p = blockIdx.y;
   stage_row(xs, h + (long long)tab.dst[p] * I, I);
@@ -152,7 +169,7 @@ SRT_DEV void down_cc(const DownTable& tab, const float* __restrict__ h, float* _
 }
 
 // Entry points: the table by value (the host's), or in device memory (`srt_moe_tables`' output,
-// one table per 64 pairs; CUDA graphs replay these with tables rebuilt on the GPU).
+// one table per SRT_MOE_MAXP_DT pairs; CUDA graphs replay these with tables rebuilt on the GPU).
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     srt_nvfp4_gateup(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
                      int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
@@ -160,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
   gateup_cc(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, (float*)smem_gu);
 }
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    srt_nvfp4_gateup_dt(const GateUpTable* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h,
+    srt_nvfp4_gateup_dt(const GateUpTableDt* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h,
                         int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
   extern __shared__ f32x4 smem_gu_dt[];
   gateup_cc(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, (float*)smem_gu_dt);
@@ -172,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
   down_cc(tab, h, y, Dl, I, (float*)smem_dn);
 }
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    srt_nvfp4_down_dt(const DownTable* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl,
+    srt_nvfp4_down_dt(const DownTableDt* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl,
                       int I) {
   extern __shared__ f32x4 smem_dn_dt[];
   down_cc(*tab, h, y, Dl, I, (float*)smem_dn_dt);
@@ -183,13 +200,13 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // ExpertPointers' order, backends/expert_pointers.py). Pair p = t*k + j reads z row t and writes
 // h / y row p; the pairs are ordered by (expert, p), as the host orders them (a batch's pairs of
 // one expert adjacent; a pair's bits do not depend on its place). Pair p's place
-// r = #{q : (e_q, q) < (e_p, p)} is entry r % 64 of table r / 64.
+// r = #{q : (e_q, q) < (e_p, p)} is entry r % SRT_MOE_MAXP_DT of table r / SRT_MOE_MAXP_DT.
 // grid ceil(P / 256), block 256.
 #ifndef SRT_EXPERT_COLS
 #error "SRT_EXPERT_COLS is passed by the host (-DSRT_EXPERT_COLS=..., streamrt/backends/kernel_defines.py)"
 #endif
 extern "C" __global__ void srt_moe_tables(const long long* __restrict__ ids, const u64* __restrict__ experts, int P,
-                                          int k, GateUpTable* __restrict__ gtab, DownTable* __restrict__ dtab) {
+                                          int k, GateUpTableDt* __restrict__ gtab, DownTableDt* __restrict__ dtab) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= P) return;
   const long long ep = ids[p];
@@ -198,10 +215,10 @@ extern "C" __global__ void srt_moe_tables(const long long* __restrict__ ids, con
     const long long eq = ids[q];
     r += eq < ep || (eq == ep && q < p);
   }
-  const int c = r / SRT_MOE_MAXP, i = r - c * SRT_MOE_MAXP;
+  const int c = r / SRT_MOE_MAXP_DT, i = r - c * SRT_MOE_MAXP_DT;
   const u64* e = experts + ep * SRT_EXPERT_COLS;
-  GateUpTable& g = gtab[c];
-  DownTable& d = dtab[c];
+  GateUpTableDt& g = gtab[c];
+  DownTableDt& d = dtab[c];
   g.gate_packed[i] = e[0];
   g.gate_scales[i] = e[1];
   g.gate_global[i] = e[2];
@@ -594,8 +611,8 @@ SRT_DEV void tc_group(const TcRows& R, const u32* xs, int words, int n, const u8
 // KBS * (TC_WBYTES + TC_SBYTES). A block takes the group of up to cap pairs its entry leads
 // (group_size). With `ready`, each block counts itself done in ready[dst[its first pair]] once
 // its rows of h are written (the down kernel waits for its group's count, not for this grid).
-template <int S, int KBS>
-SRT_DEV void gateup_tc(const GateUpTable& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
+template <int S, int KBS, class Tab>
+SRT_DEV void gateup_tc(const Tab& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
                        float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, u8* smem, float* red) {
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
@@ -664,8 +681,8 @@ SRT_DEV void wait_count(const int* flag, int target) {
 // a block starts on its group once ready[dst[its first pair]] reaches `target` (every gate+up
 // block of the group is done) instead of waiting for the whole gate+up grid: the down work of
 // the first experts fills the slots the gate+up grid's last wave leaves free.
-template <int S, int KBS>
-SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
+template <int S, int KBS, class Tab>
+SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
                      const int* ready, int target, int cap, u8* smem, float* red) {
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.packed, p, gridDim.y, cap);
@@ -724,14 +741,14 @@ SRT_DEV void down_tc(const DownTable& tab, const float* __restrict__ h, float* _
     down_tc<S, KBS>(tab, h, y, Dl, I, ready, target, cap, (u8*)smem_##DN_NAME, red);                               \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
-      GU_DT(const GateUpTable* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, \
+      GU_DT(const GateUpTableDt* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, \
             float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                             \
     extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
     __shared__ float red[32 * TC_TOKENS];                                                                          \
     gateup_tc<S, KBS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, (u8*)smem_##GU_DT, red);      \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
-      DN_DT(const DownTable* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,   \
+      DN_DT(const DownTableDt* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,   \
             const int* ready, int target, int cap) {                                                               \
     extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
     __shared__ float red[32 * TC_TOKENS];                                                                          \

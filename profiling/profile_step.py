@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="slice-k3.1-pro")
     ap.add_argument("--backend", default="nvrtc", choices=("nvrtc", "torch"))
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=1, help="decode: rows per step (one sequence each)")
     ap.add_argument("--gpu-experts", type=int, default=None, help="default: all (resident)")
     ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
                     help="decode: auto replays CUDA graphs once every expert is resident (nvrtc); off: op by op")
@@ -116,15 +117,17 @@ def main(argv=None) -> int:
     if args.prefill:
         return prefill_main(args, model, rt, sync, slots)
     g = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, cfg.vocab_size - 256, (4 + 3 + 3 * args.steps,), generator=g).tolist()
-    cache = model.new_cache(1)
-    it = iter(toks[4:])
+    B = args.batch
+    toks = torch.randint(0, cfg.vocab_size - 256, (B, 4 + 3 + 3 * args.steps), generator=g)
+    cache = model.new_cache(B)
+    it = iter(range(4, toks.shape[1]))
 
     def step():
-        return rt.run(model.forward_steps(torch.tensor([[next(it)]]), cache), tokens=1)
+        i = next(it)
+        return rt.run(model.forward_steps(toks[:, i:i + 1], cache), tokens=B)
 
     with torch.no_grad():
-        rt.run(model.forward_steps(torch.tensor([toks[:4]]), cache, last_only=True))
+        rt.run(model.forward_steps(toks[:, :4], cache, last_only=True))
         for _ in range(3):
             step()
         sync()
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
 
     kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kern) / 1e3 / args.steps  # ms
-    print(f"profile_step: {args.config}, backend {args.backend}, {slots} device slots, {args.steps} steps, "
+    print(f"profile_step: {args.config}, backend {args.backend}, {slots} device slots, batch {B}, {args.steps} steps, "
           f"{rt.stats.graph_steps} of them CUDA-graph replays")
     print(f"wall {wall * 1e3:.2f} ms/step (no profiler); GPU kernels {busy:.2f} ms/step busy; "
           f"{len(kern) / args.steps:.0f} kernels/step; GPU busy / wall = {busy / (wall * 1e3):.2f}")
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
         n, c = by.get(e.name, (0, 0.0))
         by[e.name] = (n + 1, c + e.device_time)
     print("\ntop GPU kernels (per step):  calls   ms")
-    for name, (n, c) in sorted(by.items(), key=lambda kv: -kv[1][1])[:18]:
+    for name, (n, c) in sorted(by.items(), key=lambda kv: -kv[1][1])[:30]:
         print(f"  {name[:60]:60s} {n / args.steps:6.1f} {c / 1e3 / args.steps:7.3f}")
     s = io.StringIO()
     pstats.Stats(cp, stream=s).sort_stats("tottime").print_stats(28)
@@ -349,7 +352,7 @@ def prefill_main(args, model, rt, sync, slots) -> int:
                 by[n][1] += u
                 by[n][2].add(group(p))
         print("\ntop GPU kernels (whole prefill):  calls      s  parts")
-        for name, (n, u, ps) in sorted(by.items(), key=lambda kv: -kv[1][1])[:18]:
+        for name, (n, u, ps) in sorted(by.items(), key=lambda kv: -kv[1][1])[:30]:
             print(f"  {name[:60]:60s} {n:7d} {u / 1e6:7.3f}  {','.join(sorted(ps))}")
     if args.json:
         import json

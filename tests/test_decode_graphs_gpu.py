@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from streamrt.backends.expert_pointers import DOWN_TABLE_BYTES, GATE_UP_TABLE_BYTES, ExpertPointers, tables
-from streamrt.backends.kernel_defines import EXPERT_COLS, MOE_MAXP
+from streamrt.backends.expert_pointers import ExpertPointers, down_table_bytes, gate_up_table_bytes, tables
+from streamrt.backends.kernel_defines import EXPERT_COLS, MOE_MAXP_DT
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
 from streamrt.loader import load_model
@@ -38,7 +38,7 @@ def be():
     return NvrtcBackend()
 
 
-@pytest.mark.parametrize("T,k", [(1, 16), (3, 16), (5, 7)])
+@pytest.mark.parametrize("T,k", [(1, 16), (3, 16), (5, 7), (70, 16)])
 def test_moe_tables_kernel_writes_the_host_tables(be, T, k):
     from streamrt.backends.nvrtc_args import i32, ptr
 
@@ -47,18 +47,19 @@ def test_moe_tables_kernel_writes_the_host_tables(be, T, k):
     experts = torch.randint(1, 2**62, (E, EXPERT_COLS), generator=g, dtype=torch.int64)  # stand-in addresses
     ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int64)
     P = T * k
-    chunks = -(-P // MOE_MAXP)
-    gt = torch.zeros(chunks, GATE_UP_TABLE_BYTES, dtype=torch.uint8, device="cuda")
-    dt = torch.zeros(chunks, DOWN_TABLE_BYTES, dtype=torch.uint8, device="cuda")
+    M = MOE_MAXP_DT
+    chunks = -(-P // M)
+    gt = torch.zeros(chunks, gate_up_table_bytes(M), dtype=torch.uint8, device="cuda")
+    dt = torch.zeros(chunks, down_table_bytes(M), dtype=torch.uint8, device="cuda")
     ids_d, ex_d = ids.cuda(), experts.cuda()
     be._k("nvfp4_moe", "srt_moe_tables")((-(-P // 256),), (256,), [ptr(ids_d), ptr(ex_d), i32(P), i32(k), ptr(gt), ptr(dt)])
     torch.cuda.synchronize()
     flat = ids.reshape(-1).tolist()
     order = sorted(range(P), key=lambda p: (flat[p], p))  # the pairs by expert, as the host orders them
     for c in range(chunks):
-        chunk = [(p, p // k, flat[p]) for p in order[c * MOE_MAXP : (c + 1) * MOE_MAXP]]
+        chunk = [(p, p // k, flat[p]) for p in order[c * M : (c + 1) * M]]
         ptrs = {e: ExpertPointers(*experts[e].tolist(), 0) for _, _, e in chunk}
-        want_g, want_d = tables(chunk, ptrs)
+        want_g, want_d = tables(chunk, ptrs, M)
         assert np.array_equal(gt[c].cpu().numpy(), want_g), f"GateUpTable {c}"
         assert np.array_equal(dt[c].cpu().numpy(), want_d), f"DownTable {c}"
 

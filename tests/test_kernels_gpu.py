@@ -22,7 +22,8 @@ import torch
 
 from streamrt.backends.nvfp4_gemm import TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.torch_backend import TorchBackend
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts
+from streamrt.backends.expert_pointers import ExpertTable
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts
 
 CPU_DRY = os.environ.get("STREAMRT_KERNEL_TEST_CPU") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -485,6 +486,29 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
         for t in range(T):
             alone = nv.expert_ffn(z[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts, 4.0, 25.0)
             assert torch.equal(alone[0], out[t]), f"expert_ffn row {t} differs alone vs in the batch"
+
+
+@pytest.mark.parametrize("T,k", [(20, 8), (70, 16)])
+@pytest.mark.parametrize("impl", ["tc", "cuda_core"])
+def test_expert_ffn_device_table_gives_the_host_bits(gen, T, k, impl):
+    """The CUDA-graph path (ResidentExperts: device ids and the layer's pointer table; up to
+    MOE_MAXP_DT = 1024 pairs per launch, so up to TC_TOKENS rows of one expert from the whole
+    batch share a block) against the host path (by-value tables of MOE_MAXP = 64 pairs): the
+    same bits. T=20 x 8: one device table for three host ones; T=70 x 16: two device tables."""
+    E, Dl, I = 24, 128, 256
+    experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
+    table = ExpertTable([0], E, Dl, torch.device(DEV))
+    for e, ew in experts.items():
+        table.place(0, e, ew)
+    table.upload()
+    resident = ResidentExperts(experts, table.layer(0), table.inter, ids.to(DEV), 0)
+    ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
+    tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    nv = NV_IMPLS[impl]
+    out = check(f"expert_ffn[{impl}] device table T={T} k={k}", gen, ref, tb,
+                lambda: nv.expert_ffn(z, resident.ids, weights, resident, 4.0, 25.0))
+    if out is not None:
+        assert torch.equal(out, nv.expert_ffn(z, ids.cpu(), weights, experts, 4.0, 25.0)), "device table vs host tables"
 
 
 # The grouped prefill GEMMs' single fp16 row mode rounds each row once (2^-11 of each element,

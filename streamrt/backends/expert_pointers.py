@@ -5,7 +5,8 @@ scales, fp32 global scale) and the intermediate size; `ExpertPointerCache` check
 `ExpertWeights` once per object; `tables` packs up to `MOE_MAXP` (pair, row, expert) entries
 into the `GateUpTable` / `DownTable` structs of `kernels/nvfp4_moe.cu` (passed by value).
 `ExpertTable` keeps every resident expert's pointers on the device, from which the kernel
-`srt_moe_tables` builds those structs on the GPU (a CUDA graph of a step replays for any ids).
+`srt_moe_tables` builds the same structs of `MOE_MAXP_DT` entries on the GPU (a CUDA graph of
+a step replays for any ids).
 """
 
 from __future__ import annotations
@@ -95,19 +96,26 @@ def scales_aligned8(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPoi
     )
 
 
-GATE_UP_TABLE_BYTES = 6 * MOE_MAXP * 8 + 2 * MOE_MAXP * 4  # sizeof(GateUpTable)
-DOWN_TABLE_BYTES = 3 * MOE_MAXP * 8 + MOE_MAXP * 4  # sizeof(DownTable)
+def gate_up_table_bytes(n: int) -> int:
+    """sizeof(GateUpTableN<n>): 6 x n u64 + 2 x n int32."""
+    return 6 * n * 8 + 2 * n * 4
 
 
-def tables(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPointers]) -> tuple[np.ndarray, np.ndarray]:
-    """The by-value GateUpTable (6 x 64 u64 + 2 x 64 int32) and DownTable (3 x 64 u64 + 64
-    int32) for pairs (pair index = h / y row, token row, expert)."""
-    g = np.zeros(GATE_UP_TABLE_BYTES, dtype=np.uint8)
-    gp = g[: 6 * MOE_MAXP * 8].view(np.uint64).reshape(6, MOE_MAXP)
-    gi = g[6 * MOE_MAXP * 8 :].view(np.int32).reshape(2, MOE_MAXP)
-    d = np.zeros(DOWN_TABLE_BYTES, dtype=np.uint8)
-    dp = d[: 3 * MOE_MAXP * 8].view(np.uint64).reshape(3, MOE_MAXP)
-    di = d[3 * MOE_MAXP * 8 :].view(np.int32)
+def down_table_bytes(n: int) -> int:
+    """sizeof(DownTableN<n>): 3 x n u64 + n int32."""
+    return 3 * n * 8 + n * 4
+
+
+def tables(chunk: list[tuple[int, int, int]], ptrs: dict[int, ExpertPointers],
+           n: int = MOE_MAXP) -> tuple[np.ndarray, np.ndarray]:
+    """The GateUpTableN<n> and DownTableN<n> bytes (n = MOE_MAXP: by value) for pairs (pair
+    index = h / y row, token row, expert)."""
+    g = np.zeros(gate_up_table_bytes(n), dtype=np.uint8)
+    gp = g[: 6 * n * 8].view(np.uint64).reshape(6, n)
+    gi = g[6 * n * 8 :].view(np.int32).reshape(2, n)
+    d = np.zeros(down_table_bytes(n), dtype=np.uint8)
+    dp = d[: 3 * n * 8].view(np.uint64).reshape(3, n)
+    di = d[3 * n * 8 :].view(np.int32)
     for i, (p, t, e) in enumerate(chunk):
         pe = ptrs[e]
         gp[:, i] = pe[GATE_UP]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 # nvfp4_moe.cu
 MOE_MAXP = 64  # (row, expert) pairs per launch: the length of the by-value pointer tables
+MOE_MAXP_DT = 1024  # ... and of the device-memory tables (srt_moe_tables; a batch of 64 rows x 16)
 MOE_WARPS = 8  # warps per block of the CUDA-core NVFP4 kernels
 EXPERT_COLS = 9  # u64 columns per expert of a device pointer table (ExpertPointers' nine sections)
 TC_WBYTES = 32 * 64  # tensor-core NVFP4 kernels: one 128-column block of 32 rows, weights ...
@@ -40,7 +41,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS},
     "kda": {"SRT_KDA_MAXK": KDA_MAXK},
     "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS},
-    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
+    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "SRT_MOE_MAXP_DT": MOE_MAXP_DT, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
                   "TC_TOKENS": TC_TOKENS},
     "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},
 }

@@ -6,8 +6,8 @@ the backend sets; `prefill_rows` is its own). Decode runs the NVFP4 kernels over
 pairs, a tensor-core block taking up to `TC_TOKENS` pairs of one expert (one weight read for
 them; each row's bits its own: batch-invariant); the prefill view (`for_prefill`) runs grouped GEMMs per expert
 (`nvfp4_gemm.py`).
-Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables
-(`expert_pointers.py`); the kernels: `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`:
+Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables, or in a
+CUDA graph up to `MOE_MAXP_DT` in tables built on the GPU (`expert_pointers.py`); the kernels: `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`:
 `profiling/RESULTS.md` (bench_kernels.py --variants).
 """
 
@@ -19,8 +19,8 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from streamrt.backends.expert_pointers import DOWN_TABLE_BYTES, GATE_UP_TABLE_BYTES, scales_aligned8, tables
-from streamrt.backends.kernel_defines import MOE_MAXP, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_TOKENS, TC_WBYTES
+from streamrt.backends.expert_pointers import down_table_bytes, gate_up_table_bytes, scales_aligned8, tables
+from streamrt.backends.kernel_defines import MOE_MAXP, MOE_MAXP_DT, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_TOKENS, TC_WBYTES
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts, as_routed
@@ -183,8 +183,9 @@ class MoeOps:
                           linear_beta: float | None) -> Tensor:
         """expert_ffn with the pairs' pointers gathered on the GPU from the layer's table
         (`srt_moe_tables`): nothing on this path reads the ids on the host, so it is captured in
-        a CUDA graph once and replays for any routing. Pairs, chunks and kernels are the host
-        path's for the same ids (no expert is late here): the same bits."""
+        a CUDA graph once and replays for any routing. One launch takes up to `MOE_MAXP_DT` pairs
+        (the host path: `MOE_MAXP`), so a batch's rows of one expert share its weight reads; a
+        pair's bits do not depend on its launch or group: the host path's bits."""
         ids = experts.ids.contiguous()
         if ids.device != self.device or ids.dtype != torch.int64:
             raise ValueError(f"expert_ffn: device ids must be int64 on {self.device}, got {ids.dtype} on {ids.device}")
@@ -193,9 +194,9 @@ class MoeOps:
         out = self._empty(T, Dl, dtype=torch.float32)
         if P == 0:
             return out.zero_()
-        chunks = math.ceil(P / MOE_MAXP)
-        gtab = self._empty(chunks, GATE_UP_TABLE_BYTES, dtype=torch.uint8)
-        dtab = self._empty(chunks, DOWN_TABLE_BYTES, dtype=torch.uint8)
+        chunks = math.ceil(P / MOE_MAXP_DT)
+        gtab = self._empty(chunks, gate_up_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
+        dtab = self._empty(chunks, down_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
         self._k("nvfp4_moe", "srt_moe_tables")(
             (math.ceil(P / 256),), (256,), [ptr(ids), ptr(experts.table), i32(P), i32(k), ptr(gtab), ptr(dtab)])
         h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
@@ -203,7 +204,7 @@ class MoeOps:
         act = situ_args(beta, linear_beta)
         tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and experts.tensor_core
         for c in range(chunks):
-            n = min(MOE_MAXP, P - c * MOE_MAXP)
+            n = min(MOE_MAXP_DT, P - c * MOE_MAXP_DT)
             g, d = ptr(gtab[c]), ptr(dtab[c])
             # the gate+up kernel reads its table before pdl_wait(), and the table is the kernel
             # before's output here: a plain launch (the down kernel and the sum stay programmatic)
