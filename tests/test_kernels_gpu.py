@@ -497,7 +497,7 @@ def test_expert_ffn_device_table_gives_the_host_bits(gen, T, k, impl):
     same bits. T=20 x 8: one device table for three host ones; T=70 x 16: two device tables."""
     E, Dl, I = 24, 128, 256
     experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
-    table = ExpertTable([0], E, Dl, torch.device(DEV))
+    table = ExpertTable([0], E, Dl, z.device)
     for e, ew in experts.items():
         table.place(0, e, ew)
     table.upload()
