@@ -7,8 +7,9 @@ pairs, a tensor-core block taking up to `TC_TOKENS` pairs of one expert (one wei
 them; each row's bits its own: batch-invariant); the prefill view (`for_prefill`) runs grouped GEMMs per expert
 (`nvfp4_gemm.py`).
 Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables, or in a
-CUDA graph up to `MOE_MAXP_DT` in tables built on the GPU (`expert_pointers.py`); the kernels: `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`:
-`profiling/RESULTS.md` (bench_kernels.py --variants).
+CUDA graph up to `MOE_MAXP_DT` in tables built on the GPU (`expert_pointers.py`); the kernels:
+`kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`: `profiling/RESULTS.md`
+(bench_kernels.py --variants).
 """
 
 from __future__ import annotations
