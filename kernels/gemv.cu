@@ -139,7 +139,8 @@ extern "C" __global__ void srt_gemv_scalar(const void* __restrict__ x, int x_bf1
 
 // ================= bf16 weights on tensor cores (mma.sync m16n8k16, sm_80+) =================
 //
-// out[t, n] = sum_k x[t, k] * W[n, k] for T <= 8 rows of x (fp32 or bf16), W bf16 [N, K].
+// out[t, n] = sum_k x[t, k] * W[n, k] for T rows of x (fp32 or bf16), W bf16 [N, K], 8 rows per
+// block (one launch for any T: a row's block computes what it would alone).
 // The CUDA-core kernels above read x through L1 once per weight vector and token (T = 8: four
 // bytes of x per byte of weights); here the tensor core applies each x value to 16 rows.
 //  * A block owns 32 rows of W (two 16-row mma tiles) and splits K among its KS warps (KS set by
@@ -211,7 +212,13 @@ SRT_DEV void gemv_tc(const void* __restrict__ xv, int T, const u16* __restrict__
   constexpr int XE = XBF16 ? 2 : 4;   // bytes per x element
   constexpr int XRB = GTC_COLS * XE;  // bytes of one token's row in a stage
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int row0 = blockIdx.x * GTC_ROWS;
+  // T > 8 rows: block b takes token group b % groups (rows 8 (b % groups) ..) of row block
+  // b / groups; a row block's groups are neighbours, so the second reads W from L2
+  const int groups = (T + 7) / 8, tg = blockIdx.x % groups;
+  const int row0 = (blockIdx.x / groups) * GTC_ROWS;
+  xv = (const char*)xv + (long long)tg * 8 * K * XE;
+  out += (long long)tg * 8 * N;
+  T = min(8, T - tg * 8);
   const int nst = (K + GTC_COLS - 1) / GTC_COLS;
   const int s0 = warp * nst / ks, s1 = (warp + 1) * nst / ks;
   const int sbytes = gtc_stage_bytes(T, XBF16);

@@ -21,8 +21,8 @@ SRT_DEV u32 lanemask_lt() {
 // 2. One ascending sweep compacts: positions with key > v in ascending order into out[0..],
 //    positions with key == v in ascending order into out[k - need ..] until `need` are out.
 // Deterministic: integer counts, block scans in warp order.
-// n_dev (CUDA graphs: the length lives on the device): when given, the row holds min(n, *n_dev)
-// scores (n stays the row stride); if that is at most k, out[0..count) = 0, 1, ... ascending
+// n_dev [rows] (CUDA graphs: the lengths live on the device): when given, row r holds
+// min(n, n_dev[r]) scores (n stays the row stride); if that is at most k, out[0..count) = 0, 1, ... ascending
 // (every position, in the order the unselected attention reads them).
 #ifndef TOPK_THREADS
 #error "TOPK_THREADS is passed by the host (-DTOPK_THREADS=..., streamrt/backends/kernel_defines.py)"
@@ -37,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
   long long* o = out + (long long)blockIdx.x * k;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
   if (n_dev != nullptr) {
-    n = min(n, *n_dev);
+    n = min(n, n_dev[blockIdx.x]);
     if (n <= k) {
       for (int i = tid; i < n; i += blockDim.x) o[i] = i;
       return;

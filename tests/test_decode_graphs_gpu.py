@@ -132,3 +132,13 @@ def test_graph_decode_is_bit_identical_to_op_by_op(tiny, rows):
         assert on["graph_steps"] >= len(eager) - 2 * on["captures"], on
         for t, (a, b) in enumerate(zip(eager, graphed)):
             assert torch.equal(a, b), f"rows {rows}, reversed slots {reverse}, step {t}: graphs changed the logits"
+
+
+def test_a_row_decodes_to_the_same_bits_alone_and_in_a_batch(tiny):
+    """Batch invariance of the whole decode step (attention rows in one launch, 8-row GEMVs,
+    per-pair expert FFN): row 0 of a three-row batch gives the logits of row 0 decoded alone."""
+    tree, model = tiny
+    alone, _ = _decode(tree, model, "auto", [0], False)
+    batch, _ = _decode(tree, model, "auto", [0, 1, 2], False)
+    for t, (a, b) in enumerate(zip(alone, batch)):
+        assert torch.equal(a[0], b[0]), f"step {t}: row 0 differs alone and in a batch of three"

@@ -73,6 +73,41 @@ def test_mla_decode_and_indexer_with_a_length_match_float64():
                                keys[:n].double().numpy()), rtol=1e-5, atol=1e-6)
 
 
+def test_decode_ops_take_rows_each_with_its_own_length():
+    """The batched forms the model's decode calls (a leading row dim, lengths [B]) against
+    float64 numpy, row by row, with the past-the-length cache poisoned."""
+    g = torch.Generator().manual_seed(13)
+    be = TorchBackend()
+    B, H, R, Dr, Hi, Di, cap, k, dn, dv = 3, 2, 16, 8, 3, 8, 40, 6, 12, 10
+    lengths = torch.tensor([5, 40, 23], dtype=torch.int32)
+    q_lat, q_rot = torch.randn(B, H, R, generator=g), torch.randn(B, H, Dr, generator=g)
+    c, kr, keys = torch.randn(B, cap, R, generator=g), torch.randn(B, cap, Dr, generator=g), torch.randn(B, cap, Di, generator=g)
+    q, w = torch.randn(B, Hi, Di, generator=g), torch.rand(B, Hi, generator=g) + 0.1
+    for b, n in enumerate(lengths.tolist()):
+        c[b, n:], kr[b, n:], keys[b, n:] = 1e4, -1e4, 1e4
+    scores = be.indexer_scores(q, w, keys, lengths)
+    sel = be.select_topk(scores, k, lengths)
+    out = be.mla_decode(q_lat, q_rot, c, kr, 0.3, sel, lengths)
+    assert scores.shape == (B, cap) and sel.shape == (B, k) and out.shape == (B, H, R)
+    for b, n in enumerate(lengths.tolist()):
+        want_scores = ref.indexer_scores(q[b].double().numpy(), w[b].double().numpy(), keys[b, :n].double().numpy())
+        np.testing.assert_allclose(scores[b, :n].double().numpy(), want_scores, rtol=1e-5, atol=1e-6)
+        want_sel = ref.select_topk(scores[b, :n].tolist(), k) if n > k else list(range(n))
+        assert sel[b, : min(k, n)].tolist() == want_sel, b
+        cs, ks = c[b, want_sel].double().numpy(), kr[b, want_sel].double().numpy()
+        s = (q_lat[b].double().numpy() @ cs.T + q_rot[b].double().numpy() @ ks.T) * 0.3
+        p = np.exp(s - s.max(-1, keepdims=True))
+        np.testing.assert_allclose(out[b].double().numpy(), (p / p.sum(-1, keepdims=True)) @ cs, rtol=1e-5, atol=1e-6)
+
+    W = torch.randn(H * (dn + dv), R, generator=g).to(torch.bfloat16).view(H, dn + dv, R)  # kv_b_proj as stored
+    qn, o_lat = torch.randn(B, H, dn, generator=g), torch.randn(B, H, R, generator=g)
+    W64 = W.double().numpy()
+    np.testing.assert_allclose(be.mla_absorb(qn, W[:, :dn]).double().numpy(),
+                               np.einsum("bhd,hdr->bhr", qn.double().numpy(), W64[:, :dn]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(be.mla_expand(o_lat, W[:, dn:]).double().numpy(),
+                               np.einsum("hvr,bhr->bhv", W64[:, dn:], o_lat.double().numpy()), rtol=1e-5, atol=1e-5)
+
+
 def test_device_lengths_follow_the_host_lengths(tree):
     model = load_model(tree, "cpu")
     a, b = model.new_cache(), model.new_cache()

@@ -53,8 +53,11 @@ def weather(runner):
 
     def record(scores, k, length=None):
         sel = orig(scores, k, length)
-        n = scores.numel() if length is None else int(length)  # decode: scores over the capacity, valid below length
-        seen.append((n, sel.numel(), int(torch.unique(sel).numel())))
+        if length is None:
+            seen.append((scores.numel(), sel.numel(), int(torch.unique(sel).numel())))
+        for row, n in zip(sel.view(-1, sel.shape[-1]), [] if length is None else length.tolist()):
+            picked = row[: min(k, n)]  # decode: scores over the capacity, valid below the row's length
+            seen.append((n, picked.numel(), int(torch.unique(picked).numel())))
         return sel
 
     be.select_topk = record

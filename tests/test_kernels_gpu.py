@@ -154,6 +154,15 @@ def test_linear_batch_invariant(gen, wdt):
         assert torch.equal(NV.linear(x[t : t + 1], w)[0], full[t]), f"row {t} differs alone vs in a batch of 8"
     assert torch.equal(NV.linear(x[:3], w), full[:3]), "rows differ between T=3 and T=8"
     assert torch.equal(NV.linear(x, w), full), "not deterministic run to run"
+    # past 8 rows: the 8-row groups are blocks of one launch (the tensor-core kernel), each row
+    # still its T = 1 bits; odd tails, fp32 and bf16 x, N not a multiple of 32
+    for xdt in (torch.float32, torch.bfloat16):
+        xl = randn(gen, 37, 1536, dtype=xdt)
+        for T in (9, 16, 37):
+            got = NV.linear(xl[:T], w)
+            assert rel(got, xl[:T].double() @ w.double().T) < TOL, f"T={T} x {xdt}"
+            for t in (0, 7, 8, T - 1):
+                assert torch.equal(got[t], NV.linear(xl[t : t + 1], w)[0]), f"row {t} of T={T} (x {xdt}) differs alone"
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
@@ -358,6 +367,79 @@ def test_indexer_scores(gen, Hi, Di, n):
     q, w, kc = randn(gen, Hi, Di), randn(gen, Hi, scale=0.1), randn(gen, n, Di)
     ref = (torch.relu(q.double() @ kc.double().T) * w.double()[:, None]).sum(0)
     check(f"indexer_scores {Hi},{Di},{n}", gen, ref, TB.indexer_scores(q, w, kc), lambda: NV.indexer_scores(q, w, kc))
+
+
+@pytest.mark.parametrize("B,H,R,Dr,cap,sparse", [(3, 8, 512, 64, 300, True), (5, 5, 48, 8, 130, False), (17, 2, 32, 8, 70, True)])
+def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, sparse):
+    """One launch over B rows, each with its own cache, length and selection: row b against
+    float64, and bit for bit the one-row call on that row (the decode path's batch invariance)."""
+    q_lat, q_rot = randn(gen, B, H, R, scale=0.3), randn(gen, B, H, Dr, scale=0.3)
+    c, kr = randn(gen, B, cap, R), randn(gen, B, cap, Dr)  # the model's caches are fp32
+    lengths = torch.randint(1, cap + 1, (B,), generator=gen, device=DEV).int()
+    m = min(40, cap)
+    select = None
+    if sparse:  # row b: m distinct positions below its length (fewer valid when length < m)
+        select = torch.stack([torch.cat((torch.randperm(int(n), generator=gen, device=DEV), torch.zeros(cap, dtype=torch.long, device=DEV)))[:m]
+                              for n in lengths])
+    scale = (R // 4 + Dr) ** -0.5
+    refs = []
+    for b in range(B):
+        n = int(lengths[b])
+        pos = torch.arange(n, device=DEV) if select is None else select[b, : min(m, n)]
+        cs, ks = c[b, pos].double(), kr[b, pos].double()
+        refs.append(torch.softmax((q_lat[b].double() @ cs.T + q_rot[b].double() @ ks.T) * scale, dim=-1) @ cs)
+    out = check(f"mla_decode rows B={B} H={H} R={R}", gen, torch.stack(refs), TB.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths),
+                lambda: NV.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths))
+    if out is not None:
+        for b in range(B):
+            alone = NV.mla_decode(q_lat[b], q_rot[b], c[b], kr[b], scale, None if select is None else select[b], lengths[b : b + 1])
+            assert torch.equal(out[b], alone), f"row {b} of {B}: bits differ from the one-row call (seed {gen.initial_seed()})"
+
+
+@pytest.mark.parametrize("B,Hi,Di,cap", [(4, 32, 128, 500), (9, 3, 16, 37)])
+def test_indexer_scores_and_topk_rows_give_each_row_its_own_bits(gen, B, Hi, Di, cap):
+    q, w = randn(gen, B, Hi, Di), randn(gen, B, Hi, scale=0.1)
+    kc = randn(gen, B, cap, Di)
+    lengths = torch.randint(1, cap + 1, (B,), generator=gen, device=DEV).int()
+    lengths[0] = cap
+    k = 16
+    tb = TB.indexer_scores(q, w, kc, lengths)
+    got = NV.indexer_scores(q, w, kc, lengths) if NV is not None else None
+    for b in range(B):
+        n = int(lengths[b])
+        ref = (torch.relu(q[b].double() @ kc[b, :n].double().T) * w[b].double()[:, None]).sum(0)
+        assert rel(tb[b, :n], ref) < TOL, f"torch backend row {b} (seed {gen.initial_seed()})"
+        if got is not None:
+            assert rel(got[b, :n], ref) < TOL, f"nvrtc row {b} (seed {gen.initial_seed()})"
+            assert torch.equal(got[b, :n], NV.indexer_scores(q[b], w[b], kc[b], lengths[b : b + 1])[:n]), f"row {b}: one-row bits"
+    scores = torch.randint(-3, 4, (B, cap), generator=gen, device=DEV).float()  # ties at the threshold
+    for be in [TB] + ([NV] if NV is not None else []):
+        sel = be.select_topk(scores, k, lengths)
+        assert sel.shape == (B, min(k, cap))
+        for b in range(B):
+            n = int(lengths[b])
+            want = topk_ref(scores[b, :n].tolist(), k) if n > k else list(range(n))
+            assert sel[b, : min(k, n)].tolist() == want, f"{be.name} select_topk row {b}, length {n}"
+
+
+@pytest.mark.parametrize("B,H,dn,dv,R", [(1, 8, 128, 128, 512), (17, 3, 24, 40, 96)])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_mla_absorb_and_expand_read_the_kv_b_view(gen, B, H, dn, dv, R, wdt):
+    """The per-head projections on strided views of kv_b_proj [H * (dn + dv), R], as the model
+    passes them; each row equal to its B = 1 call."""
+    kv_b = randn(gen, H * (dn + dv), R, scale=R**-0.5, dtype=wdt)
+    W = kv_b.view(H, dn + dv, R)
+    w_uk, w_uv = W[:, :dn], W[:, dn:]
+    q, o_lat = randn(gen, B, H, dn), randn(gen, B, H, R)
+    ref_q = torch.einsum("bhd,hdr->bhr", q.double(), w_uk.double())
+    ref_o = torch.einsum("hvr,bhr->bhv", w_uv.double(), o_lat.double())
+    for what, ref, tb, nv, x, w in [("mla_absorb", ref_q, TB.mla_absorb(q, w_uk), lambda: NV.mla_absorb(q, w_uk), q, w_uk),
+                                   ("mla_expand", ref_o, TB.mla_expand(o_lat, w_uv), lambda: NV.mla_expand(o_lat, w_uv), o_lat, w_uv)]:
+        out = check(f"{what} B={B} H={H} {wdt}", gen, ref, tb, nv)
+        if out is not None:
+            op = getattr(NV, what)
+            for b in (0, B - 1):
+                assert torch.equal(out[b], op(x[b : b + 1], w)[0]), f"{what} row {b} of {B}: bits differ alone"
 
 
 def topk_ref(scores: list[float], k: int) -> list[int]:

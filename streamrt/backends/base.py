@@ -55,13 +55,22 @@ class Backend(Protocol):
         self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None,
         length: Tensor | None = None,
     ) -> Tensor:
-        """Absorbed MLA attention for one query row: q_lat [H, R], q_rot [H, Dr],
-        c_cache [n, R], kr_cache [n, Dr], select LongTensor[m] of positions or None (all).
-        softmax over positions of (q_lat.c + q_rot.kr) * scale; returns sum p c  [H, R].
+        """Absorbed MLA attention for query rows b < B, each over its own cache: q_lat [B, H, R],
+        q_rot [B, H, Dr], c_cache [B, n, R], kr_cache [B, n, Dr], select LongTensor [B, m] of
+        positions or None (all); one row may drop the leading B everywhere.
+        softmax over positions of (q_lat.c + q_rot.kr) * scale; returns sum p c  [B, H, R].
         The model passes select in select_topk's emitted order, and None while n <= index_topk.
-        length: int32 [1] on the cache's device (the decode path; a CUDA graph cannot take a
-        host length): only the first `length` positions are valid, c_cache / kr_cache may be
-        longer (their capacity), and only select[:length] is read."""
+        length: int32 [B] on the cache's device (the decode path; a CUDA graph cannot take a
+        host length): row b's first length[b] positions are valid, c_cache / kr_cache may be
+        longer (their capacity), and only select[b, :length[b]] is read."""
+
+    def mla_absorb(self, q_nope: Tensor, w_uk: Tensor) -> Tensor:
+        """q_lat[b, h] = q_nope[b, h] @ w_uk[h]: q_nope [B, H, dn], w_uk [H, dn, R] (a view of
+        kv_b_proj: heads may be strided) -> [B, H, R] fp32."""
+
+    def mla_expand(self, o_lat: Tensor, w_uv: Tensor) -> Tensor:
+        """o[b, h] = w_uv[h] @ o_lat[b, h]: o_lat [B, H, R], w_uv [H, dv, R] (a view of kv_b_proj)
+        -> [B, H, dv] fp32."""
 
     def mla_prefill(
         self, q_nope: Tensor, q_rot: Tensor, w_uk: Tensor, w_uv: Tensor, c_cache: Tensor, kr_cache: Tensor,
@@ -75,15 +84,17 @@ class Backend(Protocol):
         Memory O(tile x n), never T x n per head; a row's bits must not depend on T or start."""
 
     def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
-        """Lightning Indexer scores of one query: q [Hi, Di], w [Hi], k_cache [n, Di] ->
-        [n] fp32, I[s] = sum_h w[h] * relu(q[h] . k[s]). length (as mla_decode's): only
-        s < length are scored (the rest of the result is not defined)."""
+        """Lightning Indexer scores of query rows b < B: q [B, Hi, Di], w [B, Hi], k_cache [B, n, Di]
+        -> [B, n] fp32, I[b, s] = sum_h w[b, h] * relu(q[b, h] . k[b, s]); one row may drop the
+        leading B. length (as mla_decode's): only s < length[b] are scored (the rest of the
+        row is not defined)."""
 
     def select_topk(self, scores: Tensor, k: int, length: Tensor | None = None) -> Tensor:
         """Exact top-k positions with the tie rule (K31_INDEXER.md): strictly-above-threshold
-        positions ascending, then the boundary group from the lowest position up. length (as
-        mla_decode's): top-k of scores[:length]; if length <= k, every position ascending
-        (0, 1, ..., length - 1: the order of the unselected attention)."""
+        positions ascending, then the boundary group from the lowest position up. scores [n] or
+        [rows, n] -> [min(k, n)] or [rows, min(k, n)]. length int32 [rows] (as mla_decode's): row
+        r is the top-k of scores[r, :length[r]] in its first min(k, length[r]) entries; if
+        length[r] <= k, every position ascending (0, 1, ...: the unselected attention's order)."""
 
     def router(
         self, x: Tensor, w_gate: Tensor, bias: Tensor, k: int, renormalize: bool, scale: float,

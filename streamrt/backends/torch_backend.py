@@ -174,7 +174,14 @@ class TorchBackend:
         self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, scale: float, select: Tensor | None,
         length: Tensor | None = None,
     ) -> Tensor:
-        """q_lat [H, R], q_rot [H, Dr], c_cache [n, R], kr_cache [n, Dr] -> sum_t p c_t [H, R]."""
+        """q_lat [H, R], q_rot [H, Dr], c_cache [n, R], kr_cache [n, Dr] -> sum_t p c_t [H, R];
+        with a leading row dim B on each (length [B]), row by row."""
+        if q_lat.dim() == 3:
+            return torch.stack([
+                self.mla_decode(q_lat[b], q_rot[b], c_cache[b], kr_cache[b], scale, None if select is None else select[b],
+                                None if length is None else length[b : b + 1])
+                for b in range(q_lat.shape[0])
+            ])
         if length is not None:  # the host reads it (this backend is not captured in CUDA graphs)
             n = int(length)
             c_cache, kr_cache = c_cache[:n], kr_cache[:n]
@@ -185,13 +192,32 @@ class TorchBackend:
         p = torch.softmax(s, dim=-1)
         return p @ c_cache  # [H, R]
 
+    def mla_absorb(self, q_nope: Tensor, w_uk: Tensor) -> Tensor:
+        """q_nope [B, H, dn], w_uk [H, dn, R] -> q_lat [B, H, R], one row at a time (batch-invariant)."""
+        w = w_uk.float()
+        return torch.stack([torch.bmm(q_nope[b][:, None, :], w)[:, 0] for b in range(q_nope.shape[0])])
+
+    def mla_expand(self, o_lat: Tensor, w_uv: Tensor) -> Tensor:
+        """o_lat [B, H, R], w_uv [H, dv, R] -> [B, H, dv], one row at a time."""
+        w = w_uv.float()
+        return torch.stack([torch.bmm(w, o_lat[b][:, :, None])[..., 0] for b in range(o_lat.shape[0])])
+
     def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
-        """q [Hi, Di], w [Hi], k_cache [n, Di] -> I [n] = sum_h w[h] relu(q[h].k[s])."""
+        """q [Hi, Di], w [Hi], k_cache [n, Di] -> I [n] = sum_h w[h] relu(q[h].k[s]); with a leading
+        row dim B (length [B]), row by row."""
+        if q.dim() == 3:
+            return torch.stack([self.indexer_scores(q[b], w[b], k_cache[b], None if length is None else length[b : b + 1])
+                                for b in range(q.shape[0])])
         if length is not None:
-            k_cache = k_cache[: int(length)]
+            n = k_cache.shape[0]
+            return torch.cat((self.indexer_scores(q, w, k_cache[: int(length)]), q.new_zeros(n - int(length))))  # [n]: rows stack
         return (torch.relu(q @ k_cache.T) * w[:, None]).sum(0)
 
     def select_topk(self, scores: Tensor, k: int, length: Tensor | None = None) -> Tensor:
+        if scores.dim() == 2 and length is not None:  # [rows, n], length [rows]: row by row, padded to min(k, n)
+            kk = min(k, scores.shape[1])
+            rows = [self.select_topk(scores[r], k, length[r : r + 1]) for r in range(scores.shape[0])]
+            return torch.stack([torch.cat((t, t.new_zeros(kk - t.numel()))) for t in rows])
         if length is not None:
             n = int(length)
             if n <= k:

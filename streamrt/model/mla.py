@@ -116,16 +116,11 @@ class KimiMLAAttention(nn.Module):
         cache.kr.view(B * cap, -1).index_copy_(0, at, kr.detach())
         if idx is not None:
             cache.ik.view(B * cap, -1).index_copy_(0, at, idx[1].detach())
-        W = self.kv_b_proj.weight.float().view(H, dn + self.dv, R)
-        W_UK, W_UV = W[:, :dn], W[:, dn:]  # [H, dn, R], [H, dv, R]
-        outs = []
-        for b in range(B):  # row-wise: each sequence on its own
-            n = step.valid[b : b + 1]  # positions valid once this token is in: int32 [1] on the device
-            q_lat = torch.bmm(q_nope[b][:, None, :], W_UK)[:, 0]  # [H, R]
-            select = None
-            if idx is not None and self.sparse:  # every position, ascending, while n <= topk
-                scores = be.indexer_scores(idx[0][b], idx[2][b], cache.ik[b], n)  # [cap], valid below n
-                select = be.select_topk(scores, self.indexer.topk, n)
-            o_lat = be.mla_decode(q_lat, q_rot[b], cache.c[b], cache.kr[b], self.scale, select, n)  # [H, R]
-            outs.append(torch.bmm(W_UV, o_lat[:, :, None])[..., 0])  # [H, dv]
-        return torch.stack(outs)  # [B, H, dv]
+        W = self.kv_b_proj.weight.view(H, dn + self.dv, R)  # as stored: the kernels read bf16 themselves
+        q_lat = be.mla_absorb(q_nope, W[:, :dn])  # [B, H, R]
+        select = None
+        if idx is not None and self.sparse:  # every position, ascending, while a row's n <= topk
+            scores = be.indexer_scores(idx[0], idx[2], cache.ik, step.valid)  # [B, cap], row b valid below its n
+            select = be.select_topk(scores, self.indexer.topk, step.valid)
+        o_lat = be.mla_decode(q_lat, q_rot, cache.c, cache.kr, self.scale, select, step.valid)  # [B, H, R]
+        return be.mla_expand(o_lat, W[:, dn:])  # [B, H, dv]
