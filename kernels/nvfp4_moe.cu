@@ -304,7 +304,9 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 #elif TC_TOKENS > 8
 #error "TC_TOKENS > 8: the mma's 8 columns hold 4 rows (hi, lo), tc_rows two sets of them"
 #endif
-#define MMA_XSTRIDE 20
+#ifndef MMA_XSTRIDE  // u32 words of one staged 32-element chunk (16 fp16 pairs, padded)
+#error "MMA_XSTRIDE is passed by the host (-DMMA_XSTRIDE=..., streamrt/backends/kernel_defines.py)"
+#endif
 
 // u32 words of one staged hi (or lo) row, a multiple of 16 and not of 32: the 8 lanes of one
 // phase of a B load read a row's hi and lo arrays at the same chunks, in different banks.

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from streamrt.backends.expert_pointers import down_table_bytes, gate_up_table_bytes, scales_aligned8, tables
-from streamrt.backends.kernel_defines import MOE_MAXP, MOE_MAXP_DT, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_TOKENS, TC_WBYTES
+from streamrt.backends.kernel_defines import MOE_MAXP, MOE_MAXP_DT, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_TOKENS, TC_WBYTES, TC_XSTRIDE
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts, as_routed
@@ -42,8 +42,8 @@ def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 
     """Dynamic shared memory of a tensor-core NVFP4 block that takes up to `rows` pairs of one
     expert: each row's staged activation (fp16 hi + lo arrays of `tc_xwords` u32 words, as
     kernels/nvfp4_moe.cu lays them out) and each warp's cp.async ring."""
-    words = in_features // 32 * 20
-    words += 16 if words % 32 == 0 else 0
+    words = in_features // 32 * TC_XSTRIDE
+    words += 16 if words % 32 == 0 else 0  # tc_xwords' padding: a multiple of 16, not of 32
     return rows * 8 * words + warps * stages * blocks * TC_STAGE_SMEM
 
 
