@@ -1,5 +1,6 @@
-// MLA absorbed decode attention (split over positions, then a fixed-order merge) and the
-// Lightning Indexer scores.
+// MLA absorbed decode attention (split over positions, then a fixed-order merge), the
+// Lightning Indexer scores and the absorbed projections (w_uk, w_uv), every query row of a
+// batch in one launch.
 #include "common.cuh"
 
 #ifndef MLA_CHUNK  // positions per split
