@@ -206,6 +206,15 @@ def test_gemv_stages_and_split_fit_shared_memory():
     assert launches[0][0] == "srt_gemv_tc_xf32_s3" and launches[0][4][-1] == 2 and launches[0][3] <= 80 * 1024
 
 
+def test_gemv_unaligned_k_launches_the_scalar_kernel_per_8_rows():
+    """K % 8 != 0: the scalar fallback, one launch per 8-row group (T = 11: rows 8 and 3)."""
+    launches = []
+    nv = _gemv_backend(launches)
+    nv.linear(torch.randn(11, 20), torch.empty(300, 20, dtype=torch.bfloat16))
+    assert [(L[0], L[1], L[4]) for L in launches] == [
+        ("srt_gemv_scalar", (38,), [0, 8, 1, 300, 20]), ("srt_gemv_scalar", (38,), [0, 3, 1, 300, 20])]
+
+
 def test_gemv_without_bf16_mma_uses_cuda_cores():
     launches = []
     nv = _gemv_backend(launches, mma=False)

@@ -147,19 +147,21 @@ class NvrtcBackend(MoeOps):
         vec = K % 8 == 0 and aligned(w, 16)
         if vec and not aligned(x2, 16):
             x2 = x2.clone()
+        groups = [(t0, min(8, T - t0)) for t0 in range(0, T, 8)]  # (first row, rows) of each 8-row group
+        if not vec:
+            k = self._k("gemv", "srt_gemv_scalar")
+            for t0, tn in groups:
+                k((math.ceil(N / 8),), (256,),
+                  [ptr(x2[t0 : t0 + 8]), i32(x_bf16), i32(tn), ptr(w), i32(w_bf16), ptr(out[t0 : t0 + 8]), i32(N), i32(K)])
+            return out.view(*lead, N)
         dt = "bf16" if w_bf16 else "f32"
-        chunks = [(t0, min(8, T - t0)) for t0 in range(0, T, 8)]
-        variants = [self._gemv_variant(dt, 1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8, N) for _, tn in chunks]
-        if vec and all(v.startswith("tc") for v in variants):  # every 8-row group in one launch
+        buckets = [1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8 for _, tn in groups]
+        variants = [self._gemv_variant(dt, nt, N) for nt in buckets]
+        if all(v.startswith("tc") for v in variants):  # every 8-row group in one launch
             self._gemv_tc(x2, x_bf16, w, out, int(variants[0][2:]))
             return out.view(*lead, N)
-        for (t0, tn), v in zip(chunks, variants):
+        for (t0, tn), nt, v in zip(groups, buckets, variants):
             xt, ot = x2[t0 : t0 + 8], out[t0 : t0 + 8]
-            if not vec:
-                k = self._k("gemv", "srt_gemv_scalar")
-                k((math.ceil(N / 8),), (256,), [ptr(xt), i32(x_bf16), i32(tn), ptr(w), i32(w_bf16), ptr(ot), i32(N), i32(K)])
-                continue
-            nt = 1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8
             if v.startswith("tc"):
                 self._gemv_tc(xt, x_bf16, w, ot, int(v[2:]))
             else:
