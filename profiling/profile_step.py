@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-profiler", action="store_true", help="prefill: skip the torch.profiler run (host / synced tables only)")
     ap.add_argument("--json", type=Path, default=None, help="prefill: write the per-part table here")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch must be at least 1, got {args.batch}")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
