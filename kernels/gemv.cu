@@ -203,9 +203,22 @@ SRT_DEV void split3_bf16x2(float a, float b, u32& hi, u32& mid, u32& lo) {
   lo = __byte_perm(__float_as_uint(la), __float_as_uint(lb), 0x7632);  // <= 8 significant bits: exact
 }
 
+// Up to GTC_MATS matrices that share x and K, one launch: matrix m's 32-row blocks are row
+// blocks block0[m] .. block0[m + 1] - 1 of the grid. Each output may take up to two addends of
+// its shape ([T, N_m] fp32, 0: none), added in order after the sum: out = (acc + add0) + add1
+// (a residual added by the epilogue, the bits of the separate adds).
+#ifndef GTC_MATS
+#error "GTC_MATS is passed by the host (-DGTC_MATS=..., streamrt/backends/kernel_defines.py)"
+#endif
+struct GemvMats {
+  u64 w[GTC_MATS], out[GTC_MATS], add0[GTC_MATS], add1[GTC_MATS];
+  int n[GTC_MATS];
+  int block0[GTC_MATS + 1];
+  int m;
+};
+
 template <int XBF16, int NS>
-SRT_DEV void gemv_tc(const void* __restrict__ xv, int T, const u16* __restrict__ W, float* __restrict__ out,
-                     int N, int K, int ks) {
+SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, int K, int ks) {
 #if __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) unsigned char gtc_smem[];
   constexpr int NP = XBF16 ? 1 : 3;   // pieces of x
@@ -214,10 +227,16 @@ SRT_DEV void gemv_tc(const void* __restrict__ xv, int T, const u16* __restrict__
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   // T > 8 rows: block b takes token group b % groups (rows 8 (b % groups) ..) of row block
   // b / groups; a row block's groups are neighbours, so the second reads W from L2
-  const int groups = (T + 7) / 8, tg = blockIdx.x % groups;
-  const int row0 = (blockIdx.x / groups) * GTC_ROWS;
+  const int groups = (T + 7) / 8, tg = blockIdx.x % groups, rb = blockIdx.x / groups;
+  int mat = 0;  // the matrix of row block rb
+  while (mat + 1 < mats.m && rb >= mats.block0[mat + 1]) ++mat;
+  const int N = mats.n[mat], row0 = (rb - mats.block0[mat]) * GTC_ROWS;
+  const u16* __restrict__ W = (const u16*)mats.w[mat];
+  const long long t_off = (long long)tg * 8 * N;
+  float* __restrict__ out = (float*)mats.out[mat] + t_off;
+  const float* add0 = mats.add0[mat] ? (const float*)mats.add0[mat] + t_off : nullptr;
+  const float* add1 = mats.add1[mat] ? (const float*)mats.add1[mat] + t_off : nullptr;
   xv = (const char*)xv + (long long)tg * 8 * K * XE;
-  out += (long long)tg * 8 * N;
   T = min(8, T - tg * 8);
   const int nst = (K + GTC_COLS - 1) / GTC_COLS;
   const int s0 = warp * nst / ks, s1 = (warp + 1) * nst / ks;
@@ -326,16 +345,21 @@ SRT_DEV void gemv_tc(const void* __restrict__ xv, int T, const u16* __restrict__
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int t = 2 * tig + (i & 1), row = row0 + (i >> 2) * 16 + g + ((i >> 1) & 1) * 8;
-    if (t < T && row < N) out[(long long)t * N + row] = acc[i >> 2][i & 3];
+    if (t < T && row < N) {
+      const long long o = (long long)t * N + row;
+      float v = acc[i >> 2][i & 3];
+      if (add0) v = __fadd_rn(v, add0[o]);
+      if (add1) v = __fadd_rn(v, add1[o]);
+      out[o] = v;
+    }
   }
 #endif
 }
 
-#define SRT_GEMV_TC_ENTRY(NAME, XB, NS)                                                                  \
-  extern "C" __global__ void __launch_bounds__(256)                                                      \
-      NAME(const void* __restrict__ x, int T, const u16* __restrict__ W, float* __restrict__ out, int N, int K, \
-           int ks) {                                                                                     \
-    gemv_tc<XB, NS>(x, T, W, out, N, K, ks);                                                            \
+#define SRT_GEMV_TC_ENTRY(NAME, XB, NS)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256)                                                       \
+      NAME(const __grid_constant__ GemvMats mats, const void* __restrict__ x, int T, int K, int ks) {       \
+    gemv_tc<XB, NS>(mats, x, T, K, ks);                                                                  \
   }
 
 // srt_gemv_tc_x<x dtype>_s<stages>, blocks of KS <= 8 warps: same bits for a row whichever runs.

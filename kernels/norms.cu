@@ -1,6 +1,6 @@
-// Row-wise decode ops: RMSNorm, sigmoid-gated RMSNorm, LayerNorm (w + b), L2 norm,
-// SiTU-GLU, the short causal conv step, and the AttnRes depth mix.
-// One block per row (grid.x = rows); fixed-order block reductions (common.cuh).
+// Row-wise decode ops: RMSNorm, sigmoid-gated RMSNorm, LayerNorm (w + b), L2 norm, the AttnRes
+// depth mix (one block per row, grid.x = rows; fixed-order block reductions, common.cuh), and
+// the elementwise ones: SiTU-GLU, the sigmoid gate, KDA's gates, the short causal conv step.
 #include "common.cuh"
 
 // out[r, :] = (x * rsqrt(mean(x^2) + eps)) * w          x, out [rows, D]; w [D]
@@ -51,15 +51,16 @@ extern "C" __global__ void srt_layernorm(const float* __restrict__ x, const void
     out[r * D + i] = (xr[i] - mu) * inv * ldw(w, i, wb_bf16) + ldw(b, i, wb_bf16);
 }
 
-// x * rsqrt(sum(x^2) + eps) over the last dim.
-extern "C" __global__ void srt_l2norm(const float* __restrict__ x, float* __restrict__ out, int D, float eps) {
+// (x * rsqrt(sum(x^2) + eps)) * scale over the last dim (scale: KDA's q takes K^-0.5 here).
+extern "C" __global__ void srt_l2norm(const float* __restrict__ x, float* __restrict__ out, int D, float eps,
+                                      float scale) {
   __shared__ float red[32];
   const long long r = blockIdx.x;
   const float* xr = x + r * D;
   float s = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
   const float inv = 1.0f / sqrtf(block_sum(s, red) + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = xr[i] * inv;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = __fmul_rn(xr[i] * inv, scale);
 }
 
 // Elementwise SiTU-GLU over n elements (grid-stride).
@@ -68,6 +69,32 @@ extern "C" __global__ void srt_situ_glu(const float* __restrict__ gate, const fl
                                         float lbeta, int has_lin) {
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
     out[i] = situ(gate[i], up[i], beta, beta_inf, lbeta, has_lin);
+}
+
+// out[i] = x[i] * (1 / (1 + exp(-gate[i]))) over n elements (MLA's output gate).
+extern "C" __global__ void srt_sigmoid_mul(const float* __restrict__ x, const float* __restrict__ gate,
+                                           float* __restrict__ out, long long n) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    out[i] = __fmul_rn(x[i], __frcp_rn(__fadd_rn(expf(-gate[i]), 1.0f)));
+}
+
+// KDA's gates of N rows, one thread per (n, h, k) element of g (and the (n, h) ones of beta):
+//   g[n, h, k] = lb * sigmoid(exp(a_log[h]) * (f[n, h, k] + dt_bias[h * K + k]));  beta[n, h] = sigmoid(b[n, h])
+// with sigmoid(x) = 1 / (exp(-x) + 1), each step rounded as the torch definition (ops.kda_gate).
+extern "C" __global__ void srt_kda_gates(const float* __restrict__ f, const float* __restrict__ b,
+                                         const void* __restrict__ a_log, int a_bf16, const void* __restrict__ dt_bias,
+                                         int dt_bf16, float* __restrict__ g, float* __restrict__ beta, int N, int H,
+                                         int K, float lb) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // = (n * H + h) * K + k
+  if (i >= (long long)N * H * K) return;
+  const int hk = (int)(i % ((long long)H * K)), h = hk / K;
+  const float u = __fadd_rn(f[i], ldw(dt_bias, hk, dt_bf16));
+  const float t = __fmul_rn(expf(ldw(a_log, h, a_bf16)), u);
+  g[i] = __fmul_rn(lb, __frcp_rn(__fadd_rn(expf(-t), 1.0f)));
+  if (hk % K == 0) {
+    const long long nh = i / K;
+    beta[nh] = __frcp_rn(__fadd_rn(expf(-b[nh]), 1.0f));
+  }
 }
 
 // Depthwise causal conv, one token, one thread per (t, p):
@@ -89,26 +116,32 @@ extern "C" __global__ void srt_short_conv_step(const float* __restrict__ z, floa
   out[i] = acc * sigmoidf_(acc);
 }
 
-// AttnRes, one block per row t. Sources s = 0..nb-1 are blocks[t, s, :], source nb is
-// prefix[t, :]. logit_s = sum_d (V_s[d] * rsqrt(mean(V_s^2) + eps)) * wq[d];
+// AttnRes, one block per row t. Source s < S is row t of the [T, D] fp32 tensor at src.v[s]
+// (the completed blocks, then the in-block partial sum). wq[d] = norm_w[d] * proj_w[d] (fp32).
+// logit_s = sum_d (V_s[d] * rsqrt(mean(V_s^2) + eps)) * wq[d];
 // p = softmax_s(logit); out[t, :] = sum_s p_s V_s (s ascending).
 #ifndef SRT_ATTNRES_MAXS
 #error "SRT_ATTNRES_MAXS is passed by the host (-DSRT_ATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
 #endif
-extern "C" __global__ void srt_attnres_mix(const float* __restrict__ prefix, const float* __restrict__ blocks,
-                                           const void* __restrict__ wq, int wq_bf16, float* __restrict__ out,
-                                           int nb, int D, float eps) {
+struct AttnResSources {
+  u64 v[SRT_ATTNRES_MAXS];
+};
+
+extern "C" __global__ void srt_attnres_mix(const __grid_constant__ AttnResSources src, int S,
+                                           const void* __restrict__ norm_w, int norm_bf16,
+                                           const void* __restrict__ proj_w, int proj_bf16, float* __restrict__ out,
+                                           int D, float eps) {
   __shared__ float red[32];
   __shared__ float logit[SRT_ATTNRES_MAXS];
   const long long t = blockIdx.x;
-  const int S = nb + 1;
   for (int s = 0; s < S; ++s) {
-    const float* v = (s < nb) ? blocks + (t * nb + s) * (long long)D : prefix + t * (long long)D;
+    const float* v = (const float*)src.v[s] + t * D;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) ss = fmaf(v[i], v[i], ss);
     const float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)D + eps);
     float dq = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) dq = fmaf(v[i] * inv, ldw(wq, i, wq_bf16), dq);
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+      dq = fmaf(v[i] * inv, __fmul_rn(ldw(norm_w, i, norm_bf16), ldw(proj_w, i, proj_bf16)), dq);
     dq = block_sum(dq, red);
     if (threadIdx.x == 0) logit[s] = dq;
   }
@@ -119,10 +152,7 @@ extern "C" __global__ void srt_attnres_mix(const float* __restrict__ prefix, con
   for (int s = 0; s < S; ++s) l += expf(logit[s] - m);
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float acc = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      const float* v = (s < nb) ? blocks + (t * nb + s) * (long long)D : prefix + t * (long long)D;
-      acc = fmaf(expf(logit[s] - m) / l, v[i], acc);
-    }
+    for (int s = 0; s < S; ++s) acc = fmaf(expf(logit[s] - m) / l, ((const float*)src.v[s])[t * D + i], acc);
     out[t * (long long)D + i] = acc;
   }
 }

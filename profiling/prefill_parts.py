@@ -145,12 +145,12 @@ class Parts:
         linear = bcls.linear
 
         @functools.wraps(linear)
-        def lin(be, x, w):
+        def lin(be, x, w, *add):
             if w is not lm_w:
-                return linear(be, x, w)
+                return linear(be, x, w, *add)
             self._enter("lm_head")
             try:
-                return linear(be, x, w)
+                return linear(be, x, w, *add)
             finally:
                 self._exit()
 

@@ -19,6 +19,13 @@ def sigmoid(x: Tensor) -> Tensor:
     return torch.reciprocal(torch.exp(-x.float()) + 1.0)
 
 
+def kda_gate(f: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> Tensor:
+    """K3 log-decay g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)); f [N, H, K], a_log [H] -> [N, H, K]."""
+    H, K = f.shape[-2:]
+    u = f.float() + dt_bias.float().view(H, K)
+    return lower_bound * sigmoid(torch.exp(a_log.float())[:, None] * u)
+
+
 def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
     """SiTU-GLU in fp32: beta*tanh(gate/beta)*sigmoid(gate) * (linear_beta*tanh(up/linear_beta)
     or up); beta = inf gives SiLU (the beta -> inf limit), for Kimi Linear's 'silu'."""

@@ -165,6 +165,39 @@ def test_linear_batch_invariant(gen, wdt):
                 assert torch.equal(got[t], NV.linear(xl[t : t + 1], w)[0]), f"row {t} of T={T} (x {xdt}) differs alone"
 
 
+@pytest.mark.parametrize("T", [1, 5, 13])
+def test_linears_give_each_matrix_its_bits_alone(gen, T):
+    """Several matrices of one x (one tensor-core launch per K split: N = 1024, 8, 1000 split 8
+    ways, 3584 and 6144 four ways, an fp32 one on CUDA cores): each output against float64, and
+    bit for bit what `linear` gives it alone."""
+    K = 2048
+    x = randn(gen, T, K)
+    ws = [randn(gen, n, K, scale=K**-0.5, dtype=dt) for n, dt in
+          ((1024, torch.bfloat16), (3584, torch.bfloat16), (8, torch.bfloat16), (1000, torch.bfloat16),
+           (6144, torch.bfloat16), (24, torch.float32))]
+    tb = TB.linears(x, ws)
+    got = NV.linears(x, ws) if NV is not None else None
+    for i, w in enumerate(ws):
+        ref = x.double() @ w.double().T
+        check(f"linears T={T} matrix {i} {tuple(w.shape)}", gen, ref, tb[i], lambda: got[i])
+        if got is not None:
+            assert torch.equal(got[i], NV.linear(x, w)), f"matrix {i}: bits differ from its own launch"
+
+
+@pytest.mark.parametrize("T", [1, 9])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_linear_addends_give_the_bits_of_separate_adds(gen, T, wdt):
+    """The residual adds of `linear(x, w, add)`: ((x w^T) + a0) + a1, each sum rounded, in the
+    tensor-core epilogue (bf16 w) or after the CUDA-core kernel (fp32 w)."""
+    x, w = randn(gen, T, 1536), randn(gen, 300, 1536, scale=0.03, dtype=wdt)
+    a0, a1 = randn(gen, T, 300, scale=3.0), randn(gen, T, 300, scale=30.0)
+    ref = (x.double() @ w.double().T + a0.double()) + a1.double()
+    out = check(f"linear + 2 addends T={T} {wdt}", gen, ref, TB.linear(x, w, (a0, a1)), lambda: NV.linear(x, w, (a0, a1)))
+    if out is not None:
+        assert torch.equal(out, (NV.linear(x, w) + a0) + a1)
+        assert torch.equal(NV.linear(x, w, (a0,)), NV.linear(x, w) + a0)
+
+
 @pytest.mark.skipif(NV is None, reason="kernel property")
 def test_linear_every_gemv_variant_same_bits(gen):
     """Every GEMV variant agrees with the float64 reference and gives the same bits for a row as
@@ -256,12 +289,42 @@ def test_layernorm(gen, rows, D):
     check(f"layernorm {rows}x{D}", gen, ref, TB.layernorm(x, w, b, 1e-6), lambda: NV.layernorm(x, w, b, 1e-6))
 
 
+@pytest.mark.parametrize("scale", [1.0, 128**-0.5])
 @pytest.mark.parametrize("shape", [(1, 96, 128), (3, 2, 16), (5, 1000)])
-def test_l2norm(gen, shape):
+def test_l2norm(gen, shape, scale):
     x = randn(gen, *shape)
     xd = x.double()
-    ref = xd / torch.sqrt((xd * xd).sum(-1, keepdim=True) + 1e-6)
-    check(f"l2norm {shape}", gen, ref, TB.l2norm(x, 1e-6), lambda: NV.l2norm(x, 1e-6))
+    ref = xd / torch.sqrt((xd * xd).sum(-1, keepdim=True) + 1e-6) * scale
+    out = check(f"l2norm {shape} scale {scale}", gen, ref, TB.l2norm(x, 1e-6, scale), lambda: NV.l2norm(x, 1e-6, scale))
+    if out is not None and scale != 1.0:  # the scale is one more rounded product, as the model had it
+        assert torch.equal(out, NV.l2norm(x, 1e-6) * scale)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 128), (5, 3, 77), (2, 1000)])
+def test_sigmoid_mul(gen, shape):
+    x, gate = randn(gen, *shape, scale=3.0), randn(gen, *shape, scale=6.0)
+    ref = x.double() / (1 + torch.exp(-gate.double()))
+    check(f"sigmoid_mul {shape}", gen, ref, TB.sigmoid_mul(x, gate), lambda: NV.sigmoid_mul(x, gate))
+
+
+@pytest.mark.parametrize("N,H,K", [(1, 8, 128), (5, 3, 64), (17, 2, 5)])
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_kda_gates(gen, N, H, K, wdt):
+    f, b = randn(gen, N, H, K, scale=2.0), randn(gen, N, H, scale=3.0)
+    a_log = torch.log(rand(gen, H, lo=1.0, hi=16.0)).to(wdt)
+    dt_bias = randn(gen, H * K, dtype=wdt)
+    lb = -5.0
+    sig = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
+    g_ref = lb * sig(torch.exp(a_log.double())[:, None] * (f.double() + dt_bias.double().view(H, K)))
+    beta_ref = sig(b.double())
+    tb, nv = TB.kda_gates(f, b, a_log, dt_bias, lb), {}
+
+    def nv_g():
+        nv["g"], nv["beta"] = NV.kda_gates(f, b, a_log, dt_bias, lb)
+        return nv["g"]
+
+    check(f"kda_gates g N={N} H={H} K={K}", gen, g_ref, tb[0], nv_g)
+    check(f"kda_gates beta N={N} H={H} K={K}", gen, beta_ref, tb[1], lambda: nv["beta"])
 
 
 @pytest.mark.parametrize("beta,lbeta", [(4.0, 25.0), (4.0, None), (math.inf, None)])
@@ -805,14 +868,22 @@ def test_expert_ffn_late_experts_same_bits(gen, impl):
 
 
 @pytest.mark.parametrize("T,nb,D", [(1, 8, 7168), (3, 0, 64), (2, 3, 100)])
-def test_attnres_mix(gen, T, nb, D):
-    prefix, blocks = randn(gen, T, D, scale=2.0), randn(gen, T, nb, D)
-    wq = randn(gen, D, scale=0.05)
-    V = torch.cat((blocks.double(), prefix.double()[:, None]), dim=1)
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_attnres_mix(gen, T, nb, D, wdt):
+    """Sources read in place from separate tensors (one a strided view), wq formed from the norm
+    gain and the projection row in the kernel."""
+    prefix = randn(gen, T, D, scale=2.0)
+    wide = randn(gen, T, 2 * D)
+    blocks = [randn(gen, T, D) * (i + 1) for i in range(nb)]
+    if nb:
+        blocks[0] = wide[:, D:]  # not contiguous
+    norm_w, proj_w = (1 + randn(gen, D, scale=0.1)).to(wdt), randn(gen, D, scale=0.05).to(wdt)
+    V = torch.stack([b.double() for b in (*blocks, prefix)], dim=1)
     kn = V / torch.sqrt((V * V).mean(-1, keepdim=True) + 1e-5)
-    p = torch.softmax((kn * wq.double()).sum(-1), dim=-1)
+    p = torch.softmax((kn * (norm_w.double() * proj_w.double())).sum(-1), dim=-1)
     ref = (p[..., None] * V).sum(1)
-    check(f"attnres_mix T={T} nb={nb} D={D}", gen, ref, TB.attnres_mix(prefix, blocks, wq, 1e-5), lambda: NV.attnres_mix(prefix, blocks, wq, 1e-5))
+    check(f"attnres_mix T={T} nb={nb} D={D} {wdt}", gen, ref, TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
+          lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5))
 
 
 # ---- determinism --------------------------------------------------------------------------------

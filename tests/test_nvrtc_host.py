@@ -135,16 +135,29 @@ def test_counts_zeroed_when_a_launch_fails_midway():
 # ---- dense GEMV: which kernel, grid, K split and shared memory a call gets -------------------
 
 
+def _gemv_mats(table: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
+    """The GemvMats table of a tensor-core GEMV launch (kernels/gemv.cu), written out by hand:
+    per matrix (w, out, add0, add1) addresses, then n[8], block0[9], m as int32."""
+    addr = table[:32].reshape(4, 8)
+    ints = table[32:].view(np.int32)
+    m = int(ints[17])
+    return [(*(int(a) for a in addr[:, i]), int(ints[i]), int(ints[8 + i])) for i in range(m)] + [int(ints[8 + m])]
+
+
 class _GemvRecorder:
-    """Stands in for a GEMV kernel: keeps (name, grid, block, smem, int args). Weights are
-    torch.empty: only shapes and pointers reach the host logic."""
+    """Stands in for a GEMV kernel: keeps (name, grid, block, smem, int args, matrix table).
+    Weights are torch.empty: only shapes and pointers reach the host logic. A tensor-core
+    launch's int args read T, then each matrix's N from its table, then K and the K split."""
 
     def __init__(self, launches, name):
         self.launches, self.name = launches, name
 
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
         ints = [int(a.ravel()[0]) for a in args if a.dtype == np.int32]
-        self.launches.append((self.name, tuple(grid), tuple(block), smem, ints))
+        mats = _gemv_mats(args[0]) if args[0].dtype == np.uint64 and args[0].size == 41 else None
+        if mats is not None:
+            ints = ints[:1] + [m[4] for m in mats[:-1]] + ints[1:]
+        self.launches.append((self.name, tuple(grid), tuple(block), smem, ints, mats))
 
     def blocks_per_sm(self, threads, smem=0):
         return 16
@@ -164,7 +177,7 @@ def test_gemv_tensor_core_launch_shape():
     nv = _gemv_backend(launches)
     w = torch.empty(7168, 12288, dtype=torch.bfloat16)
     nv.linear(torch.randn(8, 12288), w)
-    (name, grid, block, smem, ints), = launches
+    (name, grid, block, smem, ints, _), = launches
     assert name == "srt_gemv_tc_xf32_s2" and grid == (224,) and block == (128,)
     assert ints == [8, 7168, 12288, 4]  # T, N, K, K split (N <= 8192: 4 warps per 32 rows)
     assert smem == 4 * 2 * (32 * 128 * 2 + 8 * 128 * 4) + 3 * 8 * 32 * 4
@@ -183,7 +196,7 @@ def test_gemv_k_split_depends_on_the_matrix_not_on_t():
         for T in (1, 3, 8, 11):
             launches.clear()
             nv.linear(torch.randn(T, K), w)
-            (_, grid, _, _, ints), = launches
+            (_, grid, _, _, ints, _), = launches
             assert ints == [T, N, K, ks], (N, K, T)
             assert grid == (-(-N // 32) * -(-T // 8),)  # a block per 32 rows of w and 8 rows of x
 
@@ -197,7 +210,7 @@ def test_gemv_stages_and_split_fit_shared_memory():
     w = torch.empty(203, 1536, dtype=torch.bfloat16)
     for T in (8, 1):
         nv.linear(torch.randn(T, 1536), w)  # K split 8 wanted; 3 fit
-    (n8, _, b8, s8, i8), (n1, _, b1, s1, i1) = launches
+    (n8, _, b8, s8, i8, _), (n1, _, b1, s1, i1, _) = launches
     assert i8[-1] == i1[-1] == 3 and b8 == b1 == (96,)
     assert n8 == "srt_gemv_tc_xf32_s2" and s8 <= 80 * 1024  # 4 and 3 stages would not fit
     assert n1 == "srt_gemv_tc_xf32_s3" and s1 <= 80 * 1024  # one x row: 3 stages fit
@@ -226,3 +239,44 @@ def test_gemv_without_bf16_mma_uses_cuda_cores():
         nv.linear(torch.randn(8, 2048), w)
     with pytest.raises(ValueError, match="variants for"):
         nvm.gemv_plan("bf16:8=tc9")
+
+
+def test_linears_share_one_tensor_core_launch_per_k_split():
+    """Matrices sharing x: those with the same K split are blocks of one launch (each matrix's
+    32-row blocks after the last one's), the others get their own; a matrix's split is its own
+    shape's (gemv_tc_split), so its rows' bits are what it would get alone."""
+    launches = []
+    nv = _gemv_backend(launches)
+    K = 2048
+    ws = [torch.empty(n, K, dtype=torch.bfloat16) for n in (1024, 3584, 8, 1000, 6144)]
+    outs = nv.linears(torch.randn(3, K), ws)
+    assert [tuple(o.shape) for o in outs] == [(3, n) for n in (1024, 3584, 8, 1000, 6144)]
+    by_split = {L[4][-1]: L for L in launches}
+    assert sorted(by_split) == [4, 8] and len(launches) == 2
+    (_, g8, b8, _, i8, m8), (_, g4, b4, _, i4, m4) = by_split[8], by_split[4]
+    assert i8 == [3, 1024, 8, 1000, K, 8] and b8 == (256,) and g8 == (32 + 1 + 32,)
+    assert [m[0] for m in m8[:-1]] == [ws[i].data_ptr() for i in (0, 2, 3)]
+    assert [m[1] for m in m8[:-1]] == [outs[i].data_ptr() for i in (0, 2, 3)]
+    assert [m[5] for m in m8[:-1]] == [0, 32, 33] and m8[-1] == 65  # first blocks, then the total
+    assert i4 == [3, 3584, 6144, K, 4] and b4 == (128,) and g4 == (112 + 192,)
+
+
+def test_linear_addends_ride_in_the_table_or_are_added_after():
+    """`add` reaches the tensor-core epilogue as pointers (in order, the rest 0); on a CUDA-core
+    kernel the sums are added after it, in order."""
+    launches = []
+    nv = _gemv_backend(launches)
+    w = torch.empty(300, 256, dtype=torch.bfloat16)
+    a0, a1 = torch.randn(2, 300), torch.randn(2, 300)
+    nv.linear(torch.randn(2, 256), w, (a0, a1))
+    nv.linear(torch.randn(2, 256), w, (a0,))
+    (_, _, _, _, _, m2), (_, _, _, _, _, m1) = launches
+    assert m2[0][2:4] == (a0.data_ptr(), a1.data_ptr()) and m1[0][2:4] == (a0.data_ptr(), 0)
+    with pytest.raises(ValueError, match="add"):
+        nv.linear(torch.randn(2, 256), w, (torch.randn(2, 299),))
+    launches.clear()
+    nv32 = _gemv_backend(launches)
+    nv32._empty = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype)  # the kernel's product: 0
+    out = nv32.linear(torch.randn(2, 256), torch.empty(300, 256), (a0, a1))  # fp32 w: CUDA cores
+    assert [L[0] for L in launches] == ["srt_gemv_f32_t2_r2"]
+    assert torch.equal(out, (torch.zeros(2, 300) + a0) + a1)

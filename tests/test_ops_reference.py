@@ -14,7 +14,7 @@ from streamrt.backends.torch_backend import TorchBackend, dequant_nvfp4
 from streamrt.config import load_config
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 from streamrt.ops import select_topk, topk_mask
-from streamrt.model.kda import kda_chunked, kda_gate, short_conv_prefill
+from streamrt.model.kda import kda_chunked, short_conv_prefill
 from streamrt.model.synthetic import random_nvfp4
 
 VARIANTS = ["tiny-k3", "tiny-k3.1-pro"]
@@ -105,8 +105,10 @@ def test_kda_gate(cfg):
     r = rng(3)
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     f, a, dt = 2 * r.standard_normal((5, H, K)), np.log(r.uniform(1, 16, H)), r.standard_normal(H * K)
-    g = kda_gate(t32(f), t32(a), t32(dt), cfg.gate_lower_bound)
+    b = 3 * r.standard_normal((5, H))
+    g, beta = BE.kda_gates(t32(f), t32(b), t32(a), t32(dt), cfg.gate_lower_bound)
     assert_close(g, ref.kda_gate(f, a, dt, -5.0))
+    assert_close(beta, ref.sigmoid(b))
     assert bool((g <= 0).all()) and bool((g >= -5).all())  # per-step decay exp(g) in [e^-5, 1]
 
 
@@ -290,5 +292,5 @@ def test_attnres_mix(cfg, nb):
     D = cfg.hidden_size
     partial, blocks = 3 * r.standard_normal((5, D)), [r.standard_normal((5, D)) * (i + 1) for i in range(nb)]
     proj, norm = r.standard_normal((1, D)) / math.sqrt(D) * 4, 1 + 0.1 * r.standard_normal(D)
-    got = BE.attnres_mix(t32(partial), t32(np.stack(blocks, 1)), t32(norm * proj[0]), cfg.rms_norm_eps)
+    got = BE.attnres_mix(t32(partial), [t32(b) for b in blocks], t32(norm), t32(proj[0]), cfg.rms_norm_eps)
     assert_close(got, ref.attnres(partial, blocks, proj, norm, cfg.rms_norm_eps), 2e-6)

@@ -9,7 +9,7 @@ batch-invariant: row t of the output depends only on row t of the inputs.
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 from torch import Tensor
 
@@ -23,9 +23,13 @@ class Backend(Protocol):
         """Optional: the backend a prefill chunk runs on (the torch one: fixed-tile GEMMs, so a
         row's bits do not depend on the chunk length). Without it the model uses the backend as is."""
 
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation).
+    def linear(self, x: Tensor, w: Tensor, add: Sequence[Tensor] = ()) -> Tensor:
+        """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation), then each of `add`
+        (up to two [T, out] tensors, a residual) added in order, each sum rounded.
         Up to `rowwise_max` rows the result is row-wise (batch-invariant); beyond, a GEMM."""
+
+    def linears(self, x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
+        """[linear(x, w) for w in ws], the same bits (one launch where the backend can)."""
 
     def rmsnorm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
         """KimiRMSNorm: w * (x * rsqrt(mean(x^2) + eps)); x [T, D], w [D]."""
@@ -36,8 +40,15 @@ class Backend(Protocol):
     def layernorm(self, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
         """LayerNorm with weight and bias over the last dim."""
 
-    def l2norm(self, x: Tensor, eps: float) -> Tensor:
-        """x / sqrt(sum(x^2) + eps) over the last dim."""
+    def l2norm(self, x: Tensor, eps: float, scale: float = 1.0) -> Tensor:
+        """(x / sqrt(sum(x^2) + eps)) * scale over the last dim (the product rounded once more)."""
+
+    def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
+        """x * sigmoid(gate) elementwise (ops.sigmoid), fp32; x and gate of one shape."""
+
+    def kda_gates(self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> tuple[Tensor, Tensor]:
+        """KDA's decay and write gates: f [N, H, K], b [N, H], a_log [H], dt_bias [H*K] ->
+        (ops.kda_gate(f, a_log, dt_bias, lower_bound) [N, H, K], sigmoid(b) [N, H]), fp32."""
 
     def situ_glu(self, gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
         """beta*tanh(gate/beta)*sigmoid(gate) * (linear_beta*tanh(up/linear_beta) or up)."""
@@ -118,6 +129,6 @@ class Backend(Protocol):
         weights[t, j] * down(situ_glu(gate z_t, up z_t)) in fp32 -> [T, Dl]. `experts`: the
         model's RoutedExperts (expert_weights.py), or a plain {id: ExpertWeights} for `ids`."""
 
-    def attnres_mix(self, prefix: Tensor, blocks: Tensor, wq: Tensor, eps: float) -> Tensor:
-        """AttnRes: V = cat(blocks [T, nb, D], prefix [T, 1, D]); p = softmax over sources of
-        (V * rsqrt(mean(V^2) + eps)) . wq; returns sum p V [T, D] (fp32)."""
+    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
+        """AttnRes: sources V = (blocks..., prefix), each [T, D]; wq = norm_w * proj_w [D] (fp32);
+        p = softmax over sources of (V * rsqrt(mean(V^2) + eps)) . wq; returns sum p V [T, D] (fp32)."""

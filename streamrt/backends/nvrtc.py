@@ -23,9 +23,10 @@ a chunk gives each expert enough rows, else the decode kernels.
 from __future__ import annotations
 
 import copy
-
 import math
+from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,6 +37,7 @@ from streamrt.backends.gemv_plan import GEMV_VARIANTS, gemv_plan, gemv_tc_split
 from streamrt.backends.kernel_defines import (
     ATTNRES_MAXS,
     GEMV_TC_COLS,
+    GEMV_TC_MATS,
     GEMV_TC_ROWS,
     GEMV_WARPS,
     IDX_PPW,
@@ -118,63 +120,98 @@ class NvrtcBackend(MoeOps):
 
     # ---- dense ---------------------------------------------------------------------------------
 
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """x [..., in] fp32 (or bf16), w [out, in] bf16 or fp32 -> [..., out] fp32, fp32 accumulation.
+    def linear(self, x: Tensor, w: Tensor, add: Sequence[Tensor] = ()) -> Tensor:
+        """x [..., in] fp32 (or bf16), w [out, in] bf16 or fp32 -> [..., out] fp32, fp32 accumulation;
+        `add`: up to two [..., out] tensors added in order, (x w^T + add[0]) + add[1] (a residual,
+        folded into the tensor-core GEMV's epilogue).
 
         Up to `rowwise_max` rows: the GEMV kernel, 8 rows per block (batch-invariant; the tensor-core
         one takes every group of 8 in one launch, the CUDA-core ones a launch per group). More rows
         (prefill): one GEMM over all rows (`_linear_gemm`).
         """
+        return self._linears(x, [(w, tuple(add))])[0]
+
+    def linears(self, x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
+        """[linear(x, w) for w in ws], same bits: the tensor-core GEMVs of matrices that share a
+        K split run as one launch (up to GEMV_TC_MATS matrices)."""
+        return self._linears(x, [(w, ()) for w in ws])
+
+    def _linears(self, x: Tensor, items: list[tuple[Tensor, tuple[Tensor, ...]]]) -> list[Tensor]:
         dev = self.device
-        if x.device != dev or w.device != dev:
-            raise ValueError(f"linear: x on {x.device}, w on {w.device}, expected {dev}")
-        if w.dim() != 2 or x.shape[-1] != w.shape[1]:
-            raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not match (w is [out, in])")
+        if x.device != dev:
+            raise ValueError(f"linear: x on {x.device}, expected {dev}")
         lead, K = x.shape[:-1], x.shape[-1]
-        N = w.shape[0]
         x2 = x.reshape(-1, K)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         x2 = x2.contiguous()
         T = x2.shape[0]
+        x_bf16 = int(x2.dtype == torch.bfloat16)
+        if K % 8 == 0 and T <= self.rowwise_max and not aligned(x2, 16):
+            x2 = x2.clone()
+        outs, batch = [], {}  # batch: (K split, stages) -> [(w, out, adds)] for one tensor-core launch
+        for w, add in items:
+            if w.device != dev:
+                raise ValueError(f"linear: x on {x.device}, w on {w.device}, expected {dev}")
+            if w.dim() != 2 or K != w.shape[1]:
+                raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not match (w is [out, in])")
+            N = w.shape[0]
+            if len(add) > 2 or any(a.shape != (*lead, N) for a in add):
+                raise ValueError(f"linear: add {[tuple(a.shape) for a in add]} (up to two) must each be {(*lead, N)}")
+            add = tuple(as_act(a, "linear.add", dev).view(T, N) for a in add)
+            outs.append(self._linear_into(x2, x_bf16, w, add, batch).view(*lead, N))
+        for (ks, stages), mats in batch.items():
+            for m0 in range(0, len(mats), GEMV_TC_MATS):
+                self._gemv_tc(x2, x_bf16, mats[m0 : m0 + GEMV_TC_MATS], stages, ks)
+        return outs
+
+    def _linear_into(self, x2: Tensor, x_bf16: int, w: Tensor, add: tuple[Tensor, ...], batch: dict) -> Tensor:
+        """One matrix of `_linears`: its output, computed now, or left to the tensor-core launch
+        of `batch` (every 8-row group of x in that one launch)."""
+        (T, K), N = x2.shape, w.shape[0]
         if T > self.rowwise_max:
-            return self._linear_gemm(x2.float(), w).view(*lead, N)
-        w, w_bf16 = as_weight(w, "linear.w", dev)
+            return self._added(self._linear_gemm(x2.float(), w), add)
+        w, w_bf16 = as_weight(w, "linear.w", self.device)
         out = self._empty(T, N, dtype=torch.float32)
         if T == 0 or N == 0:
-            return out.view(*lead, N)
-        x_bf16 = int(x2.dtype == torch.bfloat16)
-        vec = K % 8 == 0 and aligned(w, 16)
-        if vec and not aligned(x2, 16):
-            x2 = x2.clone()
+            return out
         groups = [(t0, min(8, T - t0)) for t0 in range(0, T, 8)]  # (first row, rows) of each 8-row group
-        if not vec:
+        if not (K % 8 == 0 and aligned(w, 16)):
             k = self._k("gemv", "srt_gemv_scalar")
             for t0, tn in groups:
                 k((math.ceil(N / 8),), (256,),
                   [ptr(x2[t0 : t0 + 8]), i32(x_bf16), i32(tn), ptr(w), i32(w_bf16), ptr(out[t0 : t0 + 8]), i32(N), i32(K)])
-            return out.view(*lead, N)
+            return self._added(out, add)
         dt = "bf16" if w_bf16 else "f32"
         buckets = [1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8 for _, tn in groups]
         variants = [self._gemv_variant(dt, nt, N) for nt in buckets]
-        if all(v.startswith("tc") for v in variants):  # every 8-row group in one launch
-            self._gemv_tc(x2, x_bf16, w, out, int(variants[0][2:]))
-            return out.view(*lead, N)
+        if all(v.startswith("tc") for v in variants):
+            ks = self.gemv_tc_ks or gemv_tc_split(N, K)
+            batch.setdefault((ks, int(variants[0][2:])), []).append((w, out, add))
+            return out
         for (t0, tn), nt, v in zip(groups, buckets, variants):
             xt, ot = x2[t0 : t0 + 8], out[t0 : t0 + 8]
             if v.startswith("tc"):
-                self._gemv_tc(xt, x_bf16, w, ot, int(v[2:]))
+                self._gemv_tc(xt, x_bf16, [(w, ot, ())], int(v[2:]), self.gemv_tc_ks or gemv_tc_split(N, K))
             else:
                 k = self._k("gemv", f"srt_gemv_{dt}_t{nt}_{v}")
                 k((math.ceil(N / (GEMV_WARPS * int(v[1:]))),), (GEMV_WARPS * 32,),
                   [ptr(xt), i32(x_bf16), i32(tn), ptr(w), ptr(ot), i32(N), i32(K)])
-        return out.view(*lead, N)
+        return self._added(out, add)
 
-    def _gemv_tc(self, x: Tensor, x_bf16: int, w: Tensor, out: Tensor, stages: int) -> None:
-        """The tensor-core GEMV: a block per 32 rows of w, K split among its `gemv_tc_split(N, K)`
-        warps (a function of the matrix only, so a row's bits do not depend on T)."""
-        (T, K), N = x.shape, w.shape[0]
-        ks = self.gemv_tc_ks or gemv_tc_split(N, K)
+    @staticmethod
+    def _added(out: Tensor, add: tuple[Tensor, ...]) -> Tensor:
+        for a in add:  # in order, each sum rounded: the tensor-core epilogue's bits
+            out.add_(a)
+        return out
+
+    def _gemv_tc(self, x: Tensor, x_bf16: int, mats: list[tuple[Tensor, Tensor, tuple[Tensor, ...]]], stages: int,
+                 ks: int) -> None:
+        """The tensor-core GEMV of up to GEMV_TC_MATS (w, out, addends) sharing x: a block per 32
+        rows of a w and 8 rows of x, K split among its `ks` warps (`gemv_tc_split(N, K)` of each
+        matrix: a function of the matrix only, so a row's bits depend neither on T nor on the
+        matrices launched beside it)."""
+        T, K = x.shape
         # at most 8 warps, one stage each, and as many as fit shared memory with 2 stages of the
         # largest x (8 fp32 rows): a cap that does not depend on this call's T
         fit = (self._smem_optin + 8 * 32 * 4) // (2 * (GEMV_TC_ROWS * GEMV_TC_COLS * 2 + 8 * GEMV_TC_COLS * 4) + 8 * 32 * 4)
@@ -184,9 +221,17 @@ class NvrtcBackend(MoeOps):
         while stages > 2 and ks * stages * stage + (ks - 1) * 8 * 32 * 4 > self._smem_optin:
             stages -= 1
         smem = ks * stages * stage + (ks - 1) * 8 * 32 * 4
+        # GemvMats (kernels/gemv.cu): w, out, add0, add1 [GEMV_TC_MATS] u64; n, block0 [+1], m int32
+        table = np.zeros(4 * GEMV_TC_MATS + (2 * GEMV_TC_MATS + 2) // 2, dtype=np.uint64)
+        addr, ints = table[: 4 * GEMV_TC_MATS].reshape(4, GEMV_TC_MATS), table[4 * GEMV_TC_MATS :].view(np.int32)
+        blocks = 0
+        for i, (w, out, add) in enumerate(mats):
+            addr[:, i] = [w.data_ptr(), out.data_ptr(), *(a.data_ptr() for a in add), *[0] * (2 - len(add))]
+            ints[i], ints[GEMV_TC_MATS + i] = w.shape[0], blocks
+            blocks += math.ceil(w.shape[0] / GEMV_TC_ROWS)
+        ints[GEMV_TC_MATS + len(mats)], ints[2 * GEMV_TC_MATS + 1] = blocks, len(mats)
         k = self._k("gemv", f"srt_gemv_tc_x{'bf16' if x_bf16 else 'f32'}_s{stages}")
-        k((math.ceil(N / GEMV_TC_ROWS) * math.ceil(T / 8),), (32 * ks,), [ptr(x), i32(T), ptr(w), ptr(out), i32(N), i32(K), i32(ks)],
-          smem=smem)
+        k((blocks * math.ceil(T / 8),), (32 * ks,), [table, ptr(x), i32(T), i32(K), i32(ks)], smem=smem)
 
     def _gemv_variant(self, dt: str, nt: int, N: int) -> str:
         """The override if any; else for bf16 weights the tensor-core kernel where the device has
@@ -276,14 +321,26 @@ class NvrtcBackend(MoeOps):
             )
         return out
 
-    def l2norm(self, x: Tensor, eps: float) -> Tensor:
-        """x [..., D] -> x * rsqrt(sum(x^2) + eps) over the last dim."""
+    def l2norm(self, x: Tensor, eps: float, scale: float = 1.0) -> Tensor:
+        """x [..., D] -> (x * rsqrt(sum(x^2) + eps)) * scale over the last dim."""
         x = as_act(x, "l2norm.x", self.device)
         D = x.shape[-1]
         rows = x.numel() // D if D else 0
         out = self._empty(*x.shape)
         if rows:
-            self._k("norms", "srt_l2norm")((rows,), (block_threads(D, 512),), [ptr(x), ptr(out), i32(D), f32(eps)])
+            self._k("norms", "srt_l2norm")((rows,), (block_threads(D, 512),), [ptr(x), ptr(out), i32(D), f32(eps), f32(scale)])
+        return out
+
+    def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
+        """x, gate [...] -> x * sigmoid(gate)."""
+        x = as_act(x, "sigmoid_mul.x", self.device)
+        gate = as_act(gate, "sigmoid_mul.gate", self.device)
+        if gate.shape != x.shape:
+            raise ValueError(f"sigmoid_mul: gate {tuple(gate.shape)} != x {tuple(x.shape)}")
+        out = self._empty(*x.shape)
+        n = x.numel()
+        if n:
+            self._k("norms", "srt_sigmoid_mul")((min(math.ceil(n / 256), 8192),), (256,), [ptr(x), ptr(gate), ptr(out), i64(n)])
         return out
 
     def situ_glu(self, gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
@@ -317,6 +374,24 @@ class NvrtcBackend(MoeOps):
             if buf is not conv_state:
                 conv_state.copy_(buf)
         return out
+
+    def kda_gates(self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> tuple[Tensor, Tensor]:
+        """f [N, H, K], b [N, H], a_log [H], dt_bias [H*K] -> (g [N, H, K], beta [N, H]), one launch."""
+        dev = self.device
+        f, b = as_act(f, "kda_gates.f", dev), as_act(b, "kda_gates.b", dev)
+        N, H, K = f.shape
+        if b.shape != (N, H):
+            raise ValueError(f"kda_gates: b {tuple(b.shape)} does not match f {tuple(f.shape)} (want [N, H])")
+        a_log, ab = as_weight(a_log.reshape(-1), "kda_gates.a_log", dev)
+        dt_bias, db = as_weight(dt_bias.reshape(-1), "kda_gates.dt_bias", dev)
+        if a_log.numel() != H or dt_bias.numel() != H * K:
+            raise ValueError(f"kda_gates: a_log has {a_log.numel()} entries (want H={H}), dt_bias {dt_bias.numel()} (want H*K={H * K})")
+        g, beta = self._empty(N, H, K), self._empty(N, H)
+        if N * H * K:
+            self._k("norms", "srt_kda_gates")(
+                (math.ceil(N * H * K / 256),), (256,),
+                [ptr(f), ptr(b), ptr(a_log), i32(ab), ptr(dt_bias), i32(db), ptr(g), ptr(beta), i32(N), i32(H), i32(K), f32(lower_bound)])
+        return g, beta
 
     def kda_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
         """q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; state [T, H, K, V] fp32 (in place) -> o [T, H, V]."""
@@ -493,21 +568,29 @@ class NvrtcBackend(MoeOps):
 
     # ---- AttnRes -------------------------------------------------------------------------------
 
-    def attnres_mix(self, prefix: Tensor, blocks: Tensor, wq: Tensor, eps: float) -> Tensor:
-        """prefix [T, D], blocks [T, nb, D], wq [D] -> sum_s softmax_s(rmsnorm(V_s) . wq) V_s [T, D]
-        with sources V = (blocks..., prefix)."""
+    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
+        """prefix [T, D], blocks nb x [T, D], norm_w, proj_w [D] -> sum_s softmax_s(rmsnorm(V_s) . wq) V_s
+        [T, D] with sources V = (blocks..., prefix) read in place (a pointer table) and wq =
+        norm_w * proj_w formed in the kernel."""
         dev = self.device
-        prefix, blocks = as_act(prefix, "attnres_mix.prefix", dev), as_act(blocks, "attnres_mix.blocks", dev)
-        T, D = prefix.shape
-        nb = blocks.shape[1]
-        if blocks.shape != (T, nb, D):
-            raise ValueError(f"attnres_mix: blocks {tuple(blocks.shape)} vs prefix {tuple(prefix.shape)}")
-        if nb + 1 > ATTNRES_MAXS:
-            raise ValueError(f"attnres_mix: {nb + 1} sources > {ATTNRES_MAXS}")
-        wq, wb = as_weight(wq.reshape(-1), "attnres_mix.wq", dev)
+        srcs = [as_act(v, f"attnres_mix.{'prefix' if i == len(blocks) else f'blocks[{i}]'}", dev)
+                for i, v in enumerate((*blocks, prefix))]
+        T, D = srcs[-1].shape
+        for i, v in enumerate(srcs[:-1]):
+            if v.shape != (T, D):
+                raise ValueError(f"attnres_mix: blocks[{i}] {tuple(v.shape)} vs prefix {(T, D)}")
+        if len(srcs) > ATTNRES_MAXS:
+            raise ValueError(f"attnres_mix: {len(srcs)} sources > {ATTNRES_MAXS}")
+        norm_w, nb = as_weight(norm_w.reshape(-1), "attnres_mix.norm_w", dev)
+        proj_w, pb = as_weight(proj_w.reshape(-1), "attnres_mix.proj_w", dev)
+        if norm_w.numel() != D or proj_w.numel() != D:
+            raise ValueError(f"attnres_mix: norm_w has {norm_w.numel()} entries, proj_w {proj_w.numel()}, want D={D}")
+        table = np.zeros(ATTNRES_MAXS, dtype=np.uint64)
+        table[: len(srcs)] = [v.data_ptr() for v in srcs]
         out = self._empty(T, D, dtype=torch.float32)
         if T:
             self._k("norms", "srt_attnres_mix")(
-                (T,), (block_threads(D, 512),), [ptr(prefix), ptr(blocks), ptr(wq), i32(wb), ptr(out), i32(nb), i32(D), f32(eps)]
+                (T,), (block_threads(D, 512),),
+                [table, i32(len(srcs)), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(out), i32(D), f32(eps)]
             )
         return out

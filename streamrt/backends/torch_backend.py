@@ -28,14 +28,14 @@ decode cache in place by contract: `short_conv_step` and `kda_step`.
 from __future__ import annotations
 
 import copy
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, as_routed
-from streamrt.ops import route, select_topk, sigmoid, situ_glu, topk_mask
+from streamrt.ops import kda_gate, route, select_topk, sigmoid, situ_glu, topk_mask
 
 # E2M1 nibble -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -112,8 +112,17 @@ class TorchBackend:
 
     # ---- dense ---------------------------------------------------------------------
 
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation)."""
+    def linear(self, x: Tensor, w: Tensor, add: Sequence[Tensor] = ()) -> Tensor:
+        """x [T, in] fp32, w [out, in] -> [T, out] fp32 (fp32 accumulation), then + add[0] + add[1]."""
+        y = self._product(x, w)
+        for a in add:
+            y = y + a
+        return y
+
+    def linears(self, x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
+        return [self._product(x, w) for w in ws]
+
+    def _product(self, x: Tensor, w: Tensor) -> Tensor:
         x = x.float()
         T, out = x.shape[0], w.shape[0]
         rows = max(1, self.block_elems // max(1, w.shape[1]))  # depends on w only, never on T
@@ -146,9 +155,13 @@ class TorchBackend:
         xc = x - mu
         return xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps) * w.float() + b.float()
 
-    def l2norm(self, x: Tensor, eps: float) -> Tensor:
+    def l2norm(self, x: Tensor, eps: float, scale: float = 1.0) -> Tensor:
         x = x.float()
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+        y = x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+        return y if scale == 1.0 else y * scale
+
+    def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
+        return x.float() * sigmoid(gate)
 
     def situ_glu(self, gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
         return situ_glu(gate, up, beta, linear_beta)
@@ -160,6 +173,9 @@ class TorchBackend:
         conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
         conv_state[..., -1] = z
         return F.silu((conv_state * w.float()).sum(-1))
+
+    def kda_gates(self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> tuple[Tensor, Tensor]:
+        return kda_gate(f, a_log, dt_bias, lower_bound), sigmoid(b)
 
     def kda_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
         """One delta-rule step, in place on state [T, H, K, V]; returns o = S^T q [T, H, V]."""
@@ -390,9 +406,10 @@ class TorchBackend:
 
     # ---- AttnRes -------------------------------------------------------------------
 
-    def attnres_mix(self, prefix: Tensor, blocks: Tensor, wq: Tensor, eps: float) -> Tensor:
-        """prefix [T, D], blocks [T, nb, D], wq [D] -> softmax-weighted sum of raw sources [T, D]."""
-        v = torch.cat((blocks.float(), prefix.float()[:, None, :]), dim=1)  # [T, nb+1, D]
+    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
+        """prefix [T, D], blocks nb x [T, D], norm_w, proj_w [D] -> softmax-weighted sum of raw sources [T, D]."""
+        v = torch.stack([*blocks, prefix], dim=1).float()  # [T, nb+1, D]
+        wq = norm_w.float() * proj_w.float()  # [D]
         kn = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)  # weightless RMSNorm keys
-        p = torch.softmax((kn * wq.float()).sum(-1), dim=-1)  # [T, nb+1]
+        p = torch.softmax((kn * wq).sum(-1), dim=-1)  # [T, nb+1]
         return (p[..., None] * v).sum(1)  # [T, D]

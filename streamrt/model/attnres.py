@@ -10,7 +10,6 @@ Axis legend: N rows, D hidden, nb completed sources.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from streamrt.model.layers import RMSNorm
@@ -18,5 +17,4 @@ from streamrt.model.layers import RMSNorm
 
 def attn_res(partial: Tensor, blocks: list[Tensor], proj: nn.Linear, norm: RMSNorm, be) -> Tensor:
     """partial [N, D], blocks nb x [N, D] -> the depth mix [N, D] fp32."""
-    wq = norm.weight.float() * proj.weight[0].float()  # [D]
-    return be.attnres_mix(partial, torch.stack(blocks, dim=1), wq, norm.eps)  # [N, D]
+    return be.attnres_mix(partial, blocks, norm.weight, proj.weight[0], norm.eps)  # [N, D]

@@ -53,13 +53,6 @@ def short_conv_prefill(z: Tensor, w: Tensor, prefix: Tensor | None) -> tuple[Ten
     return y * sigmoid(y), torch.cat((prefix.to(zt.dtype), zt), dim=-1)[..., -W:].contiguous()
 
 
-def kda_gate(f: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> Tensor:
-    """K3 log-decay g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)); f [N, H, K], a_log [H] -> [N, H, K]."""
-    H, K = f.shape[-2:]
-    u = f.float() + dt_bias.float().view(H, K)
-    return lower_bound * sigmoid(torch.exp(a_log.float())[:, None] * u)
-
-
 def chunks_per_group(H: int, K: int, chunk: int = KDA_CHUNK, device: str = "cuda") -> int:
     """How many sub-chunks `kda_chunked` batches into one group. On a GPU: a power of two up to
     16 keeping the group's two [H, G, C, C, K] fp32 decay blocks under `KDA_GROUP_BYTES` per
@@ -173,11 +166,14 @@ class KimiDeltaAttention(nn.Module):
                 f"(entry {bad} is {float(pad[bad - self.H])}); only the first {self.H} (one per head) are used"
             )
 
-    def forward(self, x: Tensor, step: Step, cache: KDACache | None) -> Tensor:
-        """x [N, D] (post input_layernorm) -> [N, D]."""
+    def forward(self, x: Tensor, step: Step, cache: KDACache | None, residual: Tensor | None = None) -> Tensor:
+        """x [N, D] (post input_layernorm) -> [N, D] (+ residual, added by the output projection)."""
         be, B, T, H, K = step.be, step.batch, step.seqlen, self.H, self.K
         N = B * T
-        zq, zk, zv = (be.linear(x, m.weight) for m in (self.q_proj, self.k_proj, self.v_proj))  # [N, P]
+        # the projections of x at once (one GEMV launch on the nvrtc backend); at decode the output
+        # gate's too (a prefill chunk would hold its [N, H*K] through the whole chunk)
+        mats = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj] + [self.g_proj] * step.decode
+        zq, zk, zv, fa, zb, *gate = be.linears(x, [m.weight for m in mats])
         convs = (self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0])  # [P, W]
         if step.decode:
             q, k, v = (be.short_conv_step(z, st, w) for z, st, w in zip((zq, zk, zv), (cache.conv_q, cache.conv_k, cache.conv_v), convs))
@@ -190,10 +186,10 @@ class KimiDeltaAttention(nn.Module):
             if cache is not None:  # in place: the cache keeps its addresses (a decode graph stays valid)
                 for state, r in zip((cache.conv_q, cache.conv_k, cache.conv_v), res):
                     state.copy_(r[1].detach())
-        f = be.linear(be.linear(x, self.f_a_proj.weight), self.f_b_proj.weight).view(N, H, K)
-        g = kda_gate(f, self.A_log[:H], self.dt_bias, self.lower_bound)  # [N, H, K], log-decay in (lb, 0)
-        beta = sigmoid(be.linear(x, self.b_proj.weight))  # [N, H]
-        q = be.l2norm(q.view(N, H, K), L2_EPS) * K**-0.5  # [N, H, K]
+        f = be.linear(fa, self.f_b_proj.weight).view(N, H, K)
+        # g [N, H, K] log-decay in (lb, 0), beta [N, H]
+        g, beta = be.kda_gates(f, zb, self.A_log[:H], self.dt_bias, self.lower_bound)
+        q = be.l2norm(q.view(N, H, K), L2_EPS, K**-0.5)  # [N, H, K]
         k = be.l2norm(k.view(N, H, K), L2_EPS)
         v = v.view(N, H, K)  # V = K
         if step.decode:
@@ -205,9 +201,9 @@ class KimiDeltaAttention(nn.Module):
             o = o.reshape(N, H, K)
         else:
             o = self._prefill_anchored(q, k, v, g, beta, B, T, cache).reshape(N, H, K)
-        gate = be.linear(x, self.g_proj.weight).view(N, H, K)
-        y = be.gated_rmsnorm(o, gate, self.o_norm.weight, self.eps)  # [N, H, V]
-        return be.linear(y.reshape(N, H * K), self.o_proj.weight)  # [N, D]
+        gate = gate[0] if gate else be.linear(x, self.g_proj.weight)
+        y = be.gated_rmsnorm(o, gate.view(N, H, K), self.o_norm.weight, self.eps)  # [N, H, V]
+        return be.linear(y.reshape(N, H * K), self.o_proj.weight, () if residual is None else (residual,))  # [N, D]
 
     @staticmethod
     def _prefill_anchored(q, k, v, g, beta, B: int, T: int, cache: KDACache) -> Tensor:

@@ -45,9 +45,10 @@ class GLUMLP(nn.Module):
         self.up_proj = nn.Linear(dim, inter, bias=False)
         self.down_proj = nn.Linear(inter, dim, bias=False)
 
-    def forward(self, x: Tensor, be) -> Tensor:
-        h = be.situ_glu(be.linear(x, self.gate_proj.weight), be.linear(x, self.up_proj.weight), self.beta, self.linear_beta)
-        return be.linear(h, self.down_proj.weight)  # [N, D]
+    def forward(self, x: Tensor, be, add: tuple[Tensor, ...] = ()) -> Tensor:
+        """x [N, D] -> down(situ_glu(gate x, up x)) [N, D], then + each of `add` in order (residuals)."""
+        gate, up = be.linears(x, [self.gate_proj.weight, self.up_proj.weight])
+        return be.linear(be.situ_glu(gate, up, self.beta, self.linear_beta), self.down_proj.weight, add)
 
 
 def act_betas(cfg) -> tuple[float, float | None]:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from streamrt.model.cache import MLACache, Step
 from streamrt.model.indexer import LightningIndexer
 from streamrt.model.layers import RMSNorm
-from streamrt.ops import sigmoid, topk_mask
+from streamrt.ops import topk_mask
 
 
 class KimiMLAAttention(nn.Module):
@@ -44,8 +44,8 @@ class KimiMLAAttention(nn.Module):
         # Training / test switch: False = dense attention (indexer keys still cached, selection skipped).
         self.sparse = True
 
-    def forward(self, x: Tensor, step: Step, cache: MLACache | None) -> Tensor:
-        """x [N, D] (post input_layernorm) -> [N, D]."""
+    def forward(self, x: Tensor, step: Step, cache: MLACache | None, residual: Tensor | None = None) -> Tensor:
+        """x [N, D] (post input_layernorm) -> [N, D] (+ residual, added by the output projection)."""
         be, N, H, dn, dr, R = step.be, x.shape[0], self.H, self.dn, self.dr, self.R
         cq = self.q_a_layernorm(be.linear(x, self.q_a_proj.weight), be)  # [N, rq]
         q = be.linear(cq, self.q_b_proj.weight).view(N, H, dn + dr)
@@ -59,8 +59,8 @@ class KimiMLAAttention(nn.Module):
         else:
             o = self._prefill(q_nope, q_rot, c, kr, idx, step, cache)  # [N, H, dv]
         if self.g_proj is not None:
-            o = o * sigmoid(be.linear(x, self.g_proj.weight).view(N, H, self.dv))  # gate from the layer input
-        return be.linear(o.reshape(N, H * self.dv), self.o_proj.weight)  # [N, D]
+            o = be.sigmoid_mul(o, be.linear(x, self.g_proj.weight).view(N, H, self.dv))  # gate from the layer input
+        return be.linear(o.reshape(N, H * self.dv), self.o_proj.weight, () if residual is None else (residual,))  # [N, D]
 
     def _prefill(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache | None) -> Tensor:
         be, B, T, H, dn, R, s0 = step.be, step.batch, step.seqlen, self.H, self.dn, self.R, step.start

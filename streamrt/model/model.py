@@ -116,15 +116,14 @@ class DecoderLayer(nn.Module):
         x = attn_res(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm, be) if blocks else partial
         if self.block_start:  # the finished block (or the embedding) becomes a source
             blocks, partial = blocks + [partial], None
-        a = self.self_attn(self.input_layernorm(x, be), step, cache)  # [N, D]
-        partial = a if partial is None else partial + a
+        # the residual adds ride on the output projections' GEMVs: partial + a, partial + m
+        partial = self.self_attn(self.input_layernorm(x, be), step, cache, partial)  # [N, D]
         y = attn_res(partial, blocks, self.mlp_res_proj, self.mlp_res_norm, be)
         h = self.post_attention_layernorm(y, be)
         if hasattr(self, "block_sparse_moe"):
-            m = yield from self.block_sparse_moe.forward_steps(h, be)
+            partial = yield from self.block_sparse_moe.forward_steps(h, be, partial)
         else:
-            m = self.mlp(h, be)
-        partial = partial + m
+            partial = self.mlp(h, be, (partial,))
         return partial, blocks
 
 
