@@ -1,6 +1,7 @@
 // Row-wise decode ops: RMSNorm, sigmoid-gated RMSNorm, LayerNorm (w + b), L2 norm, the AttnRes
 // depth mix (one block per row, grid.x = rows; fixed-order block reductions, common.cuh), and
-// the elementwise ones: SiTU-GLU, the sigmoid gate, KDA's gates, the short causal conv step.
+// the elementwise ones: SiTU-GLU, the sigmoid gate, KDA's gates, the short causal conv step, and
+// the decode's cache append.
 #include "common.cuh"
 
 // out[r, :] = (x * rsqrt(mean(x^2) + eps)) * w          x, out [rows, D]; w [D]
@@ -116,10 +117,49 @@ extern "C" __global__ void srt_short_conv_step(const float* __restrict__ z, floa
   out[i] = acc * sigmoidf_(acc);
 }
 
+// KDA's decode conv step for q, k and v at once, then the L2 norms of q and k (per head of K):
+// blockIdx.y = 0 (q), 1 (k), 2 (v); block per (t, h), block_threads(K, 512) threads (srt_l2norm's
+// block for a row of K, so the norms are its bits). Each element as srt_short_conv_step
+// (state [T, P, W] rolled in place, P = H * K); q then * q_scale as srt_l2norm's scale.
+struct KdaConvTab {
+  u64 z[3], state[3], w[3], out[3];
+  int w_bf16[3];
+};
+
+extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab tab, int H, int K, int W, float eps,
+                                             float q_scale) {
+  __shared__ float red[32];
+  const int which = blockIdx.y, t = blockIdx.x / H, h = blockIdx.x - t * H;
+  const long long P = (long long)H * K, row = (long long)t * P + (long long)h * K;
+  const float* z = (const float*)tab.z[which];
+  float* state = (float*)tab.state[which];
+  float* out = (float*)tab.out[which];
+  float ss = 0.0f;
+  for (int kk = threadIdx.x; kk < K; kk += blockDim.x) {
+    const long long i = row + kk, p = (long long)h * K + kk;
+    float* st = state + i * W;
+    float acc = 0.0f;
+    for (int j = 0; j < W; ++j) {
+      const float v = (j + 1 < W) ? st[j + 1] : z[i];
+      st[j] = v;
+      acc = fmaf(v, ldw((const void*)tab.w[which], p * W + j, tab.w_bf16[which]), acc);
+    }
+    const float y = acc * sigmoidf_(acc);
+    out[i] = y;
+    ss = fmaf(y, y, ss);
+  }
+  if (which == 2) return;  // v: the conv only (the whole block)
+  const float inv = 1.0f / sqrtf(block_sum(ss, red) + eps);
+  const float scale = which == 0 ? q_scale : 1.0f;
+  for (int kk = threadIdx.x; kk < K; kk += blockDim.x) out[row + kk] = __fmul_rn(out[row + kk] * inv, scale);  // own writes
+}
+
 // AttnRes, one block per row t. Source s < S is row t of the [T, D] fp32 tensor at src.v[s]
 // (the completed blocks, then the in-block partial sum). wq[d] = norm_w[d] * proj_w[d] (fp32).
 // logit_s = sum_d (V_s[d] * rsqrt(mean(V_s^2) + eps)) * wq[d];
 // p = softmax_s(logit); out[t, :] = sum_s p_s V_s (s ascending).
+// With out_w: then out[t, :] = rmsnorm(out[t, :]) * out_w (srt_rmsnorm's arithmetic and order,
+// the same block size: the bits of the two kernels one after the other).
 #ifndef SRT_ATTNRES_MAXS
 #error "SRT_ATTNRES_MAXS is passed by the host (-DSRT_ATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
 #endif
@@ -130,7 +170,8 @@ struct AttnResSources {
 extern "C" __global__ void srt_attnres_mix(const __grid_constant__ AttnResSources src, int S,
                                            const void* __restrict__ norm_w, int norm_bf16,
                                            const void* __restrict__ proj_w, int proj_bf16, float* __restrict__ out,
-                                           int D, float eps) {
+                                           int D, float eps, const void* __restrict__ out_w, int out_bf16,
+                                           float out_eps) {
   __shared__ float red[32];
   __shared__ float logit[SRT_ATTNRES_MAXS];
   const long long t = blockIdx.x;
@@ -155,4 +196,26 @@ extern "C" __global__ void srt_attnres_mix(const __grid_constant__ AttnResSource
     for (int s = 0; s < S; ++s) acc = fmaf(expf(logit[s] - m) / l, ((const float*)src.v[s])[t * D + i], acc);
     out[t * (long long)D + i] = acc;
   }
+  if (out_w == nullptr) return;
+  float* o = out + t * (long long)D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) ss = fmaf(o[i], o[i], ss);  // this thread's own writes
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / (float)D + out_eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = (o[i] * inv) * ldw(out_w, i, out_bf16);
+}
+
+// The decode's cache append: for up to 4 (dst [B, cap, W_i], src [B, W_i] with row stride
+// stride_i) fp32 pairs, dst_i[b, len[b], :] = src_i[b, :]. grid (B, pairs), block 256.
+struct CacheAppend {
+  u64 dst[4], src[4];
+  int width[4], stride[4];
+};
+
+extern "C" __global__ void srt_cache_append(const __grid_constant__ CacheAppend tab, const int* __restrict__ len,
+                                            int cap) {
+  const int b = blockIdx.x, i = blockIdx.y, W = tab.width[i];
+  float* d = (float*)tab.dst[i] + ((long long)b * cap + len[b]) * W;
+  const float* s = (const float*)tab.src[i] + (long long)b * tab.stride[i];
+  for (int j = threadIdx.x; j < W; j += blockDim.x) d[j] = s[j];
 }

@@ -307,6 +307,43 @@ def test_sigmoid_mul(gen, shape):
     check(f"sigmoid_mul {shape}", gen, ref, TB.sigmoid_mul(x, gate), lambda: NV.sigmoid_mul(x, gate))
 
 
+@pytest.mark.parametrize("T,H,K", [(1, 8, 128), (3, 2, 64), (2, 3, 20)])
+def test_kda_conv_step_gives_the_bits_of_its_three_ops(gen, T, H, K):
+    """The fused decode conv of q, k, v (states rolled in place) and q's and k's per-head L2 norms:
+    against float64, and bit for bit short_conv_step then l2norm (states included)."""
+    P, W = H * K, 4
+    zs = [randn(gen, T, P) for _ in range(3)]
+    states = [randn(gen, T, P, W) for _ in range(3)]
+    ws = [randn(gen, P, W, scale=0.5, dtype=dt) for dt in (torch.float32, torch.bfloat16, torch.float32)]
+    silu = lambda y: y / (1 + torch.exp(-y))  # noqa: E731
+    refs, ref_states = [], []
+    for z, st, w in zip(zs, states, ws):
+        s2 = torch.cat((st.double()[..., 1:], z.double()[..., None]), -1)
+        ref_states.append(s2)
+        refs.append(silu((s2 * w.double()).sum(-1)).view(T, H, K))
+    l2 = lambda y: y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    refs = [l2(refs[0]) * K**-0.5, l2(refs[1]), refs[2]]
+    tb_states = [st.clone() for st in states]
+    tb = TB.kda_conv_step(zs, tb_states, ws, K, 1e-6, K**-0.5)
+    nv, nv_states = {}, [st.clone() for st in states]
+
+    def run(i):
+        if not nv:
+            nv.update(enumerate(NV.kda_conv_step(zs, nv_states, ws, K, 1e-6, K**-0.5)))
+        return nv[i]
+
+    for i, name in enumerate("qkv"):
+        check(f"kda_conv_step {name} T={T} H={H} K={K}", gen, refs[i], tb[i], lambda i=i: run(i))
+        assert rel(tb_states[i], ref_states[i]) < TOL
+    if NV is not None:
+        sep_states = [st.clone() for st in states]
+        q, k, v = (NV.short_conv_step(z, st, w).view(T, H, K) for z, st, w in zip(zs, sep_states, ws))
+        assert torch.equal(nv[0], NV.l2norm(q, 1e-6, K**-0.5)) and torch.equal(nv[1], NV.l2norm(k, 1e-6))
+        assert torch.equal(nv[2], v)
+        for a, b in zip(nv_states, sep_states):
+            assert torch.equal(a, b), "conv states differ from short_conv_step's"
+
+
 @pytest.mark.parametrize("N,H,K", [(1, 8, 128), (5, 3, 64), (17, 2, 5)])
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
 def test_kda_gates(gen, N, H, K, wdt):
@@ -882,8 +919,41 @@ def test_attnres_mix(gen, T, nb, D, wdt):
     kn = V / torch.sqrt((V * V).mean(-1, keepdim=True) + 1e-5)
     p = torch.softmax((kn * (norm_w.double() * proj_w.double())).sum(-1), dim=-1)
     ref = (p[..., None] * V).sum(1)
-    check(f"attnres_mix T={T} nb={nb} D={D} {wdt}", gen, ref, TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
-          lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5))
+    mix = check(f"attnres_mix T={T} nb={nb} D={D} {wdt}", gen, ref, TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
+                lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5))
+    # then the layer's RMSNorm in the same kernel: float64, and the bits of the two ops in turn
+    out_w = (1 + randn(gen, D, scale=0.2)).to(wdt)
+    ref_n = ref / torch.sqrt((ref * ref).mean(-1, keepdim=True) + 1e-6) * out_w.double()
+    normed = check(f"attnres_mix + rmsnorm T={T} nb={nb} D={D} {wdt}", gen, ref_n,
+                   TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6),
+                   lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6))
+    if normed is not None:
+        assert torch.equal(normed, NV.rmsnorm(mix, out_w, 1e-6))
+
+
+# ---- the decode's cache append -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_cache_append_writes_each_row_at_its_length(gen, B):
+    """Three caches, one source a strided slice (MLA's kr is a column slice of kv): row b lands at
+    position lengths[b] of each cache and nothing else changes."""
+    cap, widths = 11, (64, 8, 40)
+    caches = [randn(gen, B, cap, w) for w in widths]
+    wide = randn(gen, B, 72)
+    rows = [randn(gen, B, 64), wide[:, 64:], randn(gen, B, 40)]  # rows[1]: not contiguous
+    lengths = torch.randint(0, cap, (B,), generator=gen, device=DEV, dtype=torch.int32)
+    want = [c.clone() for c in caches]
+    for w, r in zip(want, rows):
+        for b in range(B):
+            w[b, int(lengths[b])] = r[b]
+    for be in (TB, NV):
+        if be is None:
+            continue
+        got = [c.clone() for c in caches]
+        be.cache_append(got, rows, lengths)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"{type(be).__name__}: cache {i} differs (B={B}, lengths {lengths.tolist()})"
 
 
 # ---- determinism --------------------------------------------------------------------------------

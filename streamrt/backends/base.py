@@ -57,6 +57,11 @@ class Backend(Protocol):
         """Depthwise causal conv, one token: roll conv_state [T, P, W] left, write z [T, P]
         into the last slot (in place), return SiLU(sum(state * w)) [T, P]; w [P, W]."""
 
+    def kda_conv_step(self, zs: Sequence[Tensor], states: Sequence[Tensor], ws: Sequence[Tensor], K: int, eps: float,
+                      q_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """KDA's decode conv of (q, k, v): short_conv_step of each z [T, H*K] on its state, then
+        (l2norm(q, eps, q_scale), l2norm(k, eps), v), each [T, H, K] (norms per head)."""
+
     def kda_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
         """One recurrent KDA step, in place on state [T, H, K, V] fp32.
         q, k (already L2-normalised, q scaled), g (log-decay) [T, H, K]; v [T, H, V]; beta [T, H].
@@ -129,6 +134,12 @@ class Backend(Protocol):
         weights[t, j] * down(situ_glu(gate z_t, up z_t)) in fp32 -> [T, Dl]. `experts`: the
         model's RoutedExperts (expert_weights.py), or a plain {id: ExpertWeights} for `ids`."""
 
-    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
+    def cache_append(self, dsts: Sequence[Tensor], srcs: Sequence[Tensor], lengths: Tensor) -> None:
+        """In place, for each pair (up to 4): dst [B, cap, W] fp32, src [B, W] ->
+        dst[b, lengths[b]] = src[b]; lengths int32 [B] on the device (the decode's one new position per row)."""
+
+    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float,
+                    out_w: Tensor | None = None, out_eps: float = 0.0) -> Tensor:
         """AttnRes: sources V = (blocks..., prefix), each [T, D]; wq = norm_w * proj_w [D] (fp32);
-        p = softmax over sources of (V * rsqrt(mean(V^2) + eps)) . wq; returns sum p V [T, D] (fp32)."""
+        p = softmax over sources of (V * rsqrt(mean(V^2) + eps)) . wq; returns sum p V [T, D] (fp32),
+        or with out_w rmsnorm(sum p V, out_w, out_eps) (the norm that follows it in a layer)."""

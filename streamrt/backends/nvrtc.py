@@ -375,6 +375,34 @@ class NvrtcBackend(MoeOps):
                 conv_state.copy_(buf)
         return out
 
+    def kda_conv_step(self, zs: Sequence[Tensor], states: Sequence[Tensor], ws: Sequence[Tensor], K: int, eps: float,
+                      q_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """zs 3 x [T, H*K], states 3 x [T, H*K, W] (in place), ws 3 x [H*K, W] -> q, k (L2-normed per
+        head, q * q_scale), v [T, H, K]: one launch."""
+        dev = self.device
+        if not len(zs) == len(states) == len(ws) == 3:
+            raise ValueError("kda_conv_step: takes q, k and v (three of each)")
+        zs = [as_act(z, f"kda_conv_step.z[{i}]", dev) for i, z in enumerate(zs)]
+        T, P = zs[0].shape
+        if P % K or any(z.shape != (T, P) for z in zs):
+            raise ValueError(f"kda_conv_step: z {[tuple(z.shape) for z in zs]} must be 3 x [T, H*{K}]")
+        W = states[0].shape[-1]
+        bufs = [inplace_buf(st, f"kda_conv_step.state[{i}]", dev, (T, P, W)) for i, st in enumerate(states)]
+        wts = [as_weight(w.reshape(P, W), f"kda_conv_step.w[{i}]", dev) for i, w in enumerate(ws)]
+        outs = [self._empty(T, P // K, K) for _ in range(3)]
+        table = np.zeros(14, dtype=np.uint64)  # KdaConvTab: z, state, w, out [3] u64, w_bf16 [3] int32 (padded)
+        flags = table[12:].view(np.int32)
+        for i in range(3):
+            table[i], table[3 + i], table[6 + i], table[9 + i] = zs[i].data_ptr(), bufs[i].data_ptr(), wts[i][0].data_ptr(), outs[i].data_ptr()
+            flags[i] = wts[i][1]
+        if T * P:
+            self._k("norms", "srt_kda_conv_step")(
+                (T * (P // K), 3), (block_threads(K, 512),), [table, i32(P // K), i32(K), i32(W), f32(eps), f32(q_scale)])
+            for buf, st in zip(bufs, states):
+                if buf is not st:
+                    st.copy_(buf)
+        return outs[0], outs[1], outs[2]
+
     def kda_gates(self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> tuple[Tensor, Tensor]:
         """f [N, H, K], b [N, H], a_log [H], dt_bias [H*K] -> (g [N, H, K], beta [N, H]), one launch."""
         dev = self.device
@@ -568,10 +596,34 @@ class NvrtcBackend(MoeOps):
 
     # ---- AttnRes -------------------------------------------------------------------------------
 
-    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
+    def cache_append(self, dsts: Sequence[Tensor], srcs: Sequence[Tensor], lengths: Tensor) -> None:
+        """dst [B, cap, W] fp32 (in place, contiguous), src [B, W], lengths int32 [B]: one launch."""
+        dev = self.device
+        if not 1 <= len(dsts) == len(srcs) <= 4:
+            raise ValueError(f"cache_append: {len(dsts)} caches, {len(srcs)} rows (1..4 pairs)")
+        B, cap = dsts[0].shape[:2]
+        if lengths.device != dev or lengths.dtype != torch.int32 or lengths.shape != (B,):
+            raise ValueError(f"cache_append: lengths must be int32 [{B}] on {dev}, got {lengths.dtype} {tuple(lengths.shape)} on {lengths.device}")
+        # rows read in place where they are fp32 with unit column stride (kr is a slice of kv)
+        srcs = [v if v.dtype == torch.float32 and v.dim() == 2 and v.stride(1) == 1 and v.device == dev
+                else as_act(v, "cache_append.src", dev) for v in srcs]
+        table = np.zeros(12, dtype=np.uint64)  # CacheAppend: dst[4], src[4] u64, width[4], stride[4] int32
+        width, stride = table[8:10].view(np.int32), table[10:].view(np.int32)
+        for i, (d, v) in enumerate(zip(dsts, srcs)):
+            if d.device != dev or d.dtype != torch.float32 or not d.is_contiguous() or d.shape[:2] != (B, cap) \
+                    or v.shape != (B, d.shape[2]):
+                raise ValueError(f"cache_append: cache {i} {d.dtype} {tuple(d.shape)} (contiguous fp32 [B, cap, W] on {dev}) "
+                                 f"and row {tuple(v.shape)} do not fit")
+            table[i], table[4 + i], width[i], stride[i] = d.data_ptr(), v.data_ptr(), d.shape[2], v.stride(0)
+        if B:
+            self._k("norms", "srt_cache_append")((B, len(dsts)), (256,), [table, ptr(lengths), i32(cap)])
+
+    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float,
+                    out_w: Tensor | None = None, out_eps: float = 0.0) -> Tensor:
         """prefix [T, D], blocks nb x [T, D], norm_w, proj_w [D] -> sum_s softmax_s(rmsnorm(V_s) . wq) V_s
         [T, D] with sources V = (blocks..., prefix) read in place (a pointer table) and wq =
-        norm_w * proj_w formed in the kernel."""
+        norm_w * proj_w formed in the kernel; with out_w, then rmsnorm(., out_w, out_eps) in the
+        same kernel (the bits of `rmsnorm` after it)."""
         dev = self.device
         srcs = [as_act(v, f"attnres_mix.{'prefix' if i == len(blocks) else f'blocks[{i}]'}", dev)
                 for i, v in enumerate((*blocks, prefix))]
@@ -585,12 +637,16 @@ class NvrtcBackend(MoeOps):
         proj_w, pb = as_weight(proj_w.reshape(-1), "attnres_mix.proj_w", dev)
         if norm_w.numel() != D or proj_w.numel() != D:
             raise ValueError(f"attnres_mix: norm_w has {norm_w.numel()} entries, proj_w {proj_w.numel()}, want D={D}")
+        ow, ob = (None, 0) if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)
+        if ow is not None and ow.numel() != D:
+            raise ValueError(f"attnres_mix: out_w has {ow.numel()} entries, want D={D}")
         table = np.zeros(ATTNRES_MAXS, dtype=np.uint64)
         table[: len(srcs)] = [v.data_ptr() for v in srcs]
         out = self._empty(T, D, dtype=torch.float32)
         if T:
             self._k("norms", "srt_attnres_mix")(
                 (T,), (block_threads(D, 512),),
-                [table, i32(len(srcs)), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(out), i32(D), f32(eps)]
+                [table, i32(len(srcs)), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(out), i32(D), f32(eps), ptr(ow),
+                 i32(ob), f32(out_eps)]
             )
         return out

@@ -174,6 +174,11 @@ class TorchBackend:
         conv_state[..., -1] = z
         return F.silu((conv_state * w.float()).sum(-1))
 
+    def kda_conv_step(self, zs: Sequence[Tensor], states: Sequence[Tensor], ws: Sequence[Tensor], K: int, eps: float,
+                      q_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = (self.short_conv_step(z, st, w).view(z.shape[0], -1, K) for z, st, w in zip(zs, states, ws))
+        return self.l2norm(q, eps, q_scale), self.l2norm(k, eps), v
+
     def kda_gates(self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> tuple[Tensor, Tensor]:
         return kda_gate(f, a_log, dt_bias, lower_bound), sigmoid(b)
 
@@ -406,8 +411,20 @@ class TorchBackend:
 
     # ---- AttnRes -------------------------------------------------------------------
 
-    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
-        """prefix [T, D], blocks nb x [T, D], norm_w, proj_w [D] -> softmax-weighted sum of raw sources [T, D]."""
+    def cache_append(self, dsts: Sequence[Tensor], srcs: Sequence[Tensor], lengths: Tensor) -> None:
+        for dst, src in zip(dsts, srcs):
+            B, cap, W = dst.shape
+            at = lengths.long() + torch.arange(B, device=dst.device) * cap  # [B] flat positions
+            dst.view(B * cap, W).index_copy_(0, at, src.detach().reshape(B, W).to(dst.dtype))
+
+    def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float,
+                    out_w: Tensor | None = None, out_eps: float = 0.0) -> Tensor:
+        """prefix [T, D], blocks nb x [T, D], norm_w, proj_w [D] -> softmax-weighted sum of raw sources [T, D]
+        (then rmsnorm(., out_w, out_eps) with out_w)."""
+        mix = self._attnres_mix(prefix, blocks, norm_w, proj_w, eps)
+        return mix if out_w is None else self.rmsnorm(mix, out_w, out_eps)
+
+    def _attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
         v = torch.stack([*blocks, prefix], dim=1).float()  # [T, nb+1, D]
         wq = norm_w.float() * proj_w.float()  # [D]
         kn = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)  # weightless RMSNorm keys

@@ -15,6 +15,9 @@ from torch import Tensor, nn
 from streamrt.model.layers import RMSNorm
 
 
-def attn_res(partial: Tensor, blocks: list[Tensor], proj: nn.Linear, norm: RMSNorm, be) -> Tensor:
-    """partial [N, D], blocks nb x [N, D] -> the depth mix [N, D] fp32."""
-    return be.attnres_mix(partial, blocks, norm.weight, proj.weight[0], norm.eps)  # [N, D]
+def attn_res(partial: Tensor, blocks: list[Tensor], proj: nn.Linear, norm: RMSNorm, be, then: RMSNorm | None = None) -> Tensor:
+    """partial [N, D], blocks nb x [N, D] -> the depth mix [N, D] fp32, or `then`(mix) (the
+    layer's next norm, in the same backend op)."""
+    if then is None:
+        return be.attnres_mix(partial, blocks, norm.weight, proj.weight[0], norm.eps)  # [N, D]
+    return be.attnres_mix(partial, blocks, norm.weight, proj.weight[0], norm.eps, then.weight, then.eps)

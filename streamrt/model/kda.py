@@ -175,23 +175,22 @@ class KimiDeltaAttention(nn.Module):
         mats = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj] + [self.g_proj] * step.decode
         zq, zk, zv, fa, zb, *gate = be.linears(x, [m.weight for m in mats])
         convs = (self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0])  # [P, W]
-        if step.decode:
-            q, k, v = (be.short_conv_step(z, st, w) for z, st, w in zip((zq, zk, zv), (cache.conv_q, cache.conv_k, cache.conv_v), convs))
+        if step.decode:  # the convs and q's and k's norms: one op
+            q, k, v = be.kda_conv_step((zq, zk, zv), (cache.conv_q, cache.conv_k, cache.conv_v), convs, K, L2_EPS, K**-0.5)
         else:
             res = [
                 short_conv_prefill(z.view(B, T, -1), w, None if cache is None else st)
                 for z, w, st in zip((zq, zk, zv), convs, (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v))
             ]
-            q, k, v = (r[0].reshape(N, -1) for r in res)
             if cache is not None:  # in place: the cache keeps its addresses (a decode graph stays valid)
                 for state, r in zip((cache.conv_q, cache.conv_k, cache.conv_v), res):
                     state.copy_(r[1].detach())
+            q = be.l2norm(res[0][0].reshape(N, H, K), L2_EPS, K**-0.5)  # [N, H, K]
+            k = be.l2norm(res[1][0].reshape(N, H, K), L2_EPS)
+            v = res[2][0].reshape(N, H, K)  # V = K
         f = be.linear(fa, self.f_b_proj.weight).view(N, H, K)
         # g [N, H, K] log-decay in (lb, 0), beta [N, H]
         g, beta = be.kda_gates(f, zb, self.A_log[:H], self.dt_bias, self.lower_bound)
-        q = be.l2norm(q.view(N, H, K), L2_EPS, K**-0.5)  # [N, H, K]
-        k = be.l2norm(k.view(N, H, K), L2_EPS)
-        v = v.view(N, H, K)  # V = K
         if step.decode:
             o = be.kda_step(q, k, v, g, beta, cache.state)  # [B, H, V]
             cache.drop_anchor()

@@ -108,14 +108,13 @@ class KimiMLAAttention(nn.Module):
     def _decode(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache) -> Tensor:
         """One new token per row, each at its own position (the cache's device lengths, so the
         step holds no host length: a CUDA graph of it replays at any length up to the capacity)."""
-        be, B, H, dn, R = step.be, step.batch, self.H, self.dn, self.R
+        be, H, dn, R = step.be, self.H, self.dn, self.R
         cache.reserve(max(step.cache.lengths) + 1)  # growth moves the cache: never inside a graph
-        cap = cache.c.shape[1]
-        at = step.cache.device_lengths.long() + torch.arange(B, device=c.device) * cap  # [B] flat positions
-        cache.c.view(B * cap, R).index_copy_(0, at, c.detach())
-        cache.kr.view(B * cap, -1).index_copy_(0, at, kr.detach())
+        caches, rows = [cache.c, cache.kr], [c, kr]
         if idx is not None:
-            cache.ik.view(B * cap, -1).index_copy_(0, at, idx[1].detach())
+            caches.append(cache.ik)
+            rows.append(idx[1])
+        be.cache_append(caches, rows, step.cache.device_lengths)  # row b at its position
         W = self.kv_b_proj.weight.view(H, dn + self.dv, R)  # as stored: the kernels read bf16 themselves
         q_lat = be.mla_absorb(q_nope, W[:, :dn])  # [B, H, R]
         select = None

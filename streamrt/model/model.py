@@ -113,13 +113,16 @@ class DecoderLayer(nn.Module):
         """partial [N, D] in-block running sum, blocks: completed sources -> (partial, blocks)."""
         be = step.be
         cache = step.cache.layers[self.layer_idx] if step.cache is not None else None
-        x = attn_res(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm, be) if blocks else partial
+        # the mixes and the norms after them are one op each
+        if blocks:
+            x = attn_res(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm, be, self.input_layernorm)
+        else:
+            x = self.input_layernorm(partial, be)
         if self.block_start:  # the finished block (or the embedding) becomes a source
             blocks, partial = blocks + [partial], None
         # the residual adds ride on the output projections' GEMVs: partial + a, partial + m
-        partial = self.self_attn(self.input_layernorm(x, be), step, cache, partial)  # [N, D]
-        y = attn_res(partial, blocks, self.mlp_res_proj, self.mlp_res_norm, be)
-        h = self.post_attention_layernorm(y, be)
+        partial = self.self_attn(x, step, cache, partial)  # [N, D]
+        h = attn_res(partial, blocks, self.mlp_res_proj, self.mlp_res_norm, be, self.post_attention_layernorm)
         if hasattr(self, "block_sparse_moe"):
             partial = yield from self.block_sparse_moe.forward_steps(h, be, partial)
         else:
@@ -251,8 +254,7 @@ class KimiLinearForCausalLM(nn.Module):
         if last_only:  # every op below is row-wise
             rows = torch.arange(B, device=ids.device) * T + (T - 1)
             partial, blocks, T = partial[rows], [b[rows] for b in blocks], 1
-        h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be)
-        h = self.model.norm(h, be)
+        h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be, self.model.norm)
         logits = be.linear(h, self.lm_head.weight)  # [N, V] fp32
         return logits.view(B, T, -1)
 
