@@ -280,3 +280,29 @@ def test_linear_addends_ride_in_the_table_or_are_added_after():
     out = nv32.linear(torch.randn(2, 256), torch.empty(300, 256), (a0, a1))  # fp32 w: CUDA cores
     assert [L[0] for L in launches] == ["srt_gemv_f32_t2_r2"]
     assert torch.equal(out, (torch.zeros(2, 300) + a0) + a1)
+
+
+def test_elementwise_ops_pass_their_inputs_output_and_constants():
+    """sigmoid_mul and situ_glu share one launcher: their kernels get (a, b, out, n, *constants)."""
+    calls = []
+
+    class Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
+            calls.append((self.name, grid, block, args))
+
+    nv = _gemv_backend([])
+    nv._k = lambda program, name: Rec(name)
+    a, b = torch.randn(3, 700), torch.randn(3, 700)
+    out = nv.sigmoid_mul(a, b)
+    name, grid, block, args = calls[-1]
+    assert name == "srt_sigmoid_mul" and grid == (9,) and block == (256,) and len(args) == 4
+    assert [int(x[0]) for x in args] == [a.data_ptr(), b.data_ptr(), out.data_ptr(), 2100]
+    out = nv.situ_glu(a, b, 4.0, 25.0)
+    name, _, _, args = calls[-1]
+    assert name == "srt_situ_glu" and [int(x[0]) for x in args[:4]] == [a.data_ptr(), b.data_ptr(), out.data_ptr(), 2100]
+    assert [float(x[0]) for x in args[4:]] == [4.0, 0, 25.0, 1]  # beta, beta is inf, linear beta, has one
+    with pytest.raises(ValueError, match="situ_glu.gate .* and situ_glu.up .* differ"):
+        nv.situ_glu(a, b[:, :5], 4.0, None)

@@ -333,27 +333,22 @@ class NvrtcBackend(MoeOps):
 
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
         """x, gate [...] -> x * sigmoid(gate)."""
-        x = as_act(x, "sigmoid_mul.x", self.device)
-        gate = as_act(gate, "sigmoid_mul.gate", self.device)
-        if gate.shape != x.shape:
-            raise ValueError(f"sigmoid_mul: gate {tuple(gate.shape)} != x {tuple(x.shape)}")
-        out = self._empty(*x.shape)
-        n = x.numel()
-        if n:
-            self._k("norms", "srt_sigmoid_mul")((min(math.ceil(n / 256), 8192),), (256,), [ptr(x), ptr(gate), ptr(out), i64(n)])
-        return out
+        return self._elementwise2("srt_sigmoid_mul", ("sigmoid_mul.x", x), ("sigmoid_mul.gate", gate))
 
     def situ_glu(self, gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Tensor:
         """gate, up [...] -> beta*tanh(gate/beta)*sigmoid(gate) * (linear_beta*tanh(up/linear_beta) or up)."""
-        gate = as_act(gate, "situ_glu.gate", self.device)
-        up = as_act(up, "situ_glu.up", self.device)
-        if gate.shape != up.shape:
-            raise ValueError(f"situ_glu: gate {tuple(gate.shape)} != up {tuple(up.shape)}")
-        out = self._empty(*gate.shape)
-        n = gate.numel()
+        return self._elementwise2("srt_situ_glu", ("situ_glu.gate", gate), ("situ_glu.up", up), situ_args(beta, linear_beta))
+
+    def _elementwise2(self, kernel: str, a: tuple[str, Tensor], b: tuple[str, Tensor], extra: list = ()) -> Tensor:
+        """A grid-stride kernel of two (name, tensor) inputs of one shape: kernel(a, b, out, n, *extra)."""
+        (an, a), (bn, b) = a, b
+        a, b = as_act(a, an, self.device), as_act(b, bn, self.device)
+        if a.shape != b.shape:
+            raise ValueError(f"{an.split('.')[0]}: {an} {tuple(a.shape)} and {bn} {tuple(b.shape)} differ in shape")
+        out = self._empty(*a.shape)
+        n = a.numel()
         if n:
-            self._k("norms", "srt_situ_glu")(
-                (min(math.ceil(n / 256), 8192),), (256,), [ptr(gate), ptr(up), ptr(out), i64(n), *situ_args(beta, linear_beta)])
+            self._k("norms", kernel)((min(math.ceil(n / 256), 8192),), (256,), [ptr(a), ptr(b), ptr(out), i64(n), *extra])
         return out
 
     # ---- KDA -----------------------------------------------------------------------------------
