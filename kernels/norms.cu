@@ -98,29 +98,33 @@ extern "C" __global__ void srt_kda_gates(const float* __restrict__ f, const floa
   }
 }
 
-// Depthwise causal conv, one token, one thread per (t, p):
-// state[t, p, :] <- roll left, state[t, p, W-1] = z[t, p] (in place);
-// out[t, p] = SiLU(sum_j state[t, p, j] * w[p, j]), j ascending.
-extern "C" __global__ void srt_short_conv_step(const float* __restrict__ z, float* __restrict__ state,
-                                               const void* __restrict__ w, int w_bf16, float* __restrict__ out,
-                                               int T, int P, int W) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // = t * P + p
-  if (i >= (long long)T * P) return;
-  const int p = (int)(i % P);
+// Depthwise causal conv of one element i = t * P + p, one token: state[t, p, :] <- roll left,
+// state[t, p, W-1] = z[i] (in place); returns SiLU(sum_j state[t, p, j] * w[p, j]), j ascending.
+SRT_DEV float conv_step(const float* __restrict__ z, float* __restrict__ state, const void* __restrict__ w,
+                        int w_bf16, long long i, long long p, int W) {
   float* s = state + i * W;
   float acc = 0.0f;
   for (int j = 0; j < W; ++j) {
     const float v = (j + 1 < W) ? s[j + 1] : z[i];
     s[j] = v;
-    acc = fmaf(v, ldw(w, (long long)p * W + j, w_bf16), acc);
+    acc = fmaf(v, ldw(w, p * W + j, w_bf16), acc);
   }
-  out[i] = acc * sigmoidf_(acc);
+  return acc * sigmoidf_(acc);
+}
+
+// The short causal conv step, one thread per (t, p) (conv_step).
+extern "C" __global__ void srt_short_conv_step(const float* __restrict__ z, float* __restrict__ state,
+                                               const void* __restrict__ w, int w_bf16, float* __restrict__ out,
+                                               int T, int P, int W) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // = t * P + p
+  if (i >= (long long)T * P) return;
+  out[i] = conv_step(z, state, w, w_bf16, i, i % P, W);
 }
 
 // KDA's decode conv step for q, k and v at once, then the L2 norms of q and k (per head of K):
 // blockIdx.y = 0 (q), 1 (k), 2 (v); block per (t, h), block_threads(K, 512) threads (srt_l2norm's
-// block for a row of K, so the norms are its bits). Each element as srt_short_conv_step
-// (state [T, P, W] rolled in place, P = H * K); q then * q_scale as srt_l2norm's scale.
+// block for a row of K, so the norms are its bits). Each element is conv_step (state [T, P, W]
+// rolled in place, P = H * K); q then * q_scale as srt_l2norm's scale.
 struct KdaConvTab {
   u64 z[3], state[3], w[3], out[3];
   int w_bf16[3];
@@ -136,15 +140,8 @@ extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab 
   float* out = (float*)tab.out[which];
   float ss = 0.0f;
   for (int kk = threadIdx.x; kk < K; kk += blockDim.x) {
-    const long long i = row + kk, p = (long long)h * K + kk;
-    float* st = state + i * W;
-    float acc = 0.0f;
-    for (int j = 0; j < W; ++j) {
-      const float v = (j + 1 < W) ? st[j + 1] : z[i];
-      st[j] = v;
-      acc = fmaf(v, ldw((const void*)tab.w[which], p * W + j, tab.w_bf16[which]), acc);
-    }
-    const float y = acc * sigmoidf_(acc);
+    const long long i = row + kk;
+    const float y = conv_step(z, state, (const void*)tab.w[which], tab.w_bf16[which], i, (long long)h * K + kk, W);
     out[i] = y;
     ss = fmaf(y, y, ss);
   }
