@@ -185,14 +185,14 @@ class NvrtcBackend(MoeOps):
         dt = "bf16" if w_bf16 else "f32"
         buckets = [1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8 for _, tn in groups]
         variants = [self._gemv_variant(dt, nt, N) for nt in buckets]
+        ks = self.gemv_tc_ks or gemv_tc_split(N, K)  # the tensor-core kernel's K split: this matrix's own
         if all(v.startswith("tc") for v in variants):
-            ks = self.gemv_tc_ks or gemv_tc_split(N, K)
             batch.setdefault((ks, int(variants[0][2:])), []).append((w, out, add))
             return out
         for (t0, tn), nt, v in zip(groups, buckets, variants):
             xt, ot = x2[t0 : t0 + 8], out[t0 : t0 + 8]
             if v.startswith("tc"):
-                self._gemv_tc(xt, x_bf16, [(w, ot, ())], int(v[2:]), self.gemv_tc_ks or gemv_tc_split(N, K))
+                self._gemv_tc(xt, x_bf16, [(w, ot, ())], int(v[2:]), ks)
             else:
                 k = self._k("gemv", f"srt_gemv_{dt}_t{nt}_{v}")
                 k((math.ceil(N / (GEMV_WARPS * int(v[1:]))),), (GEMV_WARPS * 32,),
@@ -597,8 +597,9 @@ class NvrtcBackend(MoeOps):
         if not 1 <= len(dsts) == len(srcs) <= 4:
             raise ValueError(f"cache_append: {len(dsts)} caches, {len(srcs)} rows (1..4 pairs)")
         B, cap = dsts[0].shape[:2]
-        if lengths.device != dev or lengths.dtype != torch.int32 or lengths.shape != (B,):
-            raise ValueError(f"cache_append: lengths must be int32 [{B}] on {dev}, got {lengths.dtype} {tuple(lengths.shape)} on {lengths.device}")
+        if lengths is None:
+            raise ValueError("cache_append: lengths (int32 [B] on the device) is required")
+        lengths = self._lengths(lengths, B, "cache_append")
         # rows read in place where they are fp32 with unit column stride (kr is a slice of kv)
         srcs = [v if v.dtype == torch.float32 and v.dim() == 2 and v.stride(1) == 1 and v.device == dev
                 else as_act(v, "cache_append.src", dev) for v in srcs]

@@ -166,8 +166,8 @@ class KimiDeltaAttention(nn.Module):
                 f"(entry {bad} is {float(pad[bad - self.H])}); only the first {self.H} (one per head) are used"
             )
 
-    def forward(self, x: Tensor, step: Step, cache: KDACache | None, residual: Tensor | None = None) -> Tensor:
-        """x [N, D] (post input_layernorm) -> [N, D] (+ residual, added by the output projection)."""
+    def forward(self, x: Tensor, step: Step, cache: KDACache | None, add: tuple[Tensor, ...] = ()) -> Tensor:
+        """x [N, D] (post input_layernorm) -> [N, D], then + each of `add` (residuals, added by the output projection)."""
         be, B, T, H, K = step.be, step.batch, step.seqlen, self.H, self.K
         N = B * T
         # the projections of x at once (one GEMV launch on the nvrtc backend); at decode the output
@@ -202,7 +202,7 @@ class KimiDeltaAttention(nn.Module):
             o = self._prefill_anchored(q, k, v, g, beta, B, T, cache).reshape(N, H, K)
         gate = gate[0] if gate else be.linear(x, self.g_proj.weight)
         y = be.gated_rmsnorm(o, gate.view(N, H, K), self.o_norm.weight, self.eps)  # [N, H, V]
-        return be.linear(y.reshape(N, H * K), self.o_proj.weight, () if residual is None else (residual,))  # [N, D]
+        return be.linear(y.reshape(N, H * K), self.o_proj.weight, add)  # [N, D]
 
     @staticmethod
     def _prefill_anchored(q, k, v, g, beta, B: int, T: int, cache: KDACache) -> Tensor:

@@ -44,8 +44,8 @@ class KimiMLAAttention(nn.Module):
         # Training / test switch: False = dense attention (indexer keys still cached, selection skipped).
         self.sparse = True
 
-    def forward(self, x: Tensor, step: Step, cache: MLACache | None, residual: Tensor | None = None) -> Tensor:
-        """x [N, D] (post input_layernorm) -> [N, D] (+ residual, added by the output projection)."""
+    def forward(self, x: Tensor, step: Step, cache: MLACache | None, add: tuple[Tensor, ...] = ()) -> Tensor:
+        """x [N, D] (post input_layernorm) -> [N, D], then + each of `add` (residuals, added by the output projection)."""
         be, N, H, dn, dr, R = step.be, x.shape[0], self.H, self.dn, self.dr, self.R
         cq = self.q_a_layernorm(be.linear(x, self.q_a_proj.weight), be)  # [N, rq]
         q = be.linear(cq, self.q_b_proj.weight).view(N, H, dn + dr)
@@ -60,7 +60,7 @@ class KimiMLAAttention(nn.Module):
             o = self._prefill(q_nope, q_rot, c, kr, idx, step, cache)  # [N, H, dv]
         if self.g_proj is not None:
             o = be.sigmoid_mul(o, be.linear(x, self.g_proj.weight).view(N, H, self.dv))  # gate from the layer input
-        return be.linear(o.reshape(N, H * self.dv), self.o_proj.weight, () if residual is None else (residual,))  # [N, D]
+        return be.linear(o.reshape(N, H * self.dv), self.o_proj.weight, add)  # [N, D]
 
     def _prefill(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache | None) -> Tensor:
         be, B, T, H, dn, R, s0 = step.be, step.batch, step.seqlen, self.H, self.dn, self.R, step.start

@@ -121,10 +121,10 @@ class DecoderLayer(nn.Module):
         if self.block_start:  # the finished block (or the embedding) becomes a source
             blocks, partial = blocks + [partial], None
         # the residual adds ride on the output projections' GEMVs: partial + a, partial + m
-        partial = self.self_attn(x, step, cache, partial)  # [N, D]
+        partial = self.self_attn(x, step, cache, () if partial is None else (partial,))  # [N, D]
         h = attn_res(partial, blocks, self.mlp_res_proj, self.mlp_res_norm, be, self.post_attention_layernorm)
         if hasattr(self, "block_sparse_moe"):
-            partial = yield from self.block_sparse_moe.forward_steps(h, be, partial)
+            partial = yield from self.block_sparse_moe.forward_steps(h, be, (partial,))
         else:
             partial = self.mlp(h, be, (partial,))
         return partial, blocks

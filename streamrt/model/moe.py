@@ -79,9 +79,9 @@ class LatentMoE(nn.Module):
             nn.ModuleList(FloatExpert(Dl, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)) if float_experts else None
         )
 
-    def forward_steps(self, x: Tensor, be, residual: Tensor | None = None) -> ExpertSteps:
-        """x [N, D] (post post_attention_layernorm) -> [N, D] (+ residual, added last); yields one
-        ExpertRequest unless float experts."""
+    def forward_steps(self, x: Tensor, be, add: tuple[Tensor, ...] = ()) -> ExpertSteps:
+        """x [N, D] (post post_attention_layernorm) -> [N, D], then + each of `add` (residuals);
+        yields one ExpertRequest unless float experts."""
         kw = {"n_group": self.n_group, "topk_group": self.topk_group} if self.n_group > 1 else {}
         ids, w = be.router(x, self.gate.weight, self.gate.e_score_correction_bias, self.k, self.renormalize, self.scale, **kw)
         z = be.linear(x, self.routed_expert_down_proj.weight)  # [N, Dl]
@@ -99,11 +99,10 @@ class LatentMoE(nn.Module):
             u = be.expert_ffn(z, experts.ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u, be)
-        rest = () if residual is None else (residual,)
         if self.shared_experts is None:
-            return be.linear(u, self.routed_expert_up_proj.weight, rest)  # [N, D]
+            return be.linear(u, self.routed_expert_up_proj.weight, add)  # [N, D]
         y = be.linear(u, self.routed_expert_up_proj.weight)
-        return self.shared_experts(x, be, (y, *rest))  # (shared(x) + y) + residual; shared sees the full-width x
+        return self.shared_experts(x, be, (y, *add))  # (shared(x) + y) + residuals; shared sees the full-width x
 
     def _float_expert_ffn(self, z: Tensor, ids: Tensor, w: Tensor, be) -> Tensor:
         """Differentiable routed sum with float experts (same order of combination as expert_ffn)."""
