@@ -29,6 +29,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
                     const void* __restrict__ kr, int n, int cache_bf16, const long long* __restrict__ select, int m,
                     const int* __restrict__ m_dev, int H, int R, int Dr, float scale, float* __restrict__ part_acc,
                     float* __restrict__ part_ml) {
+  pdl_begin();
   extern __shared__ float qs[];  // [MLA_HG][R + Dr]
   __shared__ float sp[MLA_HG][MLA_CHUNK];
   __shared__ long long pos[MLA_CHUNK];
@@ -112,6 +113,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 extern "C" __global__ void srt_mla_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                            float* __restrict__ out, int S, int H, int R, int m,
                                            const int* __restrict__ m_dev) {
+  pdl_begin();
   const int row = blockIdx.y;
   part_acc += (long long)row * S * H * R;
   part_ml += (long long)row * S * H * 2;
@@ -147,6 +149,7 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
     srt_indexer_scores(const float* __restrict__ q, const float* __restrict__ w, const void* __restrict__ kc,
                        int kc_bf16, float* __restrict__ out, int n, const int* __restrict__ n_dev, int Hi,
                        int Di) {
+  pdl_begin();
   extern __shared__ float ism[];
   const int row = blockIdx.y;
   q += (long long)row * Hi * Di;
@@ -194,6 +197,7 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(256)
     srt_mla_absorb(const float* __restrict__ q, const void* __restrict__ w, int w_bf16, long long head_stride,
                    float* __restrict__ out, int B, int H, int dn, int R) {
+  pdl_begin();
   __shared__ float part[8][MLA_ROWS][32];
   const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.x * 32 + lane;
   const long long w0 = (long long)h * head_stride + min(r, R - 1);
@@ -223,6 +227,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     srt_mla_expand(const float* __restrict__ x, const void* __restrict__ w, int w_bf16, long long head_stride,
                    float* __restrict__ out, int B, int H, int dv, int R) {
+  pdl_begin();
   const int h = blockIdx.y, lane = threadIdx.x & 31, v = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (v >= dv) return;
   const long long w0 = (long long)h * head_stride + (long long)v * R;

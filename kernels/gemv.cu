@@ -172,6 +172,9 @@ extern "C" __global__ void srt_gemv_scalar(const void* __restrict__ x, int x_bf1
 #ifndef GTC_ROWS
 #error "GTC_ROWS is passed by the host (-DGTC_ROWS=..., streamrt/backends/kernel_defines.py)"
 #endif
+#ifndef GTC_PREFETCH
+#error "GTC_PREFETCH is passed by the host (-DGTC_PREFETCH=..., streamrt/backends/kernel_defines.py)"
+#endif
 #define GTC_WBYTES (GTC_ROWS * GTC_COLS * 2)
 
 // Shared-memory bytes of one stage of a warp's ring (x rows: T).
@@ -245,6 +248,21 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
   const char* Wb = (const char*)W;
   const char* Xb = (const char*)xv;
   const long long wrow = (long long)K * 2, xrow = (long long)K * XE;
+
+  // Launched programmatically, this block may start while the kernel before still runs: it pulls
+  // its warp's first GTC_PREFETCH stages of W into L2 (one bulk prefetch per row; weights are
+  // not that kernel's output), then waits. The ring's copies below find those bytes in L2, so
+  // the previous kernel's tail and this launch's ramp overlap the weight stream.
+#if __CUDA_ARCH__ >= 900
+  if (s0 < s1) {
+    const int c0 = s0 * GTC_COLS, c1 = min(min(s1, s0 + GTC_PREFETCH) * GTC_COLS, K);
+    for (int r = lane; r < GTC_ROWS && row0 + r < N; r += 32)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(Wb + (row0 + r) * wrow + c0 * 2),
+                   "r"((c1 - c0) * 2)
+                   : "memory");
+  }
+#endif
+  pdl_begin();
 
   auto issue = [&](int s) {
     if (s < s1) {

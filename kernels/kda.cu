@@ -13,6 +13,7 @@ extern "C" __global__ void __launch_bounds__(32)
     srt_kda_step(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                  const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
                  float* __restrict__ out, int H, int K, int V) {
+  pdl_begin();
   __shared__ float sq[SRT_KDA_MAXK], sk[SRT_KDA_MAXK], sdecay[SRT_KDA_MAXK], sbk[SRT_KDA_MAXK];
   const long long th = (long long)blockIdx.z * H + blockIdx.y;  // (t, h)
   const int lane = threadIdx.x;

@@ -7,6 +7,7 @@
 // out[r, :] = (x * rsqrt(mean(x^2) + eps)) * w          x, out [rows, D]; w [D]
 extern "C" __global__ void srt_rmsnorm(const float* __restrict__ x, const void* __restrict__ w, int w_bf16,
                                        float* __restrict__ out, int D, float eps) {
+  pdl_begin();
   __shared__ float red[32];
   const long long r = blockIdx.x;
   const float* xr = x + r * D;
@@ -21,6 +22,7 @@ extern "C" __global__ void srt_rmsnorm(const float* __restrict__ x, const void* 
 extern "C" __global__ void srt_gated_rmsnorm(const float* __restrict__ o, const float* __restrict__ gate,
                                              const void* __restrict__ w, int w_bf16, float* __restrict__ out,
                                              int V, float eps) {
+  pdl_begin();
   __shared__ float red[32];
   const long long r = blockIdx.x;
   const float* orow = o + r * V;
@@ -36,6 +38,7 @@ extern "C" __global__ void srt_gated_rmsnorm(const float* __restrict__ o, const 
 extern "C" __global__ void srt_layernorm(const float* __restrict__ x, const void* __restrict__ w,
                                          const void* __restrict__ b, int wb_bf16, float* __restrict__ out, int D,
                                          float eps) {
+  pdl_begin();
   __shared__ float red[32];
   const long long r = blockIdx.x;
   const float* xr = x + r * D;
@@ -55,6 +58,7 @@ extern "C" __global__ void srt_layernorm(const float* __restrict__ x, const void
 // (x * rsqrt(sum(x^2) + eps)) * scale over the last dim (scale: KDA's q takes K^-0.5 here).
 extern "C" __global__ void srt_l2norm(const float* __restrict__ x, float* __restrict__ out, int D, float eps,
                                       float scale) {
+  pdl_begin();
   __shared__ float red[32];
   const long long r = blockIdx.x;
   const float* xr = x + r * D;
@@ -68,6 +72,7 @@ extern "C" __global__ void srt_l2norm(const float* __restrict__ x, float* __rest
 extern "C" __global__ void srt_situ_glu(const float* __restrict__ gate, const float* __restrict__ up,
                                         float* __restrict__ out, long long n, float beta, int beta_inf,
                                         float lbeta, int has_lin) {
+  pdl_begin();
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
     out[i] = situ(gate[i], up[i], beta, beta_inf, lbeta, has_lin);
 }
@@ -75,6 +80,7 @@ extern "C" __global__ void srt_situ_glu(const float* __restrict__ gate, const fl
 // out[i] = x[i] * (1 / (1 + exp(-gate[i]))) over n elements (MLA's output gate).
 extern "C" __global__ void srt_sigmoid_mul(const float* __restrict__ x, const float* __restrict__ gate,
                                            float* __restrict__ out, long long n) {
+  pdl_begin();
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
     out[i] = __fmul_rn(x[i], __frcp_rn(__fadd_rn(expf(-gate[i]), 1.0f)));
 }
@@ -86,6 +92,7 @@ extern "C" __global__ void srt_kda_gates(const float* __restrict__ f, const floa
                                          const void* __restrict__ a_log, int a_bf16, const void* __restrict__ dt_bias,
                                          int dt_bf16, float* __restrict__ g, float* __restrict__ beta, int N, int H,
                                          int K, float lb) {
+  pdl_begin();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // = (n * H + h) * K + k
   if (i >= (long long)N * H * K) return;
   const int hk = (int)(i % ((long long)H * K)), h = hk / K;
@@ -116,6 +123,7 @@ SRT_DEV float conv_step(const float* __restrict__ z, float* __restrict__ state, 
 extern "C" __global__ void srt_short_conv_step(const float* __restrict__ z, float* __restrict__ state,
                                                const void* __restrict__ w, int w_bf16, float* __restrict__ out,
                                                int T, int P, int W) {
+  pdl_begin();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // = t * P + p
   if (i >= (long long)T * P) return;
   out[i] = conv_step(z, state, w, w_bf16, i, i % P, W);
@@ -132,6 +140,7 @@ struct KdaConvTab {
 
 extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab tab, int H, int K, int W, float eps,
                                              float q_scale) {
+  pdl_begin();
   __shared__ float red[32];
   const int which = blockIdx.y, t = blockIdx.x / H, h = blockIdx.x - t * H;
   const long long P = (long long)H * K, row = (long long)t * P + (long long)h * K;
@@ -157,9 +166,13 @@ extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab 
 // p = softmax_s(logit); out[t, :] = sum_s p_s V_s (s ascending).
 // With out_w: then out[t, :] = rmsnorm(out[t, :]) * out_w (srt_rmsnorm's arithmetic and order,
 // the same block size: the bits of the two kernels one after the other).
+// Up to ATTNRES_GROUP sources share each pass over d and each pair of block reductions
+// (block_sum_n): the loads of a group are in flight together, and S sources cost two
+// reductions per group, not two per source. Each source's sums keep block_sum's order.
 #ifndef SRT_ATTNRES_MAXS
 #error "SRT_ATTNRES_MAXS is passed by the host (-DSRT_ATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
 #endif
+#define ATTNRES_GROUP 16
 struct AttnResSources {
   u64 v[SRT_ATTNRES_MAXS];
 };
@@ -169,37 +182,58 @@ extern "C" __global__ void srt_attnres_mix(const __grid_constant__ AttnResSource
                                            const void* __restrict__ proj_w, int proj_bf16, float* __restrict__ out,
                                            int D, float eps, const void* __restrict__ out_w, int out_bf16,
                                            float out_eps) {
-  __shared__ float red[32];
+  pdl_begin();
+  __shared__ float red[32 * ATTNRES_GROUP];
   __shared__ float logit[SRT_ATTNRES_MAXS];
+  __shared__ float prob[SRT_ATTNRES_MAXS];
   const long long t = blockIdx.x;
-  for (int s = 0; s < S; ++s) {
-    const float* v = (const float*)src.v[s] + t * D;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ss = fmaf(v[i], v[i], ss);
-    const float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)D + eps);
-    float dq = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x)
-      dq = fmaf(v[i] * inv, __fmul_rn(ldw(norm_w, i, norm_bf16), ldw(proj_w, i, proj_bf16)), dq);
-    dq = block_sum(dq, red);
-    if (threadIdx.x == 0) logit[s] = dq;
+  for (int s0 = 0; s0 < S; s0 += ATTNRES_GROUP) {
+    const int n = min(ATTNRES_GROUP, S - s0);
+    const float* v[ATTNRES_GROUP];
+    float ss[ATTNRES_GROUP], dq[ATTNRES_GROUP];
+#pragma unroll
+    for (int j = 0; j < ATTNRES_GROUP; ++j) {
+      v[j] = j < n ? (const float*)src.v[s0 + j] + t * D : nullptr;
+      ss[j] = 0.0f;
+      dq[j] = 0.0f;
+    }
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+#pragma unroll
+      for (int j = 0; j < ATTNRES_GROUP; ++j)
+        if (j < n) ss[j] = fmaf(v[j][i], v[j][i], ss[j]);
+    }
+    block_sum_n(ss, n, red);
+#pragma unroll
+    for (int j = 0; j < ATTNRES_GROUP; ++j) ss[j] = 1.0f / sqrtf(ss[j] / (float)D + eps);  // now inv
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float wq = __fmul_rn(ldw(norm_w, i, norm_bf16), ldw(proj_w, i, proj_bf16));
+#pragma unroll
+      for (int j = 0; j < ATTNRES_GROUP; ++j)
+        if (j < n) dq[j] = fmaf(v[j][i] * ss[j], wq, dq[j]);
+    }
+    block_sum_n(dq, n, red);
+    if (threadIdx.x == 0)
+      for (int j = 0; j < n; ++j) logit[s0 + j] = dq[j];
   }
   __syncthreads();
   float m = logit[0];
   for (int s = 1; s < S; ++s) m = fmaxf(m, logit[s]);
   float l = 0.0f;
   for (int s = 0; s < S; ++s) l += expf(logit[s] - m);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int s = 0; s < S; ++s) acc = fmaf(expf(logit[s] - m) / l, ((const float*)src.v[s])[t * D + i], acc);
-    out[t * (long long)D + i] = acc;
-  }
-  if (out_w == nullptr) return;
+  for (int s = threadIdx.x; s < S; s += blockDim.x) prob[s] = expf(logit[s] - m) / l;
+  __syncthreads();
   float* o = out + t * (long long)D;
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) ss = fmaf(o[i], o[i], ss);  // this thread's own writes
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < S; ++s) acc = fmaf(prob[s], ((const float*)src.v[s])[t * D + i], acc);
+    o[i] = acc;
+    ss = fmaf(acc, acc, ss);
+  }
+  if (out_w == nullptr) return;
   ss = block_sum(ss, red);
   const float inv = 1.0f / sqrtf(ss / (float)D + out_eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = (o[i] * inv) * ldw(out_w, i, out_bf16);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = (o[i] * inv) * ldw(out_w, i, out_bf16);  // own writes
 }
 
 // The decode's cache append: for up to 4 (dst [B, cap, W_i], src [B, W_i] with row stride
@@ -211,6 +245,7 @@ struct CacheAppend {
 
 extern "C" __global__ void srt_cache_append(const __grid_constant__ CacheAppend tab, const int* __restrict__ len,
                                             int cap) {
+  pdl_begin();
   const int b = blockIdx.x, i = blockIdx.y, W = tab.width[i];
   float* d = (float*)tab.dst[i] + ((long long)b * cap + len[b]) * W;
   const float* s = (const float*)tab.src[i] + (long long)b * tab.stride[i];

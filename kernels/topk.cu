@@ -30,6 +30,7 @@ SRT_DEV u32 lanemask_lt() {
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     srt_select_topk(const float* __restrict__ scores, long long* __restrict__ out, int n, int k,
                     const int* __restrict__ n_dev) {
+  pdl_begin();
   __shared__ u32 hist[256];
   __shared__ u32 sh_prefix, sh_need;
   __shared__ u32 wg[32], we[32];
@@ -121,77 +122,46 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
 }
 
 // MoE router top-k for one row per block (grid = T), block ROUTER_THREADS,
-// dynamic smem E * 9 bytes. logits [T, E] fp32 (x . w_gate);
+// dynamic smem E * 8 bytes. logits [T, E] fp32 (x . w_gate);
 // s = sigmoid(logit); choice = s + bias; ids = the k largest choices in descending order
 // (ties: lower expert id first); w_j = s[ids_j]; if renorm && k > 1: w_j /= (sum_j w_j + 1e-20)
 // (sum in j order); w_j *= scale.
+// Each expert finds its own rank (how many keys beat it, fkey) in one pass, so a block needs
+// two barriers, not two per selected expert; the keys' total order makes the ranks a permutation
+// even for NaN logits.
 #ifndef ROUTER_THREADS
 #error "ROUTER_THREADS is passed by the host (-DROUTER_THREADS=..., streamrt/backends/kernel_defines.py)"
 #endif
+
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
     srt_router_topk(const float* __restrict__ logits, const void* __restrict__ bias, int bias_bf16,
                     long long* __restrict__ ids, float* __restrict__ wts, int E, int k, int renorm, float scale) {
+  pdl_begin();
   extern __shared__ float rsm[];
-  float* sig = rsm;             // [E]
-  float* choice = rsm + E;      // [E]
-  u8* taken = (u8*)(rsm + 2 * E);  // [E]
-  __shared__ float bv_s[32];
-  __shared__ int bi_s[32];
+  float* sig = rsm;                  // [E]
+  u32* key = (u32*)(rsm + E);        // [E]
   __shared__ float wsel[256];
-  __shared__ int sel_s;
   const long long t = blockIdx.x;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-  for (int i = tid; i < E; i += blockDim.x) {
+  for (int i = threadIdx.x; i < E; i += blockDim.x) {
     const float sg = sigmoidf_(logits[t * E + i]);
     sig[i] = sg;
-    choice[i] = sg + ldw(bias, i, bias_bf16);
-    taken[i] = 0;
+    key[i] = fkey(sg + ldw(bias, i, bias_bf16));
   }
   __syncthreads();
-  for (int j = 0; j < k; ++j) {
-    float bv = 0.0f;
-    int bi = -1;
-    for (int i = tid; i < E; i += blockDim.x) {
-      if (taken[i]) continue;
-      const float v = choice[i];
-      if (bi < 0 || v > bv) {  // ascending i: keeps the lowest index among equals
-        bv = v;
-        bi = i;
-      }
+  for (int i = threadIdx.x; i < E; i += blockDim.x) {
+    const u32 ki = key[i];
+    int rank = 0;
+    for (int j = 0; j < E && rank < k; ++j) {
+      const u32 kj = key[j];
+      rank += (kj > ki) | ((kj == ki) & (j < i));
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(SRT_FULL, bv, off);
-      const int oi = __shfl_xor_sync(SRT_FULL, bi, off);
-      if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
-        bv = ov;
-        bi = oi;
-      }
+    if (rank < k) {
+      ids[t * k + rank] = i;
+      wsel[rank] = sig[i];
     }
-    if (lane == 0) {
-      bv_s[warp] = bv;
-      bi_s[warp] = bi;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float v = bv_s[0];
-      int b = bi_s[0];
-      for (int w = 1; w < nw; ++w) {
-        const float ov = bv_s[w];
-        const int oi = bi_s[w];
-        if (oi >= 0 && (b < 0 || ov > v || (ov == v && oi < b))) {
-          v = ov;
-          b = oi;
-        }
-      }
-      sel_s = b;
-      taken[b] = 1;
-      ids[t * k + j] = b;
-      wsel[j] = sig[b];
-    }
-    __syncthreads();
   }
-  if (tid == 0) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) sum += wsel[j];
     for (int j = 0; j < k; ++j) {

@@ -12,10 +12,13 @@ Parts (group/detail; the group is the table's row):
   kda/proj      KimiDeltaAttention.forward minus the below (projections, gate, l2norm, o-norm)
   kda/conv      short_conv_prefill            kda/chunked   kda_chunked (the grouped sub-chunk solve)
   mla/proj      KimiMLAAttention.forward minus the below
-  mla/indexer   LightningIndexer.forward      mla/attention backend.mla_prefill minus index_select
+  mla/indexer   LightningIndexer.from_projections (its projections run in mla/proj's shared GEMVs)
+  mla/attention backend.mla_prefill minus index_select
   mla/index_select  backend._index_select (indexer scores + exact top-k per query tile)
   moe_experts   backend.expert_ffn (routed experts)
-  moe_rest/router backend.router   moe_rest/shared shared experts   moe_rest/latent rest of LatentMoE
+  moe_rest/router backend.route (the top-k; its logits are in LatentMoE's shared GEMVs)
+  moe_rest/shared the shared experts' SiTU-GLU and down (gate / up: LatentMoE's shared GEMVs)
+  moe_rest/latent rest of LatentMoE
   dense_ffn     the dense layers' GLU MLP     attnres   attn_res (every mix, incl. the output one)
   norms         input / post-attention layernorms and the final norm
   lm_head       backend.linear with the lm_head weight
@@ -137,7 +140,7 @@ class Parts:
         m = self.model
         # backend methods, on the backend's class (the prefill view is a copy of the instance)
         bcls = type(m.backend)
-        for attr, name in (("expert_ffn", "moe_experts"), ("router", "moe_rest/router"),
+        for attr, name in (("expert_ffn", "moe_experts"), ("route", "moe_rest/router"),
                            ("mla_prefill", "mla/attention"), ("_index_select", "mla/index_select")):
             if hasattr(bcls, attr):
                 self._patch(bcls, attr, name)
@@ -171,14 +174,14 @@ class Parts:
             elif isinstance(a, KimiMLAAttention):
                 self._patch(a, "forward", "mla/proj")
                 if a.indexer is not None:
-                    self._patch(a.indexer, "forward", "mla/indexer")
+                    self._patch(a.indexer, "from_projections", "mla/indexer")
             for n in ("input_layernorm", "post_attention_layernorm"):
                 self._patch(getattr(layer, n), "forward", "norms")
             if hasattr(layer, "mlp"):
                 self._patch(layer.mlp, "forward", "dense_ffn")
             moe = getattr(layer, "block_sparse_moe", None)
             if moe is not None and moe.shared_experts is not None:
-                self._patch(moe.shared_experts, "forward", "moe_rest/shared")
+                self._patch(moe.shared_experts, "down", "moe_rest/shared")
         self._patch(m.model.norm, "forward", "norms")
         return self
 

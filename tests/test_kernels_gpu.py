@@ -583,13 +583,37 @@ def test_router(gen, T, E, k, D, renorm, scale):
     if renorm and k > 1:
         wr = wr / (wr.sum(-1, keepdim=True) + 1e-20)
     wr = wr * scale
-    ids_tb, w_tb = TB.router(x, w, bias, k, renorm, scale)
+    ids_tb, w_tb = TB.route(TB.linear(x, w), bias, k, renorm, scale)
     assert torch.equal(ids_tb, ids_ref), f"torch backend router ids (seed {gen.initial_seed()})"
-    out = check(f"router T={T} E={E} k={k}", gen, wr, w_tb, lambda: NV.router(x, w, bias, k, renorm, scale)[1])
+    out = check(f"router T={T} E={E} k={k}", gen, wr, w_tb, lambda: NV.route(NV.linear(x, w), bias, k, renorm, scale)[1])
     if NV is not None:
-        ids_nv, _ = NV.router(x, w, bias, k, renorm, scale)
+        ids_nv, _ = NV.route(NV.linear(x, w), bias, k, renorm, scale)
         assert ids_nv.dtype == torch.int64 and torch.equal(ids_nv, ids_tb), f"router ids differ (seed {gen.initial_seed()})"
         assert out is not None
+
+
+@pytest.mark.parametrize("T,E,k", [(2, 896, 16), (3, 24, 16), (1, 40, 40)])
+def test_router_ties_go_to_the_lower_id(gen, T, E, k):
+    """Experts that share a gate row and a bias tie exactly (the same dot product, bit for bit):
+    the kernel takes the lower id first, as the hand-written order (-choice, id) does. A NaN
+    bias still gives k distinct ids in range (torch.topk's order: NaN first)."""
+    if NV is None:
+        pytest.skip("no GPU: the NVRTC router")
+    D, groups = 256, max(E // 8, 2)
+    x = randn(gen, T, D)
+    g = torch.randint(0, groups, (E,), generator=gen, device=DEV)
+    w = randn(gen, groups, D, scale=D**-0.5, dtype=torch.bfloat16)[g]
+    bias = randn(gen, groups, scale=0.05)[g]
+    logits = NV.linear(x, w)
+    ch = (torch.sigmoid(logits.double()).float() + bias).cpu().tolist()  # fp32 choice, as the kernel
+    ids_nv, _ = NV.route(logits, bias, k, True, 1.0)
+    want = [sorted(range(E), key=lambda i: (-ch[t][i], i))[:k] for t in range(T)]
+    assert ids_nv.tolist() == want, f"router ties E={E} k={k} (seed {gen.initial_seed()})"
+    bias[E // 2] = float("nan")
+    ids_nan, _ = NV.route(logits, bias, k, True, 1.0)
+    for t in range(T):
+        row = ids_nan[t].tolist()
+        assert len(set(row)) == k and all(0 <= i < E for i in row) and row[0] == E // 2, f"NaN bias: ids {row}"
 
 
 # ---- NVFP4 experts ------------------------------------------------------------------------------

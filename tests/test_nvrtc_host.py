@@ -167,7 +167,7 @@ def _gemv_backend(launches, mma=True, smem_optin=227 * 1024):
     nv = object.__new__(nvm.NvrtcBackend)
     nv.device, nv._dev, nv.rowwise_max = torch.device("cpu"), 0, 64
     nv._mma, nv._cc, nv._sms, nv._smem_optin = mma, (9, 0) if mma else (7, 5), 132, smem_optin
-    nv.gemv_plan, nv._gemv_choice, nv.gemv_tc_ks = {}, {}, None
+    nv.gemv_plan, nv._gemv_choice, nv.gemv_tc_ks, nv.pdl = {}, {}, None, True
     nv._k = lambda program, name: _GemvRecorder(launches, name)
     return nv
 

@@ -249,11 +249,11 @@ def test_router(cfg):
     r = rng(12)
     E, D, k = cfg.num_experts, cfg.hidden_size, cfg.experts_per_token
     x, w, b = r.standard_normal((9, D)), r.standard_normal((E, D)) / 8, 0.3 * r.standard_normal(E)
-    ids, wts = BE.router(t32(x), t32(w), t32(b), k, True, 1.0)
+    ids, wts = BE.route(BE.linear(t32(x), t32(w)), t32(b), k, True, 1.0)
     rids, rw = ref.router(x, w, b, k, True, 1.0)
     assert ids.tolist() == rids.tolist()
     assert_close(wts, rw, 2e-6)
-    ids2, wts2 = BE.router(t32(x), t32(w), t32(b), k, False, 2.5)
+    ids2, wts2 = BE.route(BE.linear(t32(x), t32(w)), t32(b), k, False, 2.5)
     assert_close(wts2, ref.router(x, w, b, k, False, 2.5)[1], 2e-6)
 
 

@@ -112,14 +112,15 @@ class Backend(Protocol):
         r is the top-k of scores[r, :length[r]] in its first min(k, length[r]) entries; if
         length[r] <= k, every position ascending (0, 1, ...: the unselected attention's order)."""
 
-    def router(
-        self, x: Tensor, w_gate: Tensor, bias: Tensor, k: int, renormalize: bool, scale: float,
+    def route(
+        self, logits: Tensor, bias: Tensor, k: int, renormalize: bool, scale: float,
         n_group: int = 1, topk_group: int = 1,
     ) -> tuple[Tensor, Tensor]:
-        """fp32 sigmoid router: x [T, D], w_gate [E, D], bias [E] (selection only) ->
-        (ids LongTensor [T, k] by descending biased score, weights fp32 [T, k] from the
-        unbiased sigmoid, renormalised (+1e-20) then * scale). n_group / topk_group: the
-        group-limited top-k (a no-op at 1 / 1, K3); the model passes them only when n_group > 1."""
+        """fp32 sigmoid router on its logits [T, E] (x . w_gate, one of the layer's `linears`),
+        bias [E] (selection only) -> (ids LongTensor [T, k] by descending biased score, weights
+        fp32 [T, k] from the unbiased sigmoid, renormalised (+1e-20) then * scale).
+        n_group / topk_group: the group-limited top-k (a no-op at 1 / 1, K3); the model passes
+        them only when n_group > 1."""
 
     def expert_ffn(
         self,

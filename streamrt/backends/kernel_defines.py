@@ -32,6 +32,7 @@ GEMV_WARPS = 4  # warps per block of the CUDA-core kernels
 GEMV_TC_ROWS = 32  # rows of W per block of the tensor-core kernel
 GEMV_TC_COLS = 128  # columns of one stage of the tensor-core kernel's ring
 GEMV_TC_MATS = 8  # matrices (sharing x) of one tensor-core launch: its by-value table's length
+GEMV_TC_PREFETCH = 4  # stages of W per warp pulled into L2 before the programmatic wait
 # topk.cu
 TOPK_THREADS = 1024  # threads per block (one row) of srt_select_topk
 ROUTER_THREADS = 256  # threads per block (one token) of srt_router_topk
@@ -40,7 +41,8 @@ ROUTER_THREADS = 256  # threads per block (one token) of srt_router_topk
 DEFINES: dict[str, dict[str, int]] = {
     "attention": {"MLA_CHUNK": MLA_CHUNK, "MLA_HG": MLA_HG, "MLA_THREADS": MLA_THREADS,
                   "IDX_WARPS": IDX_WARPS, "IDX_PPW": IDX_PPW},
-    "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS, "GTC_MATS": GEMV_TC_MATS},
+    "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS, "GTC_MATS": GEMV_TC_MATS,
+             "GTC_PREFETCH": GEMV_TC_PREFETCH},
     "kda": {"SRT_KDA_MAXK": KDA_MAXK},
     "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS},
     "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "SRT_MOE_MAXP_DT": MOE_MAXP_DT, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,

@@ -82,10 +82,11 @@ class NvrtcBackend(MoeOps):
         if self.nvfp4_impl not in NVFP4_IMPLS:
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
         self.tc_shape = TC_SHAPE  # (warps gate+up, warps down, stages, blocks per stage)
-        # Programmatic dependent launch of the expert FFN's kernels (sm_90+; False: plain launches):
-        # the tensor-core gate+up kernel queues its first weight copies while the kernel before
-        # it ends, the down kernel's blocks take the SM slots the gate+up grid's last wave leaves
-        # free, and the weighted sum queues behind the down kernel.
+        # Programmatic dependent launch (sm_90+; False: plain launches). Each decode kernel lets
+        # the next one start at once and waits for the one before (pdl_begin, common.cuh), so a
+        # launch's ramp hides behind its predecessor; the tensor-core GEMV and gate+up kernels
+        # pull their first weight stages while they wait, the down kernel's blocks take the SM
+        # slots the gate+up grid's last wave leaves free, and the weighted sum queues behind it.
         self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9
         # The tensor-core down kernel's blocks start on a pair once its gate+up blocks are done
         # (per-pair counts), not once the whole gate+up grid is: the first experts' down work
@@ -231,7 +232,7 @@ class NvrtcBackend(MoeOps):
             blocks += math.ceil(w.shape[0] / GEMV_TC_ROWS)
         ints[GEMV_TC_MATS + len(mats)], ints[2 * GEMV_TC_MATS + 1] = blocks, len(mats)
         k = self._k("gemv", f"srt_gemv_tc_x{'bf16' if x_bf16 else 'f32'}_s{stages}")
-        k((blocks * math.ceil(T / 8),), (32 * ks,), [table, ptr(x), i32(T), i32(K), i32(ks)], smem=smem)
+        k((blocks * math.ceil(T / 8),), (32 * ks,), [table, ptr(x), i32(T), i32(K), i32(ks)], smem=smem, pdl=self.pdl)
 
     def _gemv_variant(self, dt: str, nt: int, N: int) -> str:
         """The override if any; else for bf16 weights the tensor-core kernel where the device has
@@ -284,7 +285,7 @@ class NvrtcBackend(MoeOps):
         rows = self._rows("rmsnorm", x, D)
         out = self._empty(*x.shape)
         if rows:
-            self._k("norms", "srt_rmsnorm")((rows,), (block_threads(D, 512),), [ptr(x), ptr(w), i32(wb), ptr(out), i32(D), f32(eps)])
+            self._k("norms", "srt_rmsnorm")((rows,), (block_threads(D, 512),), [ptr(x), ptr(w), i32(wb), ptr(out), i32(D), f32(eps)], pdl=self.pdl)
         return out
 
     def gated_rmsnorm(self, o: Tensor, gate: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -299,7 +300,7 @@ class NvrtcBackend(MoeOps):
         out = self._empty(*o.shape)
         if rows:
             self._k("norms", "srt_gated_rmsnorm")(
-                (rows,), (block_threads(V, 256),), [ptr(o), ptr(gate), ptr(w), i32(wb), ptr(out), i32(V), f32(eps)]
+                (rows,), (block_threads(V, 256),), [ptr(o), ptr(gate), ptr(w), i32(wb), ptr(out), i32(V), f32(eps)], pdl=self.pdl
             )
         return out
 
@@ -317,7 +318,7 @@ class NvrtcBackend(MoeOps):
         out = self._empty(*x.shape)
         if rows:
             self._k("norms", "srt_layernorm")(
-                (rows,), (block_threads(D, 512),), [ptr(x), ptr(w), ptr(b), i32(wb), ptr(out), i32(D), f32(eps)]
+                (rows,), (block_threads(D, 512),), [ptr(x), ptr(w), ptr(b), i32(wb), ptr(out), i32(D), f32(eps)], pdl=self.pdl
             )
         return out
 
@@ -328,7 +329,7 @@ class NvrtcBackend(MoeOps):
         rows = x.numel() // D if D else 0
         out = self._empty(*x.shape)
         if rows:
-            self._k("norms", "srt_l2norm")((rows,), (block_threads(D, 512),), [ptr(x), ptr(out), i32(D), f32(eps), f32(scale)])
+            self._k("norms", "srt_l2norm")((rows,), (block_threads(D, 512),), [ptr(x), ptr(out), i32(D), f32(eps), f32(scale)], pdl=self.pdl)
         return out
 
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
@@ -348,7 +349,7 @@ class NvrtcBackend(MoeOps):
         out = self._empty(*a.shape)
         n = a.numel()
         if n:
-            self._k("norms", kernel)((min(math.ceil(n / 256), 8192),), (256,), [ptr(a), ptr(b), ptr(out), i64(n), *extra])
+            self._k("norms", kernel)((min(math.ceil(n / 256), 8192),), (256,), [ptr(a), ptr(b), ptr(out), i64(n), *extra], pdl=self.pdl)
         return out
 
     # ---- KDA -----------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ class NvrtcBackend(MoeOps):
         out = self._empty(*z.shape)
         if T * P:
             self._k("norms", "srt_short_conv_step")(
-                (math.ceil(T * P / 256),), (256,), [ptr(z), ptr(buf), ptr(w), i32(wb), ptr(out), i32(T), i32(P), i32(W)]
+                (math.ceil(T * P / 256),), (256,), [ptr(z), ptr(buf), ptr(w), i32(wb), ptr(out), i32(T), i32(P), i32(W)], pdl=self.pdl
             )
             if buf is not conv_state:
                 conv_state.copy_(buf)
@@ -392,7 +393,7 @@ class NvrtcBackend(MoeOps):
             flags[i] = wts[i][1]
         if T * P:
             self._k("norms", "srt_kda_conv_step")(
-                (T * (P // K), 3), (block_threads(K, 512),), [table, i32(P // K), i32(K), i32(W), f32(eps), f32(q_scale)])
+                (T * (P // K), 3), (block_threads(K, 512),), [table, i32(P // K), i32(K), i32(W), f32(eps), f32(q_scale)], pdl=self.pdl)
             for buf, st in zip(bufs, states):
                 if buf is not st:
                     st.copy_(buf)
@@ -413,7 +414,7 @@ class NvrtcBackend(MoeOps):
         if N * H * K:
             self._k("norms", "srt_kda_gates")(
                 (math.ceil(N * H * K / 256),), (256,),
-                [ptr(f), ptr(b), ptr(a_log), i32(ab), ptr(dt_bias), i32(db), ptr(g), ptr(beta), i32(N), i32(H), i32(K), f32(lower_bound)])
+                [ptr(f), ptr(b), ptr(a_log), i32(ab), ptr(dt_bias), i32(db), ptr(g), ptr(beta), i32(N), i32(H), i32(K), f32(lower_bound)], pdl=self.pdl)
         return g, beta
 
     def kda_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
@@ -435,7 +436,7 @@ class NvrtcBackend(MoeOps):
         if T * H * V:
             self._k("kda", "srt_kda_step")(
                 (math.ceil(V / 32), H, T), (32,),
-                [ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(buf), ptr(out), i32(H), i32(K), i32(V)],
+                [ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(buf), ptr(out), i32(H), i32(K), i32(V)], pdl=self.pdl
             )
             if buf is not state:
                 state.copy_(buf)
@@ -493,10 +494,10 @@ class NvrtcBackend(MoeOps):
             (S, math.ceil(H / MLA_HG), B), (MLA_THREADS,),
             [ptr(q_lat), ptr(q_rot), ptr(c_cache), ptr(kr_cache), i32(n), i32(cb), ptr(select), i32(m), ptr(length), i32(H),
              i32(R), i32(Dr), f32(scale), ptr(part_acc), ptr(part_ml)],
-            smem=smem,
+            smem=smem, pdl=self.pdl
         )
         self._k("attention", "srt_mla_combine")(
-            (H, B), (block_threads(R, 256),), [ptr(part_acc), ptr(part_ml), ptr(out), i32(S), i32(H), i32(R), i32(m), ptr(length)])
+            (H, B), (block_threads(R, 256),), [ptr(part_acc), ptr(part_ml), ptr(out), i32(S), i32(H), i32(R), i32(m), ptr(length)], pdl=self.pdl)
         return out[0] if one else out
 
     def _lengths(self, length: Tensor | None, rows: int, what: str) -> Tensor | None:
@@ -515,7 +516,7 @@ class NvrtcBackend(MoeOps):
         out = self._empty(B, H, R, dtype=torch.float32)
         if B:
             self._k("attention", "srt_mla_absorb")(
-                (math.ceil(R / 32), H), (256,), [ptr(q), ptr(w), i32(wb), i64(hs), ptr(out), i32(B), i32(H), i32(dn), i32(R)])
+                (math.ceil(R / 32), H), (256,), [ptr(q), ptr(w), i32(wb), i64(hs), ptr(out), i32(B), i32(H), i32(dn), i32(R)], pdl=self.pdl)
         return out
 
     def mla_expand(self, o_lat: Tensor, w_uv: Tensor) -> Tensor:
@@ -528,7 +529,7 @@ class NvrtcBackend(MoeOps):
         out = self._empty(B, H, dv, dtype=torch.float32)
         if B:
             self._k("attention", "srt_mla_expand")(
-                (math.ceil(dv / 8), H), (256,), [ptr(x), ptr(w), i32(wb), i64(hs), ptr(out), i32(B), i32(H), i32(dv), i32(R)])
+                (math.ceil(dv / 8), H), (256,), [ptr(x), ptr(w), i32(wb), i64(hs), ptr(out), i32(B), i32(H), i32(dv), i32(R)], pdl=self.pdl)
         return out
 
     def _head_weight(self, w: Tensor, name: str) -> tuple[Tensor, int, int]:
@@ -559,7 +560,7 @@ class NvrtcBackend(MoeOps):
             smem = (Hi * (Di + 1) + IDX_WARPS * Di) * 4
             self._k("attention", "srt_indexer_scores")(
                 (math.ceil(n / (IDX_WARPS * IDX_PPW)), B), (IDX_WARPS * 32,),
-                [ptr(q), ptr(w), ptr(k_cache), i32(kb), ptr(out), i32(n), ptr(length), i32(Hi), i32(Di)], smem=smem
+                [ptr(q), ptr(w), ptr(k_cache), i32(kb), ptr(out), i32(n), ptr(length), i32(Hi), i32(Di)], smem=smem, pdl=self.pdl
             )
         return out[0] if one else out
 
@@ -578,7 +579,7 @@ class NvrtcBackend(MoeOps):
         length = self._lengths(length, rows, "select_topk")
         out = self._empty(rows, max(kk, 0), dtype=torch.int64)
         if kk > 0 and rows:
-            self._k("topk", "srt_select_topk")((rows,), (TOPK_THREADS,), [ptr(s2), ptr(out), i32(n), i32(kk), ptr(length)])
+            self._k("topk", "srt_select_topk")((rows,), (TOPK_THREADS,), [ptr(s2), ptr(out), i32(n), i32(kk), ptr(length)], pdl=self.pdl)
         return out[0] if one else out
 
     # Prefill attention on a cache: the torch reference (fixed query tiles x key blocks, online
@@ -612,7 +613,7 @@ class NvrtcBackend(MoeOps):
                                  f"and row {tuple(v.shape)} do not fit")
             table[i], table[4 + i], width[i], stride[i] = d.data_ptr(), v.data_ptr(), d.shape[2], v.stride(0)
         if B:
-            self._k("norms", "srt_cache_append")((B, len(dsts)), (256,), [table, ptr(lengths), i32(cap)])
+            self._k("norms", "srt_cache_append")((B, len(dsts)), (256,), [table, ptr(lengths), i32(cap)], pdl=self.pdl)
 
     def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float,
                     out_w: Tensor | None = None, out_eps: float = 0.0) -> Tensor:
@@ -643,6 +644,6 @@ class NvrtcBackend(MoeOps):
             self._k("norms", "srt_attnres_mix")(
                 (T,), (block_threads(D, 512),),
                 [table, i32(len(srcs)), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(out), i32(D), f32(eps), ptr(ow),
-                 i32(ob), f32(out_eps)]
+                 i32(ob), f32(out_eps)], pdl=self.pdl
             )
         return out

@@ -69,10 +69,9 @@ class MoeOps:
             self._ready = torch.zeros(max(n, 1024), dtype=torch.int32, device=self.device)
         return self._ready
 
-    def router(
+    def route(
         self,
-        x: Tensor,
-        w_gate: Tensor,
+        logits: Tensor,
         bias: Tensor,
         k: int,
         renormalize: bool,
@@ -80,24 +79,26 @@ class MoeOps:
         n_group: int = 1,
         topk_group: int = 1,
     ) -> tuple[Tensor, Tensor]:
-        """x [T, D], w_gate [E, D], bias [E] -> (ids [T, k] int64 by descending s + bias, ties to
-        the lower id; weights [T, k] fp32 = sigmoid scores, renormalised (+1e-20), * scale)."""
-        logits = self.linear(x, w_gate)  # [T, E] fp32
+        """logits [T, E] fp32, bias [E] -> (ids [T, k] int64 by descending s + bias, ties to the
+        lower id; weights [T, k] fp32 = sigmoid scores, renormalised (+1e-20), * scale)."""
+        logits = as_act(logits, "route.logits", self.device)
+        if logits.dim() != 2:
+            raise ValueError(f"route: logits must be [T, E], got {tuple(logits.shape)}")
         T, E = logits.shape
         if n_group > 1 and topk_group < n_group:  # group-limited routing: no kernel, the shared definition
             return route(sigmoid(logits), bias, k, renormalize, scale, n_group, topk_group)
         if not 1 <= k <= min(E, 256):
-            raise ValueError(f"router: k={k} must be in 1..min(E={E}, 256)")
-        bias, bb = as_weight(bias.reshape(-1), "router.bias", self.device)
+            raise ValueError(f"route: k={k} must be in 1..min(E={E}, 256)")
+        bias, bb = as_weight(bias.reshape(-1), "route.bias", self.device)
         if bias.numel() != E:
-            raise ValueError(f"router: bias has {bias.numel()} entries, w_gate {E} experts")
+            raise ValueError(f"route: bias has {bias.numel()} entries, logits {E} experts")
         ids = self._empty(T, k, dtype=torch.int64)
         wts = self._empty(T, k, dtype=torch.float32)
         if T:
             self._k("topk", "srt_router_topk")(
                 (T,), (ROUTER_THREADS,),
                 [ptr(logits), ptr(bias), i32(bb), ptr(ids), ptr(wts), i32(E), i32(k), i32(bool(renormalize)), f32(scale)],
-                smem=E * 9,
+                smem=E * 8, pdl=self.pdl
             )
         return ids, wts
 

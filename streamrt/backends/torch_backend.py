@@ -365,10 +365,9 @@ class TorchBackend:
 
     # ---- MoE -----------------------------------------------------------------------
 
-    def router(
+    def route(
         self,
-        x: Tensor,
-        w_gate: Tensor,
+        logits: Tensor,
         bias: Tensor,
         k: int,
         renormalize: bool,
@@ -376,8 +375,8 @@ class TorchBackend:
         n_group: int = 1,
         topk_group: int = 1,
     ) -> tuple[Tensor, Tensor]:
-        """x [T, D] -> (ids [T, k] by descending biased score, weights [T, k] fp32, unbiased)."""
-        return route(sigmoid(self.linear(x, w_gate)), bias, k, renormalize, scale, n_group, topk_group)
+        """logits [T, E] -> (ids [T, k] by descending biased score, weights [T, k] fp32, unbiased)."""
+        return route(sigmoid(logits.float()), bias, k, renormalize, scale, n_group, topk_group)
 
     def expert_ffn(
         self,

@@ -25,13 +25,13 @@ class LightningIndexer(nn.Module):
         self.k_norm = LayerNorm(ic.head_dim, eps=ic.k_norm_eps)
         self.weights_proj = nn.Linear(cfg.hidden_size, ic.n_heads, bias=False)
 
-    def forward(self, x: Tensor, cq: Tensor, be) -> tuple[Tensor, Tensor, Tensor]:
-        """x [N, D] attention input, cq [N, q_lora] normalised q latent ->
-        q [N, Hi, Di], k [N, Di], w [N, Hi] (head weight with both scales folded in)."""
-        N = x.shape[0]
-        q = be.linear(cq, self.wq_b.weight).view(N, self.n_heads, self.head_dim)  # no rotary (index_rope_dim 0)
-        k = be.layernorm(be.linear(x, self.wk.weight), self.k_norm.weight, self.k_norm.bias, self.eps)  # [N, Di]
-        w = be.linear(x, self.weights_proj.weight) * (self.n_heads**-0.5 * self.head_dim**-0.5)  # [N, Hi]
+    def from_projections(self, q: Tensor, k: Tensor, w: Tensor, be) -> tuple[Tensor, Tensor, Tensor]:
+        """Its projections cq wq_b [N, Hi*Di], x wk [N, Di], x weights_proj [N, Hi] (MLA computes
+        them with its own projections of x and cq) -> q [N, Hi, Di], k [N, Di] (k_norm'd),
+        w [N, Hi] (head weight with both scales folded in)."""
+        q = q.view(q.shape[0], self.n_heads, self.head_dim)  # no rotary (index_rope_dim 0)
+        k = be.layernorm(k, self.k_norm.weight, self.k_norm.bias, self.eps)  # [N, Di]
+        w = w * (self.n_heads**-0.5 * self.head_dim**-0.5)  # [N, Hi]
         return q, k, w
 
     @staticmethod

@@ -48,6 +48,10 @@ class GLUMLP(nn.Module):
     def forward(self, x: Tensor, be, add: tuple[Tensor, ...] = ()) -> Tensor:
         """x [N, D] -> down(situ_glu(gate x, up x)) [N, D], then + each of `add` in order (residuals)."""
         gate, up = be.linears(x, [self.gate_proj.weight, self.up_proj.weight])
+        return self.down(gate, up, be, add)
+
+    def down(self, gate: Tensor, up: Tensor, be, add: tuple[Tensor, ...] = ()) -> Tensor:
+        """The rest of forward from gate x and up x (computed with the caller's other projections of x)."""
         return be.linear(be.situ_glu(gate, up, self.beta, self.linear_beta), self.down_proj.weight, add)
 
 

@@ -47,19 +47,26 @@ class KimiMLAAttention(nn.Module):
     def forward(self, x: Tensor, step: Step, cache: MLACache | None, add: tuple[Tensor, ...] = ()) -> Tensor:
         """x [N, D] (post input_layernorm) -> [N, D], then + each of `add` (residuals, added by the output projection)."""
         be, N, H, dn, dr, R = step.be, x.shape[0], self.H, self.dn, self.dr, self.R
-        cq = self.q_a_layernorm(be.linear(x, self.q_a_proj.weight), be)  # [N, rq]
-        q = be.linear(cq, self.q_b_proj.weight).view(N, H, dn + dr)
+        # every projection of x in one backend call, then every one of cq in another
+        ix = self.indexer
+        mats = [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]
+        mats += [self.g_proj.weight] if self.g_proj is not None else []
+        mats += [ix.wk.weight, ix.weights_proj.weight] if ix is not None else []
+        qa, kv, *rest = be.linears(x, mats)
+        gate = rest.pop(0) if self.g_proj is not None else None
+        cq = self.q_a_layernorm(qa, be)  # [N, rq]
+        q, *iq = be.linears(cq, [self.q_b_proj.weight, *([ix.wq_b.weight] if ix is not None else [])])
+        q = q.view(N, H, dn + dr)
         q_nope, q_rot = q[..., :dn], q[..., dn:]  # [N, H, dn], [N, H, dr]
-        kv = be.linear(x, self.kv_a_proj_with_mqa.weight)  # [N, R + dr]
         c = self.kv_a_layernorm(kv[:, :R], be)  # [N, R]
         kr = kv[:, R:]  # [N, dr], shared by all heads, not rotated
-        idx = self.indexer(x, cq, be) if self.indexer is not None else None  # (q [N,Hi,Di], k [N,Di], w [N,Hi])
+        idx = ix.from_projections(iq[0], *rest, be) if ix is not None else None  # (q [N,Hi,Di], k [N,Di], w [N,Hi])
         if step.decode:
             o = self._decode(q_nope, q_rot, c, kr, idx, step, cache)
         else:
             o = self._prefill(q_nope, q_rot, c, kr, idx, step, cache)  # [N, H, dv]
         if self.g_proj is not None:
-            o = be.sigmoid_mul(o, be.linear(x, self.g_proj.weight).view(N, H, self.dv))  # gate from the layer input
+            o = be.sigmoid_mul(o, gate.view(N, H, self.dv))  # gate from the layer input
         return be.linear(o.reshape(N, H * self.dv), self.o_proj.weight, add)  # [N, D]
 
     def _prefill(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache | None) -> Tensor:

@@ -83,8 +83,12 @@ class LatentMoE(nn.Module):
         """x [N, D] (post post_attention_layernorm) -> [N, D], then + each of `add` (residuals);
         yields one ExpertRequest unless float experts."""
         kw = {"n_group": self.n_group, "topk_group": self.topk_group} if self.n_group > 1 else {}
-        ids, w = be.router(x, self.gate.weight, self.gate.e_score_correction_bias, self.k, self.renormalize, self.scale, **kw)
-        z = be.linear(x, self.routed_expert_down_proj.weight)  # [N, Dl]
+        # every projection of x in one backend call: router logits, latent down, shared gate / up
+        shared = self.shared_experts
+        mats = [self.gate.weight, self.routed_expert_down_proj.weight]
+        mats += [shared.gate_proj.weight, shared.up_proj.weight] if shared is not None else []
+        logits, z, *shared_gate_up = be.linears(x, mats)  # [N, E], [N, Dl], 2 x [N, I_shared]
+        ids, w = be.route(logits, self.gate.e_score_correction_bias, self.k, self.renormalize, self.scale, **kw)
         if self.experts is not None:
             u = self._float_expert_ffn(z, ids, w, be)
         else:
@@ -99,10 +103,10 @@ class LatentMoE(nn.Module):
             u = be.expert_ffn(z, experts.ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u, be)
-        if self.shared_experts is None:
+        if shared is None:
             return be.linear(u, self.routed_expert_up_proj.weight, add)  # [N, D]
         y = be.linear(u, self.routed_expert_up_proj.weight)
-        return self.shared_experts(x, be, (y, *add))  # (shared(x) + y) + residuals; shared sees the full-width x
+        return shared.down(*shared_gate_up, be, (y, *add))  # (shared(x) + y) + residuals; shared sees the full-width x
 
     def _float_expert_ffn(self, z: Tensor, ids: Tensor, w: Tensor, be) -> Tensor:
         """Differentiable routed sum with float experts (same order of combination as expert_ffn)."""
