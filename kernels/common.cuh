@@ -191,30 +191,6 @@ SRT_DEV float block_sum(float v, float* red) {
   return t;
 }
 
-// block_sum of n <= N values at once (v[0..n), in place), each with block_sum's order and bits,
-// for two barriers in all. `red` holds >= 32 * N floats of shared memory.
-template <int N>
-SRT_DEV void block_sum_n(float (&v)[N], int n, float* red) {
-  const int nw = (blockDim.x + 31) >> 5, w = threadIdx.x >> 5, l = threadIdx.x & 31;
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-    if (j < n) v[j] = warp_sum(v[j]);
-  __syncthreads();
-  if (l == 0) {
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      if (j < n) red[j * 32 + w] = v[j];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j >= n) break;
-    float t = 0.0f;
-    for (int i = 0; i < nw; ++i) t += red[j * 32 + i];
-    v[j] = t;
-  }
-}
-
 SRT_DEV float block_max(float v, float* red) {
   const int nw = (blockDim.x + 31) >> 5, w = threadIdx.x >> 5, l = threadIdx.x & 31;
   v = warp_max(v);

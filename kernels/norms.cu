@@ -160,80 +160,96 @@ extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab 
   for (int kk = threadIdx.x; kk < K; kk += blockDim.x) out[row + kk] = __fmul_rn(out[row + kk] * inv, scale);  // own writes
 }
 
-// AttnRes, one block per row t. Source s < S is row t of the [T, D] fp32 tensor at src.v[s]
-// (the completed blocks, then the in-block partial sum). wq[d] = norm_w[d] * proj_w[d] (fp32).
-// logit_s = sum_d (V_s[d] * rsqrt(mean(V_s^2) + eps)) * wq[d];
-// p = softmax_s(logit); out[t, :] = sum_s p_s V_s (s ascending).
-// With out_w: then out[t, :] = rmsnorm(out[t, :]) * out_w (srt_rmsnorm's arithmetic and order,
-// the same block size: the bits of the two kernels one after the other).
-// Up to ATTNRES_GROUP sources share each pass over d and each pair of block reductions
-// (block_sum_n): the loads of a group are in flight together, and S sources cost two
-// reductions per group, not two per source. Each source's sums keep block_sum's order.
+// AttnRes over row t of S sources: source s < S is row t of the [T, D] fp32 tensor at src.v[s]
+// (the completed blocks, then the in-block partial sum); wq[d] = norm_w[d] * proj_w[d] (fp32).
+// logit_s = rsqrt(mean(V_s^2) + eps) * sum_d V_s[d] wq[d]; p = softmax_s(logit);
+// out[t, :] = sum_s p_s V_s (s ascending). A decode row is ~10 sources of a few thousand floats:
+// one block per row leaves that short read to one SM, so both passes split d into
+// ATTNRES_SLICE-wide slices, one block each (flat grid t * slices + slice), in two kernels:
+//   srt_attnres_stats: per (row, source, slice) the sums of V^2 and of V * wq;
+//   srt_attnres_apply: every block of a row reduces those sums in one fixed order (the same
+//   logits and bits in each), then mixes its slice.
+// The order of every sum depends on d and S only: a row's bits do not depend on T.
 #ifndef SRT_ATTNRES_MAXS
 #error "SRT_ATTNRES_MAXS is passed by the host (-DSRT_ATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
 #endif
-#define ATTNRES_GROUP 16
+#ifndef ATTNRES_SLICE
+#error "ATTNRES_SLICE is passed by the host (-DATTNRES_SLICE=..., streamrt/backends/kernel_defines.py)"
+#endif
+#define ATTNRES_LANE (ATTNRES_SLICE / 32)  // elements of a slice per lane
 struct AttnResSources {
   u64 v[SRT_ATTNRES_MAXS];
 };
 
-extern "C" __global__ void srt_attnres_mix(const __grid_constant__ AttnResSources src, int S,
-                                           const void* __restrict__ norm_w, int norm_bf16,
-                                           const void* __restrict__ proj_w, int proj_bf16, float* __restrict__ out,
-                                           int D, float eps, const void* __restrict__ out_w, int out_bf16,
-                                           float out_eps) {
+// block 256 threads: warp w takes sources w, w + 8, ...; lane l elements l + 32 j of the slice.
+// stats[((t * S + s) * slices + slice) * 2 + {0, 1}] = (sum V^2, sum V wq) over the slice.
+extern "C" __global__ void srt_attnres_stats(const __grid_constant__ AttnResSources src, int S,
+                                             const void* __restrict__ norm_w, int norm_bf16,
+                                             const void* __restrict__ proj_w, int proj_bf16,
+                                             float* __restrict__ stats, int D) {
   pdl_begin();
-  __shared__ float red[32 * ATTNRES_GROUP];
+  const int slices = (D + ATTNRES_SLICE - 1) / ATTNRES_SLICE;
+  const long long t = blockIdx.x / slices;
+  const int slice = blockIdx.x % slices, l = threadIdx.x & 31, d0 = slice * ATTNRES_SLICE + l;
+  float wq[ATTNRES_LANE];
+#pragma unroll
+  for (int j = 0; j < ATTNRES_LANE; ++j) {
+    const int d = d0 + 32 * j;
+    wq[j] = d < D ? __fmul_rn(ldw(norm_w, d, norm_bf16), ldw(proj_w, d, proj_bf16)) : 0.0f;
+  }
+  for (int s = threadIdx.x >> 5; s < S; s += blockDim.x >> 5) {
+    const float* v = (const float*)src.v[s] + t * D;
+    float x[ATTNRES_LANE];
+#pragma unroll
+    for (int j = 0; j < ATTNRES_LANE; ++j) x[j] = d0 + 32 * j < D ? v[d0 + 32 * j] : 0.0f;  // all in flight
+    float ss = 0.0f, dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ATTNRES_LANE; ++j) {
+      ss = fmaf(x[j], x[j], ss);
+      dot = fmaf(x[j], wq[j], dot);
+    }
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    if (l == 0) {
+      float* st = stats + ((t * S + s) * slices + slice) * 2;
+      st[0] = ss;
+      st[1] = dot;
+    }
+  }
+}
+
+// block ATTNRES_SLICE threads, one element of the slice each (the grid of srt_attnres_stats).
+extern "C" __global__ void srt_attnres_apply(const __grid_constant__ AttnResSources src, int S,
+                                             const float* __restrict__ stats, float* __restrict__ out, int D,
+                                             float eps) {
+  pdl_begin();
   __shared__ float logit[SRT_ATTNRES_MAXS];
   __shared__ float prob[SRT_ATTNRES_MAXS];
-  const long long t = blockIdx.x;
-  for (int s0 = 0; s0 < S; s0 += ATTNRES_GROUP) {
-    const int n = min(ATTNRES_GROUP, S - s0);
-    const float* v[ATTNRES_GROUP];
-    float ss[ATTNRES_GROUP], dq[ATTNRES_GROUP];
-#pragma unroll
-    for (int j = 0; j < ATTNRES_GROUP; ++j) {
-      v[j] = j < n ? (const float*)src.v[s0 + j] + t * D : nullptr;
-      ss[j] = 0.0f;
-      dq[j] = 0.0f;
+  const int slices = (D + ATTNRES_SLICE - 1) / ATTNRES_SLICE;
+  const long long t = blockIdx.x / slices;
+  const int l = threadIdx.x & 31, d = (blockIdx.x % slices) * ATTNRES_SLICE + threadIdx.x;
+  for (int s = threadIdx.x >> 5; s < S; s += blockDim.x >> 5) {
+    const float* st = stats + (t * S + s) * slices * 2;
+    float ss = 0.0f, dot = 0.0f;
+    for (int i = l; i < slices; i += 32) {
+      ss += st[2 * i];
+      dot += st[2 * i + 1];
     }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-#pragma unroll
-      for (int j = 0; j < ATTNRES_GROUP; ++j)
-        if (j < n) ss[j] = fmaf(v[j][i], v[j][i], ss[j]);
-    }
-    block_sum_n(ss, n, red);
-#pragma unroll
-    for (int j = 0; j < ATTNRES_GROUP; ++j) ss[j] = 1.0f / sqrtf(ss[j] / (float)D + eps);  // now inv
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      const float wq = __fmul_rn(ldw(norm_w, i, norm_bf16), ldw(proj_w, i, proj_bf16));
-#pragma unroll
-      for (int j = 0; j < ATTNRES_GROUP; ++j)
-        if (j < n) dq[j] = fmaf(v[j][i] * ss[j], wq, dq[j]);
-    }
-    block_sum_n(dq, n, red);
-    if (threadIdx.x == 0)
-      for (int j = 0; j < n; ++j) logit[s0 + j] = dq[j];
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    if (l == 0) logit[s] = dot * (1.0f / sqrtf(ss / (float)D + eps));
   }
   __syncthreads();
   float m = logit[0];
   for (int s = 1; s < S; ++s) m = fmaxf(m, logit[s]);
-  float l = 0.0f;
-  for (int s = 0; s < S; ++s) l += expf(logit[s] - m);
-  for (int s = threadIdx.x; s < S; s += blockDim.x) prob[s] = expf(logit[s] - m) / l;
+  float sum = 0.0f;
+  for (int s = 0; s < S; ++s) sum += expf(logit[s] - m);
+  for (int s = threadIdx.x; s < S; s += blockDim.x) prob[s] = expf(logit[s] - m) / sum;
   __syncthreads();
-  float* o = out + t * (long long)D;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int s = 0; s < S; ++s) acc = fmaf(prob[s], ((const float*)src.v[s])[t * D + i], acc);
-    o[i] = acc;
-    ss = fmaf(acc, acc, ss);
-  }
-  if (out_w == nullptr) return;
-  ss = block_sum(ss, red);
-  const float inv = 1.0f / sqrtf(ss / (float)D + out_eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = (o[i] * inv) * ldw(out_w, i, out_bf16);  // own writes
+  if (d >= D) return;
+  float acc = 0.0f;
+  for (int s = 0; s < S; ++s) acc = fmaf(prob[s], ((const float*)src.v[s])[t * D + d], acc);
+  out[t * (long long)D + d] = acc;
 }
 
 // The decode's cache append: for up to 4 (dst [B, cap, W_i], src [B, W_i] with row stride

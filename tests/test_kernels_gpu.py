@@ -928,11 +928,12 @@ def test_expert_ffn_late_experts_same_bits(gen, impl):
 # ---- AttnRes ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T,nb,D", [(1, 8, 7168), (3, 0, 64), (2, 3, 100)])
+@pytest.mark.parametrize("T,nb,D", [(1, 8, 7168), (3, 0, 64), (2, 3, 100), (3, 19, 9000)])
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
 def test_attnres_mix(gen, T, nb, D, wdt):
     """Sources read in place from separate tensors (one a strided view), wq formed from the norm
-    gain and the projection row in the kernel."""
+    gain and the projection row in the kernel; 9000 = 35 full slices and a part one, 20 sources
+    more than a block's 8 warps; a row's bits do not depend on the rows beside it."""
     prefix = randn(gen, T, D, scale=2.0)
     wide = randn(gen, T, 2 * D)
     blocks = [randn(gen, T, D) * (i + 1) for i in range(nb)]
@@ -945,7 +946,7 @@ def test_attnres_mix(gen, T, nb, D, wdt):
     ref = (p[..., None] * V).sum(1)
     mix = check(f"attnres_mix T={T} nb={nb} D={D} {wdt}", gen, ref, TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
                 lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5))
-    # then the layer's RMSNorm in the same kernel: float64, and the bits of the two ops in turn
+    # then the layer's RMSNorm (out_w): float64, and the bits of the two ops in turn
     out_w = (1 + randn(gen, D, scale=0.2)).to(wdt)
     ref_n = ref / torch.sqrt((ref * ref).mean(-1, keepdim=True) + 1e-6) * out_w.double()
     normed = check(f"attnres_mix + rmsnorm T={T} nb={nb} D={D} {wdt}", gen, ref_n,
@@ -953,6 +954,8 @@ def test_attnres_mix(gen, T, nb, D, wdt):
                    lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6))
     if normed is not None:
         assert torch.equal(normed, NV.rmsnorm(mix, out_w, 1e-6))
+        last = NV.attnres_mix(prefix[-1:], [b[-1:] for b in blocks], norm_w, proj_w, 1e-5)
+        assert torch.equal(last, mix[-1:]), "row T-1 alone: bits differ from the batch's"
 
 
 # ---- the decode's cache append -------------------------------------------------------------------

@@ -21,6 +21,7 @@ TC_XSTRIDE = 20  # u32 words of one staged 32-element activation chunk (16 fp16 
 KDA_MAXK = 128
 # norms.cu: the most AttnRes sources (completed blocks + the partial prefix)
 ATTNRES_MAXS = 64
+ATTNRES_SLICE = 256  # ... and the elements of a row one AttnRes block takes (its threads; a multiple of 32)
 # attention.cu
 MLA_CHUNK = 64  # positions per split of the MLA decode
 MLA_HG = 8  # heads per block
@@ -44,7 +45,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS, "GTC_MATS": GEMV_TC_MATS,
              "GTC_PREFETCH": GEMV_TC_PREFETCH},
     "kda": {"SRT_KDA_MAXK": KDA_MAXK},
-    "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS},
+    "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS, "ATTNRES_SLICE": ATTNRES_SLICE},
     "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "SRT_MOE_MAXP_DT": MOE_MAXP_DT, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
                   "TC_TOKENS": TC_TOKENS, "MMA_XSTRIDE": TC_XSTRIDE},
     "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},

@@ -36,6 +36,7 @@ from streamrt.backends.expert_pointers import ExpertPointerCache
 from streamrt.backends.gemv_plan import GEMV_VARIANTS, gemv_plan, gemv_tc_split
 from streamrt.backends.kernel_defines import (
     ATTNRES_MAXS,
+    ATTNRES_SLICE,
     GEMV_TC_COLS,
     GEMV_TC_MATS,
     GEMV_TC_ROWS,
@@ -619,8 +620,8 @@ class NvrtcBackend(MoeOps):
                     out_w: Tensor | None = None, out_eps: float = 0.0) -> Tensor:
         """prefix [T, D], blocks nb x [T, D], norm_w, proj_w [D] -> sum_s softmax_s(rmsnorm(V_s) . wq) V_s
         [T, D] with sources V = (blocks..., prefix) read in place (a pointer table) and wq =
-        norm_w * proj_w formed in the kernel; with out_w, then rmsnorm(., out_w, out_eps) in the
-        same kernel (the bits of `rmsnorm` after it)."""
+        norm_w * proj_w formed in the kernel; with out_w, then rmsnorm(., out_w, out_eps). Two
+        kernels over ATTNRES_SLICE-wide slices of each row (kernels/norms.cu)."""
         dev = self.device
         srcs = [as_act(v, f"attnres_mix.{'prefix' if i == len(blocks) else f'blocks[{i}]'}", dev)
                 for i, v in enumerate((*blocks, prefix))]
@@ -634,16 +635,17 @@ class NvrtcBackend(MoeOps):
         proj_w, pb = as_weight(proj_w.reshape(-1), "attnres_mix.proj_w", dev)
         if norm_w.numel() != D or proj_w.numel() != D:
             raise ValueError(f"attnres_mix: norm_w has {norm_w.numel()} entries, proj_w {proj_w.numel()}, want D={D}")
-        ow, ob = (None, 0) if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)
-        if ow is not None and ow.numel() != D:
-            raise ValueError(f"attnres_mix: out_w has {ow.numel()} entries, want D={D}")
+        if out_w is not None and out_w.numel() != D:
+            raise ValueError(f"attnres_mix: out_w has {out_w.numel()} entries, want D={D}")
         table = np.zeros(ATTNRES_MAXS, dtype=np.uint64)
         table[: len(srcs)] = [v.data_ptr() for v in srcs]
+        S, slices = len(srcs), math.ceil(D / ATTNRES_SLICE)
         out = self._empty(T, D, dtype=torch.float32)
-        if T:
-            self._k("norms", "srt_attnres_mix")(
-                (T,), (block_threads(D, 512),),
-                [table, i32(len(srcs)), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(out), i32(D), f32(eps), ptr(ow),
-                 i32(ob), f32(out_eps)], pdl=self.pdl
-            )
-        return out
+        if T and D:
+            stats = self._empty(T * S * slices * 2, dtype=torch.float32)
+            grid = (T * slices,), (ATTNRES_SLICE,)
+            self._k("norms", "srt_attnres_stats")(
+                *grid, [table, i32(S), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(stats), i32(D)], pdl=self.pdl)
+            self._k("norms", "srt_attnres_apply")(
+                *grid, [table, i32(S), ptr(stats), ptr(out), i32(D), f32(eps)], pdl=self.pdl)
+        return out if out_w is None else self.rmsnorm(out, out_w.reshape(-1), out_eps)
