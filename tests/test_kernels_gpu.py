@@ -166,10 +166,10 @@ def test_linear_batch_invariant(gen, wdt):
 
 
 @pytest.mark.parametrize("T", [1, 5, 13])
-def test_linears_give_each_matrix_its_bits_alone(gen, T):
-    """Several matrices of one x (one tensor-core launch per K split: N = 1024, 8, 1000 split 8
-    ways, 3584 and 6144 four ways, an fp32 one on CUDA cores): each output against float64, and
-    bit for bit what `linear` gives it alone."""
+def test_linears_each_matrix_against_float64_and_batch_invariant(gen, T):
+    """Several matrices of one x (one tensor-core launch, K split 2 for its 369 row blocks; an
+    fp32 one on CUDA cores): each output against float64; each row's bits are those of that
+    row alone (the split depends on the matrices, not on T)."""
     K = 2048
     x = randn(gen, T, K)
     ws = [randn(gen, n, K, scale=K**-0.5, dtype=dt) for n, dt in
@@ -180,8 +180,10 @@ def test_linears_give_each_matrix_its_bits_alone(gen, T):
     for i, w in enumerate(ws):
         ref = x.double() @ w.double().T
         check(f"linears T={T} matrix {i} {tuple(w.shape)}", gen, ref, tb[i], lambda: got[i])
-        if got is not None:
-            assert torch.equal(got[i], NV.linear(x, w)), f"matrix {i}: bits differ from its own launch"
+    if got is not None:
+        last = NV.linears(x[-1:], ws)
+        for i in range(len(ws)):
+            assert torch.equal(got[i][-1:], last[i]), f"matrix {i}: row {T - 1} alone gives other bits"
 
 
 @pytest.mark.parametrize("T", [1, 9])
@@ -999,8 +1001,18 @@ def test_deterministic_run_to_run(gen):
 
 @pytest.mark.parametrize("T,N,K", [(65, 300, 2048), (513, 1000, 7168)])
 def test_linear_prefill_bf16x3_is_fp32_accurate(gen, T, N, K):
-    """More than 64 rows of bf16 weights: the three-term bf16 GEMM stays within fp32 tolerance."""
+    """More than 64 rows of bf16 weights: the three-term bf16 GEMM is as accurate as an fp32
+    GEMM, within 3x the error of one (torch's, no TF32) on the same device and inputs, or
+    TOL. At K = 7168 an fp32 dot product's rounding alone comes near TOL in the largest of
+    513,000 outputs (seen: 1.03e-5 at seed 1640027230); a GEMM of bf16(x) alone is ~1e-3 off."""
     x = randn(gen, T, K)
     w = randn(gen, N, K, scale=K**-0.5, dtype=torch.bfloat16)
     ref = x.double() @ w.double().T
-    check(f"linear prefill T={T} K={K}", gen, ref, TB.linear(x, w), lambda: NV.linear(x, w))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        e32 = rel(x @ w.float().T, ref)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    check(f"linear prefill T={T} K={K} (fp32 GEMM error {e32:.3g})", gen, ref, TB.linear(x, w), lambda: NV.linear(x, w),
+          tol=max(TOL, 3 * e32))

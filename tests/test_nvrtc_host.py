@@ -241,24 +241,32 @@ def test_gemv_without_bf16_mma_uses_cuda_cores():
         nvm.gemv_plan("bf16:8=tc9")
 
 
-def test_linears_share_one_tensor_core_launch_per_k_split():
-    """Matrices sharing x: those with the same K split are blocks of one launch (each matrix's
-    32-row blocks after the last one's), the others get their own; a matrix's split is its own
-    shape's (gemv_tc_split), so its rows' bits are what it would get alone."""
+def test_linears_share_one_tensor_core_launch_split_by_its_rows():
+    """Matrices sharing x are blocks of one tensor-core launch (each matrix's 32-row blocks after
+    the one's before), up to GEMV_TC_MATS a launch; the K split follows the launch's row blocks
+    (the fewest warps, a power of two up to 8, for 512 in flight), whatever T."""
     launches = []
     nv = _gemv_backend(launches)
     K = 2048
-    ws = [torch.empty(n, K, dtype=torch.bfloat16) for n in (1024, 3584, 8, 1000, 6144)]
-    outs = nv.linears(torch.randn(3, K), ws)
-    assert [tuple(o.shape) for o in outs] == [(3, n) for n in (1024, 3584, 8, 1000, 6144)]
-    by_split = {L[4][-1]: L for L in launches}
-    assert sorted(by_split) == [4, 8] and len(launches) == 2
-    (_, g8, b8, _, i8, m8), (_, g4, b4, _, i4, m4) = by_split[8], by_split[4]
-    assert i8 == [3, 1024, 8, 1000, K, 8] and b8 == (256,) and g8 == (32 + 1 + 32,)
-    assert [m[0] for m in m8[:-1]] == [ws[i].data_ptr() for i in (0, 2, 3)]
-    assert [m[1] for m in m8[:-1]] == [outs[i].data_ptr() for i in (0, 2, 3)]
-    assert [m[5] for m in m8[:-1]] == [0, 32, 33] and m8[-1] == 65  # first blocks, then the total
-    assert i4 == [3, 3584, 6144, K, 4] and b4 == (128,) and g4 == (112 + 192,)
+    ns = (1024, 3584, 8, 1000, 6144)
+    ws = [torch.empty(n, K, dtype=torch.bfloat16) for n in ns]
+    for T in (3, 11):
+        launches.clear()
+        outs = nv.linears(torch.randn(T, K), ws)
+        assert [tuple(o.shape) for o in outs] == [(T, n) for n in ns]
+        (_, grid, block, _, ints, mats), = launches
+        assert ints == [T, *ns, K, 2] and block == (64,)  # 32 + 112 + 1 + 32 + 192 = 369 blocks: 2 warps each
+        assert grid == (369 * -(-T // 8),)
+        assert [m[0] for m in mats[:-1]] == [w.data_ptr() for w in ws]
+        assert [m[1] for m in mats[:-1]] == [o.data_ptr() for o in outs]
+        assert [m[5] for m in mats[:-1]] == [0, 32, 144, 145, 177] and mats[-1] == 369  # first blocks, then the total
+    # few rows: more warps per block; nine matrices: a second launch, split by its own rows
+    launches.clear()
+    nv.linears(torch.randn(1, K), [torch.empty(1024, K, dtype=torch.bfloat16)] * 4 + [torch.empty(128, K, dtype=torch.bfloat16)])
+    assert launches[0][4][-1] == 4  # 4 * 32 + 4 = 132 blocks: 4 warps make 528
+    launches.clear()
+    nv.linears(torch.randn(1, K), [torch.empty(2048, K, dtype=torch.bfloat16)] * 9)
+    assert [(L[4][-1], L[1]) for L in launches] == [(1, (512,)), (8, (64,))]
 
 
 def test_linear_addends_ride_in_the_table_or_are_added_after():

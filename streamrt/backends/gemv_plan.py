@@ -17,12 +17,22 @@ GEMV_VARIANTS = {("bf16", 1): GEMV_TC_FAMILY + ("r2", "r1", "r4"), ("bf16", 2): 
                  ("f32", 1): ("r2",), ("f32", 2): ("r2",), ("f32", 4): ("r2",), ("f32", 8): ("r2",)}
 
 
-def gemv_tc_split(N: int, K: int) -> int:
-    """Warps sharing a 32-row block of the tensor-core GEMV, each a slice of K: enough warps in
-    flight for a matrix of N rows (a warp alone issues too few bytes per cycle to keep up with
-    HBM); 1 for big N, where blocks are plenty. A function of the shape only: the split sets the
-    order of the sum, so a row's bits must not depend on T (nor on the GPU)."""
-    return 8 if N <= 2048 else 4 if N <= 8192 else 2 if N <= 32768 else 1
+GEMV_TC_WARPS_WANTED = 512  # warps a tensor-core GEMV launch wants in flight (fewer: HBM idles)
+
+
+def gemv_tc_split(row_blocks: int) -> int:
+    """Warps sharing a 32-row block of the tensor-core GEMV, each a slice of K, for a launch of
+    `row_blocks` such blocks (all its matrices'): the fewest, as a power of two up to 8, that
+    put GEMV_TC_WARPS_WANTED warps in flight, so a launch of few rows still streams at HBM rate
+    and one of many keeps its blocks' K slices long. The deep-k3.1-pro decode groups on the
+    H200 (profiling/RESULTS.md §17): the MoE layer's four matrices of x (495 blocks) 28.8 us at
+    splits 8 and 4 against 18.6 at 2; KDA's six (133 blocks) 11.0 at 8 against 8.6 at 4. The
+    split sets the order of a row's sum: it depends on the launch's matrices (fixed by the
+    caller) and never on T."""
+    ks = 1
+    while ks < 8 and row_blocks * ks < GEMV_TC_WARPS_WANTED:
+        ks *= 2
+    return ks
 
 
 def gemv_plan(spec: str) -> dict[tuple[str, int], str]:

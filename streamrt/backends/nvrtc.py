@@ -98,7 +98,7 @@ class NvrtcBackend(MoeOps):
         self._torch_attention = TorchBackend()  # runs mla_prefill (see below)
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
         self._gemv_choice: dict[tuple, str] = {}
-        self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split; changes bits)
+        self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split's; changes bits)
         self._cc = torch.cuda.get_device_capability(self.device)
         self._mma = self._cc >= (8, 0)  # bf16 mma.sync
         self._smem_optin = getattr(torch.cuda.get_device_properties(self.device), "shared_memory_per_block_optin", SMEM_DEFAULT)
@@ -134,8 +134,9 @@ class NvrtcBackend(MoeOps):
         return self._linears(x, [(w, tuple(add))])[0]
 
     def linears(self, x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
-        """[linear(x, w) for w in ws], same bits: the tensor-core GEMVs of matrices that share a
-        K split run as one launch (up to GEMV_TC_MATS matrices)."""
+        """[linear(x, w) for w in ws]: the tensor-core GEMVs run as one launch (up to
+        GEMV_TC_MATS matrices) whose K split follows all its rows (`gemv_tc_split`), so a
+        matrix's bits depend on the matrices beside it in `ws`, never on T."""
         return self._linears(x, [(w, ()) for w in ws])
 
     def _linears(self, x: Tensor, items: list[tuple[Tensor, tuple[Tensor, ...]]]) -> list[Tensor]:
@@ -151,7 +152,7 @@ class NvrtcBackend(MoeOps):
         x_bf16 = int(x2.dtype == torch.bfloat16)
         if K % 8 == 0 and T <= self.rowwise_max and not aligned(x2, 16):
             x2 = x2.clone()
-        outs, batch = [], {}  # batch: (K split, stages) -> [(w, out, adds)] for one tensor-core launch
+        outs, batch = [], {}  # batch: stages -> [(w, out, adds)] for the tensor-core launches
         for w, add in items:
             if w.device != dev:
                 raise ValueError(f"linear: x on {x.device}, w on {w.device}, expected {dev}")
@@ -162,9 +163,9 @@ class NvrtcBackend(MoeOps):
                 raise ValueError(f"linear: add {[tuple(a.shape) for a in add]} (up to two) must each be {(*lead, N)}")
             add = tuple(as_act(a, "linear.add", dev).view(T, N) for a in add)
             outs.append(self._linear_into(x2, x_bf16, w, add, batch).view(*lead, N))
-        for (ks, stages), mats in batch.items():
+        for stages, mats in batch.items():
             for m0 in range(0, len(mats), GEMV_TC_MATS):
-                self._gemv_tc(x2, x_bf16, mats[m0 : m0 + GEMV_TC_MATS], stages, ks)
+                self._gemv_tc(x2, x_bf16, mats[m0 : m0 + GEMV_TC_MATS], stages)
         return outs
 
     def _linear_into(self, x2: Tensor, x_bf16: int, w: Tensor, add: tuple[Tensor, ...], batch: dict) -> Tensor:
@@ -187,14 +188,13 @@ class NvrtcBackend(MoeOps):
         dt = "bf16" if w_bf16 else "f32"
         buckets = [1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8 for _, tn in groups]
         variants = [self._gemv_variant(dt, nt, N) for nt in buckets]
-        ks = self.gemv_tc_ks or gemv_tc_split(N, K)  # the tensor-core kernel's K split: this matrix's own
         if all(v.startswith("tc") for v in variants):
-            batch.setdefault((ks, int(variants[0][2:])), []).append((w, out, add))
+            batch.setdefault(int(variants[0][2:]), []).append((w, out, add))
             return out
         for (t0, tn), nt, v in zip(groups, buckets, variants):
             xt, ot = x2[t0 : t0 + 8], out[t0 : t0 + 8]
             if v.startswith("tc"):
-                self._gemv_tc(xt, x_bf16, [(w, ot, ())], int(v[2:]), ks)
+                self._gemv_tc(xt, x_bf16, [(w, ot, ())], int(v[2:]))
             else:
                 k = self._k("gemv", f"srt_gemv_{dt}_t{nt}_{v}")
                 k((math.ceil(N / (GEMV_WARPS * int(v[1:]))),), (GEMV_WARPS * 32,),
@@ -207,17 +207,17 @@ class NvrtcBackend(MoeOps):
             out.add_(a)
         return out
 
-    def _gemv_tc(self, x: Tensor, x_bf16: int, mats: list[tuple[Tensor, Tensor, tuple[Tensor, ...]]], stages: int,
-                 ks: int) -> None:
+    def _gemv_tc(self, x: Tensor, x_bf16: int, mats: list[tuple[Tensor, Tensor, tuple[Tensor, ...]]], stages: int) -> None:
         """The tensor-core GEMV of up to GEMV_TC_MATS (w, out, addends) sharing x: a block per 32
-        rows of a w and 8 rows of x, K split among its `ks` warps (`gemv_tc_split(N, K)` of each
-        matrix: a function of the matrix only, so a row's bits depend neither on T nor on the
-        matrices launched beside it)."""
+        rows of a w and 8 rows of x, K split among its warps as `gemv_tc_split` gives for all
+        the matrices' row blocks (a function of the matrices only: a row's bits do not depend
+        on T)."""
         T, K = x.shape
+        row_blocks = [math.ceil(w.shape[0] / GEMV_TC_ROWS) for w, _, _ in mats]
         # at most 8 warps, one stage each, and as many as fit shared memory with 2 stages of the
         # largest x (8 fp32 rows): a cap that does not depend on this call's T
         fit = (self._smem_optin + 8 * 32 * 4) // (2 * (GEMV_TC_ROWS * GEMV_TC_COLS * 2 + 8 * GEMV_TC_COLS * 4) + 8 * 32 * 4)
-        ks = max(1, min(ks, 8, fit, math.ceil(K / GEMV_TC_COLS)))
+        ks = max(1, min(self.gemv_tc_ks or gemv_tc_split(sum(row_blocks)), 8, fit, math.ceil(K / GEMV_TC_COLS)))
         stage = GEMV_TC_ROWS * GEMV_TC_COLS * 2 + min(T, 8) * GEMV_TC_COLS * (2 if x_bf16 else 4)
         # fewer stages where the rings would not fit a block's shared memory (same bits; 2 always fit)
         while stages > 2 and ks * stages * stage + (ks - 1) * 8 * 32 * 4 > self._smem_optin:
@@ -227,10 +227,10 @@ class NvrtcBackend(MoeOps):
         table = np.zeros(4 * GEMV_TC_MATS + (2 * GEMV_TC_MATS + 2) // 2, dtype=np.uint64)
         addr, ints = table[: 4 * GEMV_TC_MATS].reshape(4, GEMV_TC_MATS), table[4 * GEMV_TC_MATS :].view(np.int32)
         blocks = 0
-        for i, (w, out, add) in enumerate(mats):
+        for i, ((w, out, add), rb) in enumerate(zip(mats, row_blocks)):
             addr[:, i] = [w.data_ptr(), out.data_ptr(), *(a.data_ptr() for a in add), *[0] * (2 - len(add))]
             ints[i], ints[GEMV_TC_MATS + i] = w.shape[0], blocks
-            blocks += math.ceil(w.shape[0] / GEMV_TC_ROWS)
+            blocks += rb
         ints[GEMV_TC_MATS + len(mats)], ints[2 * GEMV_TC_MATS + 1] = blocks, len(mats)
         k = self._k("gemv", f"srt_gemv_tc_x{'bf16' if x_bf16 else 'f32'}_s{stages}")
         k((blocks * math.ceil(T / 8),), (32 * ks,), [table, ptr(x), i32(T), i32(K), i32(ks)], smem=smem, pdl=self.pdl)
