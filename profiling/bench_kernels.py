@@ -272,6 +272,53 @@ def other_ops(args, nv, tb, dev, bench) -> None:
     bench("select_topk n=65536 k=2048", sc.numel() * 4, lambda: nv.select_topk(sc, 2048))
     xr, wn = torch.randn(1, 7168, device=dev), torch.rand(7168, device=dev)
     bench("rmsnorm D=7168", 2 * xr.numel() * 4, lambda: nv.rmsnorm(xr, wn, 1e-5))
+    for E in (24, 896):  # deep-k3.1-pro's and the release's experts per layer
+        lg, b = torch.randn(1, E, device=dev), 0.05 * torch.randn(E, device=dev)
+        bench(f"route E={E} k=16 (sigmoid + bias, top-k, renormalize)", E * 4, lambda lg=lg, b=b: nv.route(lg, b, 16, True, 2.5))
+    for D, S in ((2048, 9), (7168, 9), (7168, 17)):  # a decode row's AttnRes sources: blocks so far + the partial
+        srcs = [torch.randn(1, D, device=dev) for _ in range(S)]
+        nw, pw = (1 + 0.1 * torch.randn(D, device=dev)).bfloat16(), (0.05 * torch.randn(D, device=dev)).bfloat16()
+        ow = (1 + 0.1 * torch.randn(D, device=dev)).bfloat16()
+        bench(f"attnres_mix + rmsnorm D={D}, {S} sources, T=1", (S + 1) * D * 4,
+              lambda srcs=srcs, nw=nw, pw=pw, ow=ow: nv.attnres_mix(srcs[-1], srcs[:-1], nw, pw, 1e-5, ow, 1e-5))
+    decode_gemv_groups(args, dev, bench)
+
+
+# deep-k3.1-pro's decode GEMV launches of one x (hidden 2048): (name, [(N, K), ...])
+DEEP_GEMV_GROUPS = (
+    ("MoE layer's x: router, latent down, shared gate, up", ((24, 2048), (3584, 2048), (6144, 2048), (6144, 2048))),
+    ("shared expert down", ((2048, 6144),)),
+    ("latent up", ((2048, 3584),)),
+    ("KDA's x: q, k, v, g, f_a, b", ((1024, 2048),) * 4 + ((128, 2048), (8, 2048))),
+    ("MLA's cq: q_b, indexer wq_b", ((1536, 768), (4096, 768))),
+    ("lm_head", ((163840, 2048),)),
+)
+
+
+def decode_gemv_groups(args, dev, bench) -> None:
+    """The deep-k3.1-pro decode GEMV launches at T=1, each call on the next of enough weight
+    copies that none is in L2 (as in a step, where a layer's 128 MB go by once), against cuBLAS
+    bf16 (torch, one matmul per matrix) on the same copies; with --variants every K split."""
+    for name, shapes in DEEP_GEMV_GROUPS:
+        nb = sum(n * k * 2 for n, k in shapes)
+        copies = max(1, min(64, (400 << 20) // nb))
+        ws = [[torch.randn(n, k, device=dev).div_(k**0.5).bfloat16() for n, k in shapes] for _ in range(copies)]
+        x = torch.randn(1, shapes[0][1], device=dev)
+        xb = x.bfloat16()
+        dims = "+".join(str(n) for n, _ in shapes) + f"x{shapes[0][1]}"
+        for ks in (None, 1, 2, 4, 8) if args.variants else (None,):
+            nvk = NvrtcBackend()
+            nvk.gemv_tc_ks = ks
+            bench(f"bf16 linears {dims} ({name}), T=1" + (f", K split {ks}" if ks else ""), nb,
+                  rotating(lambda w, nvk=nvk: nvk.linears(x, w), ws))
+        bench(f"  cuBLAS bf16: {dims}, T=1, a matmul per matrix", nb,
+              rotating(lambda w: [torch.nn.functional.linear(xb, m) for m in w], ws))
+
+
+def rotating(fn, items):
+    """fn on items[0], items[1], ... in turn, one per call (graph_time captures each call's own)."""
+    it = iter(range(1 << 62))
+    return lambda: fn(items[next(it) % len(items)])
 
 
 def write_table(args, props, copy, copy_kinds, rows) -> None:
