@@ -176,12 +176,16 @@ extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab 
 #ifndef ATTNRES_SLICE
 #error "ATTNRES_SLICE is passed by the host (-DATTNRES_SLICE=..., streamrt/backends/kernel_defines.py)"
 #endif
+#if ATTNRES_SLICE % 32 != 0 || ATTNRES_SLICE > 1024
+#error "ATTNRES_SLICE is a block's threads: a multiple of 32, at most 1024"
+#endif
 #define ATTNRES_LANE (ATTNRES_SLICE / 32)  // elements of a slice per lane
 struct AttnResSources {
   u64 v[SRT_ATTNRES_MAXS];
 };
 
-// block 256 threads: warp w takes sources w, w + 8, ...; lane l elements l + 32 j of the slice.
+// block ATTNRES_SLICE threads: warp w takes sources w, w + warps, ...; lane l elements l + 32 j
+// of the slice.
 // stats[((t * S + s) * slices + slice) * 2 + {0, 1}] = (sum V^2, sum V wq) over the slice.
 extern "C" __global__ void srt_attnres_stats(const __grid_constant__ AttnResSources src, int S,
                                              const void* __restrict__ norm_w, int norm_bf16,

@@ -635,8 +635,9 @@ class NvrtcBackend(MoeOps):
         proj_w, pb = as_weight(proj_w.reshape(-1), "attnres_mix.proj_w", dev)
         if norm_w.numel() != D or proj_w.numel() != D:
             raise ValueError(f"attnres_mix: norm_w has {norm_w.numel()} entries, proj_w {proj_w.numel()}, want D={D}")
-        if out_w is not None and out_w.numel() != D:
-            raise ValueError(f"attnres_mix: out_w has {out_w.numel()} entries, want D={D}")
+        ow = None if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)[0]
+        if ow is not None and ow.numel() != D:
+            raise ValueError(f"attnres_mix: out_w has {ow.numel()} entries, want D={D}")
         table = np.zeros(ATTNRES_MAXS, dtype=np.uint64)
         table[: len(srcs)] = [v.data_ptr() for v in srcs]
         S, slices = len(srcs), math.ceil(D / ATTNRES_SLICE)
@@ -648,4 +649,4 @@ class NvrtcBackend(MoeOps):
                 *grid, [table, i32(S), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(stats), i32(D)], pdl=self.pdl)
             self._k("norms", "srt_attnres_apply")(
                 *grid, [table, i32(S), ptr(stats), ptr(out), i32(D), f32(eps)], pdl=self.pdl)
-        return out if out_w is None else self.rmsnorm(out, out_w.reshape(-1), out_eps)
+        return out if ow is None else self.rmsnorm(out, ow, out_eps)
