@@ -121,14 +121,18 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
   }
 }
 
-// MoE router top-k for one row per block (grid = T), block ROUTER_THREADS,
-// dynamic smem E * 8 bytes. logits [T, E] fp32 (x . w_gate);
+// MoE router top-k for one row per block (grid = T), block ROUTER_THREADS, dynamic smem
+// router_smem_bytes(E) (nvrtc_moe.py). logits [T, E] fp32 (x . w_gate);
 // s = sigmoid(logit); choice = s + bias; ids = the k largest choices in descending order
 // (ties: lower expert id first); w_j = s[ids_j]; if renorm && k > 1: w_j /= (sum_j w_j + 1e-20)
 // (sum in j order); w_j *= scale.
-// Each expert finds its own rank (how many keys beat it, fkey) in one pass, so a block needs
-// two barriers, not two per selected expert; the keys' total order makes the ranks a permutation
-// even for NaN logits. ROUTER_THREADS is a multiple of 32.
+// The keys (fkey of the choice) are cut into chunks of 32. If there are at least k chunks, the
+// k-th largest chunk maximum tau bounds the k-th largest key from below (k chunks hold a key
+// >= tau), so the top k are among the candidates, the keys >= tau, and every other key is below
+// them: ranking the candidates among themselves gives their global ranks. A candidate's rank is
+// how many candidates beat it (a warp counts 32 at a time); the keys' total order (ties by id)
+// makes the ranks a permutation, even for NaN logits, whatever order the candidates were listed in.
+// At E = 896, k = 16 a few dozen candidates are ranked instead of 896 keys.
 #ifndef ROUTER_THREADS
 #error "ROUTER_THREADS is passed by the host (-DROUTER_THREADS=..., streamrt/backends/kernel_defines.py)"
 #endif
@@ -138,26 +142,56 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
                     long long* __restrict__ ids, float* __restrict__ wts, int E, int k, int renorm, float scale) {
   pdl_begin();
   extern __shared__ float rsm[];
+  const int C = (E + 31) >> 5;       // chunks of 32 keys
   float* sig = rsm;                  // [E]
   u32* key = (u32*)(rsm + E);        // [E]
+  int* cand = (int*)(key + E);       // [E] candidate expert ids, in no particular order
+  u32* cmax = (u32*)(cand + E);      // [C]
   __shared__ float wsel[256];
+  __shared__ u32 sh_tau;
+  __shared__ int sh_n;
   const long long t = blockIdx.x;
-  for (int i = threadIdx.x; i < E; i += blockDim.x) {
-    const float sg = sigmoidf_(logits[t * E + i]);
-    sig[i] = sg;
-    key[i] = fkey(sg + ldw(bias, i, bias_bf16));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if (threadIdx.x == 0) {
+    sh_tau = 0u;  // fewer than k chunks: every key is a candidate
+    sh_n = 0;
+  }
+  for (int c = warp; c < C; c += nw) {
+    const int i = c * 32 + lane;
+    u32 ki = 0u;  // the smallest key: a chunk's padding never raises its maximum
+    if (i < E) {
+      const float sg = sigmoidf_(logits[t * E + i]);
+      sig[i] = sg;
+      ki = fkey(sg + ldw(bias, i, bias_bf16));
+      key[i] = ki;
+    }
+    const u32 m = __reduce_max_sync(SRT_FULL, ki);
+    if (lane == 0) cmax[c] = m;
   }
   __syncthreads();
-  // a warp per expert, its lanes over 32 keys at a time: a top expert's scan of all E keys is
-  // E / 32 steps (one thread per expert took E steps, ~150 us a row at E = 896 on an H200)
-  const int lane = threadIdx.x & 31;
-  for (int i = threadIdx.x >> 5; i < E; i += blockDim.x >> 5) {
+  if (warp == 0 && C >= k) {
+    for (int c = lane; c < C; c += 32) {
+      const u32 mc = cmax[c];
+      int rank = 0;
+      for (int d = 0; d < C; ++d) rank += (cmax[d] > mc || (cmax[d] == mc && d < c));
+      if (rank == k - 1) sh_tau = mc;  // one chunk has that rank: the ranks are a permutation
+    }
+  }
+  __syncthreads();
+  const u32 tau = sh_tau;
+  for (int i = threadIdx.x; i < E; i += blockDim.x)
+    if (key[i] >= tau) cand[atomicAdd(&sh_n, 1)] = i;
+  __syncthreads();
+  const int n = sh_n;  // >= k
+  for (int ci = warp; ci < n; ci += nw) {
+    const int i = cand[ci];
     const u32 ki = key[i];
     int rank = 0;  // the same in every lane: the loop's exit is the warp's
-    for (int j0 = 0; j0 < E && rank < k; j0 += 32) {
-      const int j = j0 + lane;
-      const u32 kj = j < E ? key[j] : 0u;
-      rank += __popc(__ballot_sync(SRT_FULL, j < E && (kj > ki || (kj == ki && j < i))));
+    for (int j0 = 0; j0 < n && rank < k; j0 += 32) {
+      const int jj = j0 + lane;
+      const int j = jj < n ? cand[jj] : 0;
+      const u32 kj = key[j];
+      rank += __popc(__ballot_sync(SRT_FULL, jj < n && (kj > ki || (kj == ki && j < i))));
     }
     if (lane == 0 && rank < k) {
       ids[t * k + rank] = i;

@@ -571,7 +571,7 @@ def test_select_topk(gen, n, k, kind):
         assert got.dtype == torch.int64 and got.tolist() == want, f"nvrtc select_topk n={n} k={k} {kind} (seed {gen.initial_seed()})"
 
 
-@pytest.mark.parametrize("T,E,k,D", [(1, 256, 16, 7168), (8, 896, 16, 512), (3, 32, 4, 64), (2, 64, 1, 128)])
+@pytest.mark.parametrize("T,E,k,D", [(1, 256, 16, 7168), (8, 896, 16, 512), (2, 2080, 8, 256), (3, 32, 4, 64), (2, 64, 1, 128)])
 @pytest.mark.parametrize("renorm,scale", [(True, 1.0), (False, 2.446)])
 def test_router(gen, T, E, k, D, renorm, scale):
     x = randn(gen, T, D)
@@ -594,14 +594,15 @@ def test_router(gen, T, E, k, D, renorm, scale):
         assert out is not None
 
 
-@pytest.mark.parametrize("T,E,k", [(2, 896, 16), (3, 24, 16), (1, 40, 40)])
-def test_router_ties_go_to_the_lower_id(gen, T, E, k):
+@pytest.mark.parametrize("T,E,k,groups", [(2, 896, 16, 112), (2, 896, 16, 1), (3, 24, 16, 3), (1, 40, 40, 5)])
+def test_router_ties_go_to_the_lower_id(gen, T, E, k, groups):
     """Experts that share a gate row and a bias tie exactly (the same dot product, bit for bit):
-    the kernel takes the lower id first, as the hand-written order (-choice, id) does. A NaN
-    bias still gives k distinct ids in range (torch.topk's order: NaN first)."""
+    the kernel takes the lower id first, as the hand-written order (-choice, id) does (groups = 1:
+    every expert ties, all of them candidates). A NaN bias still gives k distinct ids in range
+    (torch.topk's order: NaN first)."""
     if NV is None:
         pytest.skip("no GPU: the NVRTC router")
-    D, groups = 256, max(E // 8, 2)
+    D = 256
     x = randn(gen, T, D)
     g = torch.randint(0, groups, (E,), generator=gen, device=DEV)
     w = randn(gen, groups, D, scale=D**-0.5, dtype=torch.bfloat16)[g]

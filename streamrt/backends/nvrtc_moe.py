@@ -47,6 +47,12 @@ def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 
     return rows * 8 * words + warps * stages * blocks * TC_STAGE_SMEM
 
 
+def router_smem_bytes(experts: int) -> int:
+    """Dynamic shared memory of srt_router_topk (kernels/topk.cu): per expert its score, key and
+    candidate slot, per chunk of 32 its maximum key."""
+    return experts * 12 + (experts + 31) // 32 * 4
+
+
 class MoeOps:
     """The router and expert FFN of `NvrtcBackend` (see the module doc)."""
 
@@ -92,13 +98,15 @@ class MoeOps:
         bias, bb = as_weight(bias.reshape(-1), "route.bias", self.device)
         if bias.numel() != E:
             raise ValueError(f"route: bias has {bias.numel()} entries, logits {E} experts")
+        if router_smem_bytes(E) > 48 * 1024:
+            raise ValueError(f"route: E={E} experts do not fit the router kernel's shared memory (at most 4053)")
         ids = self._empty(T, k, dtype=torch.int64)
         wts = self._empty(T, k, dtype=torch.float32)
         if T:
             self._k("topk", "srt_router_topk")(
                 (T,), (ROUTER_THREADS,),
                 [ptr(logits), ptr(bias), i32(bb), ptr(ids), ptr(wts), i32(E), i32(k), i32(bool(renormalize)), f32(scale)],
-                smem=E * 8, pdl=self.pdl
+                smem=router_smem_bytes(E), pdl=self.pdl
             )
         return ids, wts
 
