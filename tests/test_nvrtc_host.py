@@ -96,6 +96,22 @@ def test_bad_expert_is_refused_after_good_ones_were_seen():
         nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
 
 
+def test_router_launch_shared_memory_and_its_limit():
+    """The router kernel's shared memory: per expert its score, key and candidate slot (12
+    bytes), per 32 experts a chunk maximum; past 48 KiB (E > 4053) a clear refusal, not a
+    failed launch."""
+    launches = []
+    nv = _backend(launches)
+    smems = []
+    nv._k = lambda program, name: (lambda grid, block, args, smem=0, stream=None, pdl=False: smems.append((name, grid, smem)))
+    for E in (24, 896, 4053):
+        ids, wts = nv.route(torch.randn(3, E), torch.randn(E), 16, True, 2.5)
+        assert ids.shape == wts.shape == (3, 16)
+    assert smems == [("srt_router_topk", (3,), E * 12 + -(-E // 32) * 4) for E in (24, 896, 4053)]
+    with pytest.raises(ValueError, match="E=4054"):
+        nv.route(torch.randn(1, 4054), torch.randn(4054), 16, True, 2.5)
+
+
 def test_counts_only_where_the_sum_can_zero_them():
     """The weighted sum zeroes the per-pair counts with its first T * k of T * Dl threads: with
     more experts per token than Dl, the down blocks wait for the whole gate+up grid instead."""
