@@ -253,12 +253,14 @@ def other_ops(args, nv, tb, dev, bench) -> None:
         bench_gemv(W, torch.randn(T, 12288, device=dev))
 
     # other decode ops (bytes = main tensors read + written)
-    H, K_, n = 96, 128, 8192
-    q = torch.nn.functional.normalize(torch.randn(1, H, K_, device=dev), dim=-1)
-    kk = torch.nn.functional.normalize(torch.randn(1, H, K_, device=dev), dim=-1)
-    v, g = torch.randn(1, H, K_, device=dev), -torch.rand(1, H, K_, device=dev)
-    beta, S = torch.rand(1, H, device=dev), torch.randn(1, H, K_, K_, device=dev) * 0.1
-    bench("kda_step H=96 K=V=128", 2 * S.numel() * 4, lambda: nv.kda_step(q, kk, v, g, beta, S))
+    K_, n = 128, 8192
+    for H in (8, 96):  # deep-k3.1-pro's heads, the release's
+        q = torch.nn.functional.normalize(torch.randn(1, H, K_, device=dev), dim=-1)
+        kk = torch.nn.functional.normalize(torch.randn(1, H, K_, device=dev), dim=-1)
+        v, g = torch.randn(1, H, K_, device=dev), -torch.rand(1, H, K_, device=dev)
+        beta, S = torch.rand(1, H, device=dev), torch.randn(1, H, K_, K_, device=dev) * 0.1
+        bench(f"kda_step H={H} K=V=128", 2 * S.numel() * 4,
+              lambda q=q, kk=kk, v=v, g=g, beta=beta, S=S: nv.kda_step(q, kk, v, g, beta, S))
     ql, qr = torch.randn(96, 512, device=dev), torch.randn(96, 64, device=dev)
     c, kr = torch.randn(n, 512, device=dev), torch.randn(n, 64, device=dev)
     bench(f"mla_decode H=96 n={n}", (c.numel() + kr.numel()) * 4, lambda: nv.mla_decode(ql, qr, c, kr, 0.072, None),

@@ -19,6 +19,7 @@ TC_TOKENS = 8  # the most (row, expert) pairs of one expert one tensor-core bloc
 TC_XSTRIDE = 20  # u32 words of one staged 32-element activation chunk (16 fp16 pairs + 4 of padding)
 # kda.cu: the largest head dim (a state column lives in registers)
 KDA_MAXK = 128
+KDA_WARPS = 4  # warps per block of srt_kda_step, each a quarter of a state column's rows
 # norms.cu: the most AttnRes sources (completed blocks + the partial prefix)
 ATTNRES_MAXS = 64
 ATTNRES_SLICE = 256  # ... and the elements of a row one AttnRes block takes (its threads; a multiple of 32)
@@ -44,7 +45,7 @@ DEFINES: dict[str, dict[str, int]] = {
                   "IDX_WARPS": IDX_WARPS, "IDX_PPW": IDX_PPW},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS, "GTC_MATS": GEMV_TC_MATS,
              "GTC_PREFETCH": GEMV_TC_PREFETCH},
-    "kda": {"SRT_KDA_MAXK": KDA_MAXK},
+    "kda": {"SRT_KDA_MAXK": KDA_MAXK, "KDA_WARPS": KDA_WARPS},
     "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS, "ATTNRES_SLICE": ATTNRES_SLICE},
     "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "SRT_MOE_MAXP_DT": MOE_MAXP_DT, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
                   "TC_TOKENS": TC_TOKENS, "MMA_XSTRIDE": TC_XSTRIDE},

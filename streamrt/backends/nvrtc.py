@@ -44,6 +44,7 @@ from streamrt.backends.kernel_defines import (
     IDX_PPW,
     IDX_WARPS,
     KDA_MAXK,
+    KDA_WARPS,
     MLA_CHUNK,
     MLA_HG,
     MLA_THREADS,
@@ -94,6 +95,7 @@ class NvrtcBackend(MoeOps):
         # runs while the last experts' gate+up does.
         self.pair_ready = True
         self._ready, self._ready_outgrown = None, []
+        self._counts, self._counts_outgrown = None, []
         self._ptr_cache = ExpertPointerCache(self.device)
         self._torch_attention = TorchBackend()  # runs mla_prefill (see below)
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
@@ -436,7 +438,7 @@ class NvrtcBackend(MoeOps):
         out = self._empty(T, H, V, dtype=torch.float32)
         if T * H * V:
             self._k("kda", "srt_kda_step")(
-                (math.ceil(V / 32), H, T), (32,),
+                (math.ceil(V / 32), H, T), (32 * KDA_WARPS,),
                 [ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(buf), ptr(out), i32(H), i32(K), i32(V)], pdl=self.pdl
             )
             if buf is not state:
@@ -635,7 +637,7 @@ class NvrtcBackend(MoeOps):
         proj_w, pb = as_weight(proj_w.reshape(-1), "attnres_mix.proj_w", dev)
         if norm_w.numel() != D or proj_w.numel() != D:
             raise ValueError(f"attnres_mix: norm_w has {norm_w.numel()} entries, proj_w {proj_w.numel()}, want D={D}")
-        ow = None if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)[0]
+        ow, obf = (None, 0) if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)
         if ow is not None and ow.numel() != D:
             raise ValueError(f"attnres_mix: out_w has {ow.numel()} entries, want D={D}")
         table = np.zeros(ATTNRES_MAXS, dtype=np.uint64)
@@ -647,6 +649,19 @@ class NvrtcBackend(MoeOps):
             grid = (T * slices,), (ATTNRES_SLICE,)
             self._k("norms", "srt_attnres_stats")(
                 *grid, [table, i32(S), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(stats), i32(D)], pdl=self.pdl)
+            norm = [ptr(None), i32(0), f32(0.0), ptr(None), ptr(None)]
+            if ow is not None:  # the RMSNorm after it, in the same kernel
+                norm = [ptr(ow), i32(obf), f32(out_eps), ptr(self._empty(T * slices)), ptr(self._row_counts(T))]
             self._k("norms", "srt_attnres_apply")(
-                *grid, [table, i32(S), ptr(stats), ptr(out), i32(D), f32(eps)], pdl=self.pdl)
-        return out if ow is None else self.rmsnorm(out, ow, out_eps)
+                *grid, [table, i32(S), ptr(stats), ptr(out), i32(D), f32(eps), *norm], pdl=self.pdl)
+        return out
+
+    def _row_counts(self, rows: int) -> Tensor:
+        """Per row, how many of its blocks are done (srt_attnres_apply's norm): zero between
+        launches, each row's last block resets its count. One set per backend (launches on one
+        stream take turns); grown, never freed: a captured CUDA graph may point at an old one."""
+        if self._counts is None or self._counts.numel() < rows:
+            if self._counts is not None:
+                self._counts_outgrown.append(self._counts)
+            self._counts = torch.zeros(max(rows, 1024), dtype=torch.int32, device=self.device)
+        return self._counts
