@@ -190,15 +190,17 @@ struct AttnResSources {
 
 // block ATTNRES_SLICE threads: warp w takes sources w, w + warps, ...; lane l elements l + 32 j
 // of the slice.
-// stats[((t * S + s) * slices + slice) * 2 + {0, 1}] = (sum V^2, sum V wq) over the slice.
+// stats[((t * S + s) * slices + slice) * 2 + {0, 1}] = (sum V^2, sum V wq) over the slice;
+// count [T] (nullable): zeroed for srt_attnres_apply's norm.
 extern "C" __global__ void srt_attnres_stats(const __grid_constant__ AttnResSources src, int S,
                                              const void* __restrict__ norm_w, int norm_bf16,
                                              const void* __restrict__ proj_w, int proj_bf16,
-                                             float* __restrict__ stats, int D) {
+                                             float* __restrict__ stats, int D, u32* __restrict__ count) {
   pdl_begin();
   const int slices = (D + ATTNRES_SLICE - 1) / ATTNRES_SLICE;
   const long long t = blockIdx.x / slices;
   const int slice = blockIdx.x % slices, l = threadIdx.x & 31, d0 = slice * ATTNRES_SLICE + l;
+  if (count != nullptr && slice == 0 && threadIdx.x == 0) count[t] = 0u;
   float wq[ATTNRES_LANE];
 #pragma unroll
   for (int j = 0; j < ATTNRES_LANE; ++j) {
@@ -227,8 +229,8 @@ extern "C" __global__ void srt_attnres_stats(const __grid_constant__ AttnResSour
 }
 
 // block ATTNRES_SLICE threads, one element of the slice each (the grid of srt_attnres_stats).
-// out_w != nullptr: part [T * slices] fp32 scratch, count [T] u32 zero before the launch and
-// zero again after it (each row's last block resets its own).
+// out_w != nullptr: part [T * slices] fp32 and count [T] u32 scratch, the counts zeroed by
+// srt_attnres_stats (scratch of this call: nothing persists between launches or graphs).
 extern "C" __global__ void srt_attnres_apply(const __grid_constant__ AttnResSources src, int S,
                                              const float* __restrict__ stats, float* __restrict__ out, int D,
                                              float eps, const void* __restrict__ out_w, int out_bf16,
@@ -281,7 +283,6 @@ extern "C" __global__ void srt_attnres_apply(const __grid_constant__ AttnResSour
   for (int i = 0; i < slices; ++i) tot += __ldcg(part + t * slices + i);
   const float inv = 1.0f / sqrtf(tot / (float)D + out_eps);
   for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = (__ldcg(row + i) * inv) * ldw(out_w, i, out_bf16);
-  if (threadIdx.x == 0) count[t] = 0u;
 }
 
 // The decode's cache append: for up to 4 (dst [B, cap, W_i], src [B, W_i] with row stride

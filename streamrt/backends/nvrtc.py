@@ -95,7 +95,6 @@ class NvrtcBackend(MoeOps):
         # runs while the last experts' gate+up does.
         self.pair_ready = True
         self._ready, self._ready_outgrown = None, []
-        self._counts, self._counts_outgrown = None, []
         self._ptr_cache = ExpertPointerCache(self.device)
         self._torch_attention = TorchBackend()  # runs mla_prefill (see below)
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
@@ -646,22 +645,18 @@ class NvrtcBackend(MoeOps):
         out = self._empty(T, D, dtype=torch.float32)
         if T and D:
             stats = self._empty(T * S * slices * 2, dtype=torch.float32)
+            # the norm's scratch, held to the end of the call (a freed temporary's block may be handed
+            # to the next allocation while its pointer is still an argument): per row its count of
+            # slices done (zeroed by the stats kernel: no state between calls), per slice its squares
+            count = None if ow is None else self._empty(T, dtype=torch.int32)
+            part = None if ow is None else self._empty(T * slices)
             grid = (T * slices,), (ATTNRES_SLICE,)
             self._k("norms", "srt_attnres_stats")(
-                *grid, [table, i32(S), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(stats), i32(D)], pdl=self.pdl)
+                *grid, [table, i32(S), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(stats), i32(D), ptr(count)],
+                pdl=self.pdl)
             norm = [ptr(None), i32(0), f32(0.0), ptr(None), ptr(None)]
             if ow is not None:  # the RMSNorm after it, in the same kernel
-                norm = [ptr(ow), i32(obf), f32(out_eps), ptr(self._empty(T * slices)), ptr(self._row_counts(T))]
+                norm = [ptr(ow), i32(obf), f32(out_eps), ptr(part), ptr(count)]
             self._k("norms", "srt_attnres_apply")(
                 *grid, [table, i32(S), ptr(stats), ptr(out), i32(D), f32(eps), *norm], pdl=self.pdl)
         return out
-
-    def _row_counts(self, rows: int) -> Tensor:
-        """Per row, how many of its blocks are done (srt_attnres_apply's norm): zero between
-        launches, each row's last block resets its count. One set per backend (launches on one
-        stream take turns); grown, never freed: a captured CUDA graph may point at an old one."""
-        if self._counts is None or self._counts.numel() < rows:
-            if self._counts is not None:
-                self._counts_outgrown.append(self._counts)
-            self._counts = torch.zeros(max(rows, 1024), dtype=torch.int32, device=self.device)
-        return self._counts
