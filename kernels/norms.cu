@@ -168,11 +168,7 @@ extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab 
 // ATTNRES_SLICE-wide slices, one block each (flat grid t * slices + slice), in two kernels:
 //   srt_attnres_stats: per (row, source, slice) the sums of V^2 and of V * wq;
 //   srt_attnres_apply: every block of a row reduces those sums in one fixed order (the same
-//   logits and bits in each), then mixes its slice; with out_w, then the RMSNorm of the row
-//   (out_w, out_eps) in place: each block adds its slice's squares, and the row's last block to
-//   finish (a device-wide count per row) adds the slices' sums in slice order and scales the
-//   whole row, (h * rsqrt(mean(h^2) + out_eps)) * out_w. That saves a launch per AttnRes (186
-//   a deep decode step); the row is a few KB, read back from L2.
+//   logits and bits in each), then mixes its slice.
 // The order of every sum depends on d and S only: a row's bits do not depend on T.
 #ifndef SRT_ATTNRES_MAXS
 #error "SRT_ATTNRES_MAXS is passed by the host (-DSRT_ATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
@@ -190,17 +186,15 @@ struct AttnResSources {
 
 // block ATTNRES_SLICE threads: warp w takes sources w, w + warps, ...; lane l elements l + 32 j
 // of the slice.
-// stats[((t * S + s) * slices + slice) * 2 + {0, 1}] = (sum V^2, sum V wq) over the slice;
-// count [T] (nullable): zeroed for srt_attnres_apply's norm.
+// stats[((t * S + s) * slices + slice) * 2 + {0, 1}] = (sum V^2, sum V wq) over the slice.
 extern "C" __global__ void srt_attnres_stats(const __grid_constant__ AttnResSources src, int S,
                                              const void* __restrict__ norm_w, int norm_bf16,
                                              const void* __restrict__ proj_w, int proj_bf16,
-                                             float* __restrict__ stats, int D, u32* __restrict__ count) {
+                                             float* __restrict__ stats, int D) {
   pdl_begin();
   const int slices = (D + ATTNRES_SLICE - 1) / ATTNRES_SLICE;
   const long long t = blockIdx.x / slices;
   const int slice = blockIdx.x % slices, l = threadIdx.x & 31, d0 = slice * ATTNRES_SLICE + l;
-  if (count != nullptr && slice == 0 && threadIdx.x == 0) count[t] = 0u;
   float wq[ATTNRES_LANE];
 #pragma unroll
   for (int j = 0; j < ATTNRES_LANE; ++j) {
@@ -229,20 +223,15 @@ extern "C" __global__ void srt_attnres_stats(const __grid_constant__ AttnResSour
 }
 
 // block ATTNRES_SLICE threads, one element of the slice each (the grid of srt_attnres_stats).
-// out_w != nullptr: part [T * slices] fp32 and count [T] u32 scratch, the counts zeroed by
-// srt_attnres_stats (scratch of this call: nothing persists between launches or graphs).
 extern "C" __global__ void srt_attnres_apply(const __grid_constant__ AttnResSources src, int S,
                                              const float* __restrict__ stats, float* __restrict__ out, int D,
-                                             float eps, const void* __restrict__ out_w, int out_bf16,
-                                             float out_eps, float* __restrict__ part, u32* __restrict__ count) {
+                                             float eps) {
   pdl_begin();
   __shared__ float logit[SRT_ATTNRES_MAXS];
   __shared__ float prob[SRT_ATTNRES_MAXS];
-  __shared__ float red[32];
-  __shared__ int row_done;
-  const int slices = (D + ATTNRES_SLICE - 1) / ATTNRES_SLICE, slice = blockIdx.x % slices;
+  const int slices = (D + ATTNRES_SLICE - 1) / ATTNRES_SLICE;
   const long long t = blockIdx.x / slices;
-  const int l = threadIdx.x & 31, d = slice * ATTNRES_SLICE + threadIdx.x;
+  const int l = threadIdx.x & 31, d = (blockIdx.x % slices) * ATTNRES_SLICE + threadIdx.x;
   for (int s = threadIdx.x >> 5; s < S; s += blockDim.x >> 5) {
     const float* st = stats + (t * S + s) * slices * 2;
     float ss = 0.0f, dot = 0.0f;
@@ -261,28 +250,10 @@ extern "C" __global__ void srt_attnres_apply(const __grid_constant__ AttnResSour
   for (int s = 0; s < S; ++s) sum += expf(logit[s] - m);
   for (int s = threadIdx.x; s < S; s += blockDim.x) prob[s] = expf(logit[s] - m) / sum;
   __syncthreads();
-  float* row = out + t * (long long)D;
+  if (d >= D) return;
   float acc = 0.0f;
-  if (d < D) {
-    for (int s = 0; s < S; ++s) acc = fmaf(prob[s], ((const float*)src.v[s])[t * D + d], acc);
-    row[d] = acc;
-  }
-  if (out_w == nullptr) return;  // uniform
-  const float ss = block_sum(acc * acc, red);  // 0 past D
-  __threadfence();  // this thread's row[d] before the count (threadfence reduction)
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    part[t * slices + slice] = ss;
-    __threadfence();
-    row_done = atomicAdd(&count[t], 1u) == (u32)(slices - 1);
-  }
-  __syncthreads();
-  if (!row_done) return;  // uniform
-  __threadfence();
-  float tot = 0.0f;
-  for (int i = 0; i < slices; ++i) tot += __ldcg(part + t * slices + i);
-  const float inv = 1.0f / sqrtf(tot / (float)D + out_eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = (__ldcg(row + i) * inv) * ldw(out_w, i, out_bf16);
+  for (int s = 0; s < S; ++s) acc = fmaf(prob[s], ((const float*)src.v[s])[t * D + d], acc);
+  out[t * (long long)D + d] = acc;
 }
 
 // The decode's cache append: for up to 4 (dst [B, cap, W_i], src [B, W_i] with row stride

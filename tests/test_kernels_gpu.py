@@ -949,14 +949,14 @@ def test_attnres_mix(gen, T, nb, D, wdt):
     ref = (p[..., None] * V).sum(1)
     mix = check(f"attnres_mix T={T} nb={nb} D={D} {wdt}", gen, ref, TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
                 lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5))
-    # then the layer's RMSNorm (out_w), in the same kernel: float64; each row's bits alone; the
-    # same bits again
+    # then the layer's RMSNorm (out_w): float64, and the bits of the two ops in turn
     out_w = (1 + randn(gen, D, scale=0.2)).to(wdt)
     ref_n = ref / torch.sqrt((ref * ref).mean(-1, keepdim=True) + 1e-6) * out_w.double()
     normed = check(f"attnres_mix + rmsnorm T={T} nb={nb} D={D} {wdt}", gen, ref_n,
                    TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6),
                    lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6))
     if normed is not None:
+        assert torch.equal(normed, NV.rmsnorm(mix, out_w, 1e-6))
         last = NV.attnres_mix(prefix[-1:], [b[-1:] for b in blocks], norm_w, proj_w, 1e-5)
         assert torch.equal(last, mix[-1:]), "row T-1 alone: bits differ from the batch's"
         last_n = NV.attnres_mix(prefix[-1:], [b[-1:] for b in blocks], norm_w, proj_w, 1e-5, out_w, 1e-6)

@@ -112,28 +112,6 @@ def test_router_launch_shared_memory_and_its_limit():
         nv.route(torch.randn(1, 4054), torch.randn(4054), 16, True, 2.5)
 
 
-def test_attnres_norm_scratch_is_per_call_and_distinct():
-    """AttnRes with its RMSNorm: the stats kernel gets the per-row counts it zeroes, the apply
-    kernel those counts and a separate per-slice buffer, both alive through the call (distinct
-    addresses: one freed early could be handed to the other); without out_w, null pointers."""
-    launches = []
-    nv = _backend(launches)
-    nv._k = lambda program, name: (lambda grid, block, args, smem=0, stream=None, pdl=False:
-                                    launches.append((name, grid, [int(a.ravel()[0]) for a in args[1:]])))
-    T, D = 3, 600  # three 256-wide slices a row
-    src = [torch.randn(T, D) for _ in range(4)]
-    w = torch.rand(D) + 0.5
-    nv.attnres_mix(src[-1], src[:-1], w, torch.randn(D), 1e-5, w, 1e-6)
-    (s_name, s_grid, s_args), (a_name, a_grid, a_args) = launches
-    assert (s_name, a_name) == ("srt_attnres_stats", "srt_attnres_apply") and s_grid == a_grid == (T * 3,)
-    count, part = a_args[-1], a_args[-2]
-    assert s_args[-1] == count and count and part and part != count and a_args[-5] == w.data_ptr()
-    launches.clear()
-    nv.attnres_mix(src[-1], src[:-1], w, torch.randn(D), 1e-5)
-    (_, _, s_args), (_, _, a_args) = launches
-    assert s_args[-1] == 0 and a_args[-5:] == [0, 0, 0, 0, 0]
-
-
 def test_counts_only_where_the_sum_can_zero_them():
     """The weighted sum zeroes the per-pair counts with its first T * k of T * Dl threads: with
     more experts per token than Dl, the down blocks wait for the whole gate+up grid instead."""

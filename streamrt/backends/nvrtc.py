@@ -636,7 +636,7 @@ class NvrtcBackend(MoeOps):
         proj_w, pb = as_weight(proj_w.reshape(-1), "attnres_mix.proj_w", dev)
         if norm_w.numel() != D or proj_w.numel() != D:
             raise ValueError(f"attnres_mix: norm_w has {norm_w.numel()} entries, proj_w {proj_w.numel()}, want D={D}")
-        ow, obf = (None, 0) if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)
+        ow = None if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)[0]
         if ow is not None and ow.numel() != D:
             raise ValueError(f"attnres_mix: out_w has {ow.numel()} entries, want D={D}")
         table = np.zeros(ATTNRES_MAXS, dtype=np.uint64)
@@ -645,18 +645,9 @@ class NvrtcBackend(MoeOps):
         out = self._empty(T, D, dtype=torch.float32)
         if T and D:
             stats = self._empty(T * S * slices * 2, dtype=torch.float32)
-            # the norm's scratch, held to the end of the call (a freed temporary's block may be handed
-            # to the next allocation while its pointer is still an argument): per row its count of
-            # slices done (zeroed by the stats kernel: no state between calls), per slice its squares
-            count = None if ow is None else self._empty(T, dtype=torch.int32)
-            part = None if ow is None else self._empty(T * slices)
             grid = (T * slices,), (ATTNRES_SLICE,)
             self._k("norms", "srt_attnres_stats")(
-                *grid, [table, i32(S), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(stats), i32(D), ptr(count)],
-                pdl=self.pdl)
-            norm = [ptr(None), i32(0), f32(0.0), ptr(None), ptr(None)]
-            if ow is not None:  # the RMSNorm after it, in the same kernel
-                norm = [ptr(ow), i32(obf), f32(out_eps), ptr(part), ptr(count)]
+                *grid, [table, i32(S), ptr(norm_w), i32(nb), ptr(proj_w), i32(pb), ptr(stats), i32(D)], pdl=self.pdl)
             self._k("norms", "srt_attnres_apply")(
-                *grid, [table, i32(S), ptr(stats), ptr(out), i32(D), f32(eps), *norm], pdl=self.pdl)
-        return out
+                *grid, [table, i32(S), ptr(stats), ptr(out), i32(D), f32(eps)], pdl=self.pdl)
+        return out if ow is None else self.rmsnorm(out, ow, out_eps)
