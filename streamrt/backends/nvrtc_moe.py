@@ -20,6 +20,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
+from streamrt.backends.cuda_driver import SMEM_DEFAULT
 from streamrt.backends.expert_pointers import down_table_bytes, gate_up_table_bytes, scales_aligned8, tables
 from streamrt.backends.kernel_defines import MOE_MAXP, MOE_MAXP_DT, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_TOKENS, TC_WBYTES, TC_XSTRIDE
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
@@ -98,8 +99,9 @@ class MoeOps:
         bias, bb = as_weight(bias.reshape(-1), "route.bias", self.device)
         if bias.numel() != E:
             raise ValueError(f"route: bias has {bias.numel()} entries, logits {E} experts")
-        if router_smem_bytes(E) > 48 * 1024:
-            raise ValueError(f"route: E={E} experts do not fit the router kernel's shared memory (at most 4053)")
+        if router_smem_bytes(E) > SMEM_DEFAULT:
+            raise ValueError(f"route: E={E} experts need {router_smem_bytes(E)} bytes of the router kernel's shared memory, "
+                             f"over its {SMEM_DEFAULT} (at most 4053 experts)")
         ids = self._empty(T, k, dtype=torch.int64)
         wts = self._empty(T, k, dtype=torch.float32)
         if T:
