@@ -198,6 +198,7 @@ class StreamingRuntime:
             gen.close()
             self._finish_previous()
             await self.stager.settle()
+            self.retire.release()  # staging that settled here may have evicted after step 5's release
         if tokens:
             await event_done(self.device.record_compute_event())  # the step's GPU work is done
             self.stats.tokens += tokens
