@@ -9,13 +9,15 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
   graphs   every expert resident, --cuda-graphs auto (replayed graphs), each B of --batches;
            B=1 --repeats times
   torch    (--torch) the torch backend, all resident, op by op (the slice target: NVRTC >= 15x)
-  stream   (--stream-slots, default a third of the experts) B=1 with the experts in host RAM:
-           ms/token against the link floor (H2D bytes per token / measured pinned rate) and the
-           main thread's CPU time per token (the host's part)
+  stream   (--stream-slots, default a third of the experts) B=1 with the experts in host RAM,
+           op by op (--cuda-graphs auto) and as segment graphs (streamed), --stream-repeats
+           rows each: ms/token against the link floor (H2D bytes per token / measured pinned
+           rate) and the main thread's CPU time per token (the host's part)
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
 runtime's counters; tok/s = B / s per step). GPU busy per step: the kernels' summed time under
 torch.profiler for --profile-steps steps of the B=1 graphs row and of the off row. Bit identity:
-every timed step's logits, graphs against off, at each B (the off rows at B > 1 run for it).
+every timed step's logits, graphs against off, at each B (the off rows at B > 1 run for it),
+and the first streaming row of each mode.
 Prints a table, the targets, and a markdown block for profiling/RESULTS.md.
 """
 
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="B=1 graphs and off rows, for the spread")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler for the GPU busy time")
     ap.add_argument("--stream-slots", type=int, default=None, help="device slots of the streaming row (default: a third)")
-    ap.add_argument("--no-stream", action="store_true", help="skip the streaming row")
+    ap.add_argument("--stream-repeats", type=int, default=2, help="rows of each streaming mode")
+    ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -133,12 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         del tmodel
     if not args.no_stream:
         slots = args.stream_slots or cfg.expert_files // 3
-        with StreamingRuntime(tree, model, RuntimeOptions(device="cuda", gpu_experts=slots, verify_experts="off"),
-                                device=device) as rt:
-            t = time.perf_counter()
-            n = rt.warm_host()
-            print(f"  stream: {n} mappings warmed in {time.perf_counter() - t:.1f} s", flush=True)
-            record(f"stream {slots} slots", decode_row(rt, model, prompts, steps[:T, :1], args.warmup))
+        for graphs, label in (("auto", "stream"), ("streamed", "stream graphs")):
+            with StreamingRuntime(tree, model, RuntimeOptions(device="cuda", gpu_experts=slots, verify_experts="off",
+                                                              cuda_graphs=graphs), device=device) as rt:
+                t = time.perf_counter()
+                n = rt.warm_host()
+                print(f"  {label}: {n} mappings warmed in {time.perf_counter() - t:.1f} s", flush=True)
+                for i in range(args.stream_repeats):
+                    record(f"{label} #{i + 1}", decode_row(rt, model, prompts, steps[:T, :1], args.warmup))
 
     # ---- results -------------------------------------------------------------------------------
     def same(a: str, b: str) -> bool:
@@ -162,10 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         checks[f"graphs B={Bmax}: tok/s >= 8x B=1"] = (rows[f"graphs B={Bmax}"]["tok_s"] / rows["graphs B=1 #1"]["tok_s"], 8.0, "ge")
     if "torch B=1" in rows:
         checks["graphs B=1 NVRTC vs torch >= 15x"] = (rows["torch B=1"]["s_per_step"] / g_med, 15.0, "ge")
-    stream = next((r for n, r in rows.items() if n.startswith("stream")), None)
-    floor = stream["bytes_per_token"] / (link["pinned"] * 1e9) if stream and link["pinned"] else 0.0
-    if stream:
-        checks["stream: s/token <= 1.05 x link floor"] = (stream["s_per_step"] / floor if floor else 0.0, 1.05, "le")
+    stream = {label: [r for n, r in rows.items() if n.startswith(label + " #")] for label in ("stream", "stream graphs")}
+    stream = {label: rs for label, rs in stream.items() if rs}
+    floor = 0.0
+    if stream and link["pinned"]:
+        floor = statistics.median(r["bytes_per_token"] for rs in stream.values() for r in rs) / (link["pinned"] * 1e9)
+    for label, rs in stream.items():
+        med = statistics.median(r["s_per_step"] for r in rs)
+        checks[f"{label}: s/token <= 1.05 x link floor (median row)"] = (med / floor if floor else 0.0, 1.05, "le")
+    if len(stream) == 2:
+        identical["stream graphs vs op by op"] = same("stream #1", "stream graphs #1")
 
     header = (f"machine: {machine()}    date: {datetime.date.today()}    commit: {git_commit()}\n"
               f"geometry: {cfg.name}    command: python profiling/bench_graphs.py " + " ".join(argv if argv is not None else sys.argv[1:]))
@@ -174,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
              + (f"{busy_g:.2f} ms, op by op {busy_o:.2f} ms" if busy_g else "not profiled (--profile-steps 0)"),
              f"graphs B=1 median {g_med * 1e3:.2f} ms/token (rows {', '.join(f'{x * 1e3:.2f}' for x in g1)}), op by op "
              f"median {o_med * 1e3:.2f} (rows {', '.join(f'{x * 1e3:.2f}' for x in o1)}): {o_med / g_med:.1f}x"]
-    if stream:
-        lines.append(f"stream: {stream['bytes_per_token'] / 1e9:.2f} GB/token over the link, floor {floor * 1e3:.1f} ms/token, "
-                     f"host CPU {stream['host_cpu_s_per_step'] * 1e3:.1f} ms/token")
+    for label, rs in stream.items():
+        lines.append(f"{label}: {statistics.median(r['bytes_per_token'] for r in rs) / 1e9:.2f} GB/token over the link, "
+                     f"floor {floor * 1e3:.1f} ms/token; rows " + ", ".join(f"{r['s_per_step'] * 1e3:.1f}" for r in rs)
+                     + " ms/token, host CPU " + ", ".join(f"{r['host_cpu_s_per_step'] * 1e3:.1f}" for r in rs) + " ms/token")
     lines.append("logits bit-identical graphs vs op by op: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in identical.items()))
     cols = ["row", "B", "ms/step", "tok/s", "host CPU ms/step", "graph steps", "GPU busy ms/step"]
     body = [[n, str(r["B"]), f"{r['s_per_step'] * 1e3:.2f}", f"{r['tok_s']:.1f}", f"{r['host_cpu_s_per_step'] * 1e3:.2f}",

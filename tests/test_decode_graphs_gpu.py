@@ -8,7 +8,8 @@
 - a whole model, every expert resident, decodes with graphs (`--cuda-graphs auto`) to logits
   bit-identical to op by op (`off`), at one row and three rows of different lengths, across a
   doubling of the cache (a new capture) and the indexer's top-k, with the experts' slots in two
-  different orders. CPU twin: tests/test_decode_seam.py.
+  different orders; and, a third of the experts in slots, with the stretches between routers
+  replayed as graphs (`--cuda-graphs streamed`). CPU twin: tests/test_decode_seam.py.
 """
 
 from __future__ import annotations
@@ -98,15 +99,18 @@ def tiny(tmp_path_factory):
     return tree, load_model(tree, "cuda", dtype=torch.bfloat16, backend=NvrtcBackend())
 
 
-def _decode(tree, model, graphs: str, rows: list[int], reverse_slots: bool) -> tuple[list[torch.Tensor], dict]:
+def _decode(tree, model, graphs: str, rows: list[int], reverse_slots: bool, slots: int | None = None,
+            ) -> tuple[list[torch.Tensor], dict]:
+    """Decode 75 forced steps; every expert preloaded into a slot, or (`slots`) streamed."""
     cfg = tree.config
-    opts = RuntimeOptions(device="cuda", gpu_experts=cfg.expert_files, cuda_graphs=graphs)
+    opts = RuntimeOptions(device="cuda", gpu_experts=slots or cfg.expert_files, cuda_graphs=graphs)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, cfg.vocab_size - 1, (n,), generator=g) for n in (7, 30, 12)]
     steps = torch.randint(0, cfg.vocab_size - 1, (75, 3), generator=g)
     with StreamingRuntime(tree, model, opts, device=make_device("cuda")) as rt, torch.no_grad():
         keys = [ExpertKey(l, e) for l in cfg.moe_layers for e in range(cfg.num_experts)]
-        rt.preload(keys[::-1] if reverse_slots else keys)  # other slots: other addresses in the table
+        if slots is None:
+            rt.preload(keys[::-1] if reverse_slots else keys)  # other slots: other addresses in the table
         caches = []
         for r in rows:
             caches.append(model.new_cache())
@@ -116,7 +120,9 @@ def _decode(tree, model, graphs: str, rows: list[int], reverse_slots: bool) -> t
                for t in range(steps.shape[0])]
         assert max(cache.lengths) > 64 and min(cache.lengths) > cfg.indexer.topk
         graphs_used = rt.model.decode_graphs
-        info = {"graph_steps": rt.stats.graph_steps, "captures": graphs_used.captures if graphs_used else 0}
+        info = {"graph_steps": rt.stats.graph_steps, "captures": graphs_used.captures if graphs_used else 0,
+                "kind": type(graphs_used).__name__, "refused": getattr(graphs_used, "refused", None),
+                "resident": len(rt.gpu)}
     assert model.decode_graphs is None  # closing the runtime drops graphs that point into its slots
     return out, info
 
@@ -142,3 +148,21 @@ def test_a_row_decodes_to_the_same_bits_alone_and_in_a_batch(tiny):
     batch, _ = _decode(tree, model, "auto", [0, 1, 2], False)
     for t, (a, b) in enumerate(zip(alone, batch)):
         assert torch.equal(a[0], b[0]), f"step {t}: row 0 differs alone and in a batch of three"
+
+
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2]])
+def test_streamed_segment_graphs_are_bit_identical_to_op_by_op(tiny, rows):
+    """A third of the experts in slots, so every step streams: `--cuda-graphs streamed` replays
+    the stretches between routers (runtime/segment_graphs.py) to the bits of op by op, across
+    a doubling of the cache and the indexer's top-k."""
+    tree, model = tiny
+    slots = tree.config.expert_files // 3
+    eager, off = _decode(tree, model, "off", rows, False, slots)
+    assert off["graph_steps"] == 0
+    graphed, on = _decode(tree, model, "streamed", rows, False, slots)
+    assert on["kind"] == "SegmentGraphs" and on["refused"] is None, on
+    assert on["resident"] < tree.config.expert_files  # it streamed to the end
+    assert on["captures"] >= 2, on  # the first shape, and again once the cache doubled past 64
+    assert on["graph_steps"] >= len(eager) - 2 * on["captures"], on
+    for t, (a, b) in enumerate(zip(eager, graphed)):
+        assert torch.equal(a, b), f"rows {rows}, step {t}: segment graphs changed the logits"

@@ -22,6 +22,7 @@ from streamrt.checkpoint.synth import synth
 from streamrt.expert_weights import NVFP4Matrix, ExpertWeights, ResidentExperts
 from streamrt.loader import DirectExpertProvider, load_model
 from streamrt.model.cache import ModelCache
+from streamrt.model.model import run_sync
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,143 @@ def test_expert_table_holds_each_experts_section_addresses_checked_once(tree):
         table.place(layer, cfg.num_experts, bad)
 
 
+def _addresses(ew):
+    return [m.data_ptr() for mat in (ew.gate, ew.up, ew.down) for m in (mat.packed, mat.scales, mat.global_scale)]
+
+
+def test_refresh_rewrites_one_layers_rows_of_the_routed_experts(tree):
+    """A streamed step's table (segment graphs): each router's experts are written where the
+    scheduler put them, then the layer's rows copied to the device; the other layers and rows
+    stay as they were."""
+    cfg = tree.config
+    views = _views(tree)
+    table = ExpertTable(cfg.moe_layers, cfg.num_experts, cfg.routed_expert_hidden_size, torch.device("cpu"))
+    first, last = cfg.moe_layers[0], cfg.moe_layers[-1]
+    for e in range(cfg.num_experts):
+        table.place(last, e, views[(last, e)])
+    table.upload()
+    before = table.layer(last).clone()
+    from streamrt.backends.expert_pointers import expert_pointers
+
+    routed = {3: views[(first, 3)], 7: views[(first, 7)]}
+    table.refresh(first, {e: expert_pointers(ew, e, cfg.routed_expert_hidden_size, torch.device("cpu"))
+                          for e, ew in routed.items()})
+    for e in range(cfg.num_experts):
+        want = _addresses(routed[e]) if e in routed else [0] * 9
+        assert table.layer(first)[e].tolist() == want, e
+    assert torch.equal(table.layer(last), before)
+    moved = {3: views[(first, 11)]}  # expert 3 now in another slot: its row follows, 7's stays
+    table.refresh(first, {3: expert_pointers(moved[3], 3, cfg.routed_expert_hidden_size, torch.device("cpu"))})
+    assert table.layer(first)[3].tolist() == _addresses(moved[3])
+    assert table.layer(first)[7].tolist() == _addresses(routed[7])
+
+
+def test_segment_graphs_place_takes_every_routed_expert_and_checks_it(tree):
+    """Between two segments the answer's experts go into the table: each one taken (the
+    compute stream waits for its copy), its pointers checked; an expert of another
+    intermediate size, or scales off the tensor-core alignment the graphs were captured
+    for, is refused with the layer and expert named."""
+    from types import SimpleNamespace
+
+    from streamrt.errors import StreamrtError
+    from streamrt.model.moe import ExpertRequest
+    from streamrt.runtime.segment_graphs import SegmentGraphs
+    from streamrt.runtime.streamed import StreamedExperts
+    from streamrt.runtime.streams import DONE, CpuDevice
+
+    cfg = tree.config
+    views = _views(tree)
+    model = load_model(tree, "cpu")
+    model.backend = SimpleNamespace(name="nvrtc")  # only the host side runs here
+    seg = SegmentGraphs(model, tensor_core=True)
+    layer = cfg.moe_layers[1]
+    ids = torch.tensor([[5, 2, 9, 2]])
+    req = ExpertRequest(layer, ids, torch.rand(1, 4), torch.randn(1, cfg.hidden_size))
+
+    def answer(ws):
+        return StreamedExperts(CpuDevice(), ws, {e: DONE for e in ws}, host_ids=ids)  # routed: 2, 5, 9
+
+    a = answer({e: views[(layer, e)] for e in (2, 5, 9)})
+    seg._place(req, a)
+    assert not any(a.pending(e) for e in (2, 5, 9))  # each taken: its copy waited for
+    for e in (2, 5, 9):
+        assert seg.table.layer(layer)[e].tolist() == _addresses(views[(layer, e)])
+    with pytest.raises(StreamrtError, match=rf"layer {layer} experts \[9\]"):
+        seg._place(req, answer({e: views[(layer, e)] for e in (2, 5)}))
+    ew = views[(layer, 9)]
+    short = ExpertWeights(*(NVFP4Matrix(m.packed[:32], m.scales[:32], m.global_scale[:32]) for m in (ew.gate, ew.up)),
+                          NVFP4Matrix(ew.down.packed[:, :16], ew.down.scales[:, :2], ew.down.global_scale))
+    with pytest.raises(StreamrtError, match=rf"layer {layer} expert 9: intermediate size 32"):
+        seg._place(req, answer({2: views[(layer, 2)], 5: views[(layer, 5)], 9: _contiguous(short)}))
+    shifted = _shifted_scales(ew)
+    with pytest.raises(StreamrtError, match=rf"layer {layer} expert 9: scales not 8-byte aligned"):
+        seg._place(req, answer({2: views[(layer, 2)], 5: views[(layer, 5)], 9: shifted}))
+
+
+class _NamedNvrtc(TorchBackend):
+    """The torch backend under the nvrtc name: SegmentGraphs' host side on the CPU (the torch
+    backend takes table answers too, reading their ids on the host)."""
+
+    name = "nvrtc"
+
+
+def test_segment_graphs_first_step_answers_from_the_table_and_a_failed_capture_stays_op_by_op(tree):
+    """A streamed step of a new shape runs op by op with every router answered from the table
+    (the kernels a capture takes on nvrtc; the torch backend here reads the views beside it):
+    the bits of the ordinary answers. The capture that follows
+    fails here (no CUDA): the reason is kept, the step's logits stand, later steps run op by
+    op with the same bits, and the host lengths count each step once."""
+    from streamrt.runtime.segment_graphs import SegmentGraphs
+    from streamrt.runtime.streamed import StreamedExperts
+    from streamrt.runtime.streams import DONE, CpuDevice
+
+    cfg = tree.config
+    views = _views(tree)
+    model = load_model(tree, "cpu", backend=_NamedNvrtc())
+    seg = SegmentGraphs(model, tensor_core=True)
+    served = []
+
+    def streamed(req):  # the scheduler's answer: slot views, a copy event per expert
+        served.append(req.layer)
+        host = req.ids.cpu()
+        ws = {e: views[(req.layer, e)] for e in host.unique().tolist()}
+        return StreamedExperts(CpuDevice(), ws, {e: DONE for e in ws}, host_ids=host)
+
+    direct = DirectExpertProvider(tree)
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, cfg.vocab_size - 1, (11,), generator=g)
+    steps = torch.randint(0, cfg.vocab_size - 1, (4, 1, 1), generator=g)
+    with torch.no_grad():
+        plain, graphed = model.new_cache(), model.new_cache()
+        for c in (plain, graphed):
+            model(prompt, c, direct, last_only=True)
+        for t in range(steps.shape[0]):
+            want = model(steps[t], plain, direct)
+            got = run_sync(seg.steps(steps[t], graphed, False), streamed)
+            assert torch.equal(want, got), f"step {t}"
+            assert graphed.lengths == plain.lengths, f"step {t}"
+            if t == 0:
+                assert served == list(cfg.moe_layers) and "CUDA" in (seg.refused or "") and seg.captures == 0
+                assert seg.table.layer(cfg.moe_layers[0]).abs().sum() > 0  # the first step filled it
+    assert seg.replays == 0 and len(served) == steps.shape[0] * len(cfg.moe_layers)
+
+
+def _contiguous(ew):
+    c = lambda m: NVFP4Matrix(m.packed.contiguous(), m.scales.contiguous(), m.global_scale.contiguous())  # noqa: E731
+    return ExpertWeights(c(ew.gate), c(ew.up), c(ew.down))
+
+
+def _shifted_scales(ew):
+    """The same expert with its gate scales 2 bytes past an 8-byte boundary (the NVFP4 checks
+    need 2-byte alignment, the tensor-core kernels 8)."""
+    sc = ew.gate.scales
+    buf = torch.empty(sc.numel() + 16, dtype=torch.uint8)
+    off = (-buf.data_ptr()) % 8 + 2
+    moved = buf[off : off + sc.numel()].view(sc.shape)
+    moved.copy_(sc)
+    return ExpertWeights(NVFP4Matrix(ew.gate.packed, moved, ew.gate.global_scale), ew.up, ew.down)
+
+
 def test_resident_answers_give_the_bits_of_host_answers(tree):
     """Prefill, then decode past the cache's first capacity (64) and the indexer's top-k, one row
     and two rows at different lengths: the model answered with ResidentExperts (device ids,
@@ -198,10 +336,11 @@ def test_cuda_graphs_flag_is_checked_and_cpu_steps_stay_op_by_op(tree):
     with pytest.raises(StreamrtError, match="cuda.graphs"):
         RuntimeOptions(cuda_graphs="always")
     model = load_model(tree, "cpu")
-    with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=tree.config.expert_files)) as rt:
-        rt.preload()
-        cache = model.new_cache()
-        with torch.no_grad():
-            rt.run(model.forward_steps(torch.tensor([3, 5, 7]), cache, last_only=True))
-            rt.run(model.forward_steps(torch.tensor([[9]]), cache), tokens=1)
-        assert model.decode_graphs is None and rt.stats.graph_steps == 0  # CUDA only
+    for graphs, slots in (("auto", tree.config.expert_files), ("streamed", tree.config.expert_files // 3)):
+        with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=slots, cuda_graphs=graphs)) as rt:
+            rt.preload()
+            cache = model.new_cache()
+            with torch.no_grad():
+                rt.run(model.forward_steps(torch.tensor([3, 5, 7]), cache, last_only=True))
+                rt.run(model.forward_steps(torch.tensor([[9]]), cache), tokens=1)
+            assert model.decode_graphs is None and rt.stats.graph_steps == 0, graphs  # CUDA only

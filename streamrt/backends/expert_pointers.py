@@ -12,7 +12,7 @@ a step replays for any ids).
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -129,14 +129,20 @@ class ExpertTable:
     """Every MoE layer's expert pointers on the device: `layer(l)` is int64 [E, EXPERT_COLS] in
     ExpertPointers' order, each row checked once when its expert is placed (`place`), so the
     per-step work is one gather on the GPU. Valid while the experts stay where they were placed
-    (the all-resident runtime never moves them); `upload` makes the device copy current."""
+    (the all-resident runtime never moves them); `upload` makes the device copy current. A
+    streamed step, whose experts move between steps, rewrites one layer's rows and copies them
+    behind the queued work instead (`refresh`)."""
 
     def __init__(self, moe_layers: list[int], num_experts: int, routed_width: int, device: torch.device):
         self.device, self.routed_width, self.num_experts = torch.device(device), routed_width, num_experts
         self._row = {layer: i for i, layer in enumerate(moe_layers)}
-        self._host = torch.zeros(len(moe_layers), num_experts, EXPERT_COLS, dtype=torch.int64)
+        # page-locked on CUDA: `refresh` copies a layer's rows without blocking the host
+        self._host = torch.zeros(len(moe_layers), num_experts, EXPERT_COLS, dtype=torch.int64,
+                                 pin_memory=self.device.type == "cuda")
+        self._rows = self._host.numpy()  # the same memory: rows written without a tensor op each
         self._placed = torch.zeros(len(moe_layers), num_experts, dtype=torch.bool)
         self._device = torch.zeros_like(self._host, device=self.device)
+        self._copied: list = [None] * len(moe_layers)  # per layer, the event after its last refresh copy
         self.inter: int | None = None
 
     def place(self, layer: int, e: int, ew: ExpertWeights) -> None:
@@ -163,6 +169,21 @@ class ExpertTable:
 
     def upload(self) -> None:
         self._device.copy_(self._host)
+
+    def refresh(self, layer: int, pointers: Mapping[int, ExpertPointers]) -> None:
+        """Rewrite `layer`'s rows of these experts (their pointers already checked, e.g. by an
+        ExpertPointerCache) and copy the layer's table to the device behind the work queued on
+        the current stream. The host rows are rewritten only once the layer's previous copy
+        has run (normally long before: a decode step ends with the GPU)."""
+        i = self._row[layer]
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()
+        if pointers:
+            self._rows[i, list(pointers)] = [p[:EXPERT_COLS] for p in pointers.values()]  # one numpy write
+        self._device[i].copy_(self._host[i], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[i] = torch.cuda.Event()
+            self._copied[i].record()
 
     def layer(self, layer: int) -> torch.Tensor:
         return self._device[self._row[layer]]

@@ -167,8 +167,9 @@ class KimiLinearForCausalLM(nn.Module):
         self.prefill_chunk: int | None = None
         # Around every layer: acquire / release its dense weights (RESIDENT: they never move).
         self.layer_weights: LayerWeights = RESIDENT
-        # Decode steps as CUDA graphs (runtime/decode_graphs.DecodeGraphs), set by the runtime
-        # when every routed expert is resident; None: every step runs op by op.
+        # Decode steps as CUDA graphs, set by the runtime: the whole step once every routed
+        # expert is resident (runtime/decode_graphs.DecodeGraphs), or the parts between two
+        # routers while experts stream (runtime/segment_graphs.SegmentGraphs); None: op by op.
         self.decode_graphs = None
         self.model = KimiLinearModel(cfg, float_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -212,7 +213,7 @@ class KimiLinearForCausalLM(nn.Module):
             if T > 1 and len(set(cache.lengths)) > 1:
                 raise StreamrtError(f"a prefill on a cache needs rows of one length, got lengths {cache.lengths}")
         if cache is not None and T == 1 and self.decode_graphs is not None:
-            logits = self.decode_graphs.decode(ids, cache, last_only)  # a replayed CUDA graph (no yields)
+            logits = yield from self.decode_graphs.steps(ids, cache, last_only)  # replayed CUDA graphs
             return logits[0] if squeeze else logits
         if cache is not None and T > 1:
             C = int(prefill_chunk or self.prefill_chunk or default_prefill_chunk(cfg, ids.device))
@@ -238,8 +239,7 @@ class KimiLinearForCausalLM(nn.Module):
             be = be.for_prefill()  # fixed-tile products: chunk-invariant rows
         step = Step(be=be, batch=B, seqlen=T, cache=cache, start=cache.lengths[0] if cache is not None else 0)
 
-        emb = self.model.embed_tokens.weight  # on the host when dense layers stream (placement.py)
-        h = F.embedding(ids.reshape(-1).to(emb.device), emb).to(ids.device).float()  # [N, D]
+        h = self.embed(ids)
         if self.step_hint is not None and cache is not None and T == 1:
             self.step_hint(h)
         partial, blocks, weights = h, [], self.layer_weights
@@ -257,6 +257,11 @@ class KimiLinearForCausalLM(nn.Module):
         h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be, self.model.norm)
         logits = be.linear(h, self.lm_head.weight)  # [N, V] fp32
         return logits.view(B, T, -1)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [B, T] on the model's device -> their embeddings [B*T, D] fp32 there."""
+        emb = self.model.embed_tokens.weight  # on the host when dense layers stream (placement.py)
+        return F.embedding(ids.reshape(-1).to(emb.device), emb).to(ids.device).float()
 
     def forward(
         self, input_ids: Tensor, cache: ModelCache | None = None, provider: ExpertProvider | None = None, *,

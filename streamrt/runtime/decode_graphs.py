@@ -54,6 +54,11 @@ class DecodeGraphs:
         return ResidentExperts(self.views[req.layer], self.table.layer(req.layer), self.table.inter, req.ids,
                                req.layer, self.tensor_core)
 
+    def steps(self, ids: Tensor, cache: ModelCache, last_only: bool):
+        """The model's forward generator for this step: a whole-step replay asks for no experts."""
+        return self.decode(ids, cache, last_only)
+        yield  # (unreached: makes this a generator, as every forward is)
+
     def decode(self, ids: Tensor, cache: ModelCache, last_only: bool) -> Tensor:
         """One decode step of ids [B, 1] (checked, on the device) -> logits [B, 1, V]."""
         # growth moves the caches: before the key is taken, and one position ahead, so that the

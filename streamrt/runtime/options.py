@@ -185,8 +185,9 @@ class RuntimeOptions:
                              "(on) or not used (off); the start line says which path runs",
                      choices=("auto", "on", "off"))
     cuda_graphs: str = _flag("auto", "auto: once every routed expert sits in a device slot (and the backend is nvrtc, "
-                                     "the dense layers resident), decode steps replay CUDA graphs; off: op by op (the "
-                                     "same tokens, more host time)", choices=("auto", "off"))
+                                     "the dense layers resident), decode steps replay CUDA graphs; streamed: also while "
+                                     "experts stream, the work between two routers replays as one graph each; off: op by "
+                                     "op (the same tokens, more host time)", choices=("auto", "streamed", "off"))
     device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
     backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
                                   "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))

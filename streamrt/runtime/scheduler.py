@@ -62,6 +62,7 @@ from streamrt.backends.expert_pointers import ExpertTable
 from streamrt.model.model import ResidentWeights
 from streamrt.runtime.aio import event_done, gather_all, new_event_loop, settled
 from streamrt.runtime.decode_graphs import DecodeGraphs
+from streamrt.runtime.segment_graphs import SegmentGraphs
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.pool_reads import PoolReads
 from streamrt.runtime.predictor import Predictor
@@ -179,7 +180,7 @@ class StreamingRuntime:
         t0, b0 = time.perf_counter(), self.stats.bytes_h2d
         tracer = self.tracer
         tracer.begin_step()
-        if tokens and self.model is not None and self.model.decode_graphs is None and self.graphs_refused is None:
+        if tokens and self.model is not None and self.graphs_refused is None:
             self._try_decode_graphs()
         hinted = self.stager.hints_first
         if hinted:
@@ -208,13 +209,25 @@ class StreamingRuntime:
         return logits
 
     def _try_decode_graphs(self) -> None:
-        """Once every routed expert sits in a device slot, nothing is left to fetch: decode steps
-        replay CUDA graphs (runtime/decode_graphs.py) and skip `serve`, unless --cuda-graphs off,
-        the backend is not nvrtc, dense layers stream, or a trace wants per-layer spans. The
-        table of slot pointers is checked once here; a slot refilled later drops the graphs."""
-        if (len(self.gpu) < self.cfg.expert_files or self.options.cuda_graphs == "off" or self.device.kind != "cuda"
+        """Decode steps as CUDA graphs, unless --cuda-graphs off, the backend is not nvrtc, dense
+        layers stream, or a trace wants per-layer spans. Once every routed expert sits in a
+        device slot, nothing is left to fetch: whole steps replay (runtime/decode_graphs.py) and
+        skip `serve`; the table of slot pointers is checked once here, and a slot refilled later
+        drops those graphs. Before that, with --cuda-graphs streamed, the stretches between
+        routers replay (runtime/segment_graphs.py) and `serve` answers each router as before."""
+        current, resident = self.model.decode_graphs, len(self.gpu) >= self.cfg.expert_files
+        if isinstance(current, DecodeGraphs) or (current is not None and not resident):
+            return  # the graphs in place still fit
+        self.model.decode_graphs = None
+        if (self.options.cuda_graphs == "off" or self.device.kind != "cuda"
                 or getattr(self.model.backend, "name", None) != "nvrtc" or not isinstance(self.model.layer_weights, ResidentWeights)
                 or self.tracer.enabled or self.stats.trace is not None):
+            return
+        if not resident:
+            if self.options.cuda_graphs == "streamed":
+                # slots and transient buffers start page-aligned: the layout decides the alignment
+                aligned = self.layout.file_bytes % 8 == 0 and all(off % 8 == 0 for off, _ in self.layout.sections)
+                self.model.decode_graphs = SegmentGraphs(self.model, tensor_core=aligned, stats=self.stats)
             return
         table = ExpertTable(self.cfg.moe_layers, self.cfg.num_experts, self.cfg.routed_expert_hidden_size, self.device.torch_device)
         views: dict[int, dict[int, ExpertWeights]] = {}
@@ -230,6 +243,11 @@ class StreamingRuntime:
 
     def _drop_decode_graphs(self) -> None:
         if self.model is not None:
+            self.model.decode_graphs = None
+
+    def _drop_resident_graphs(self) -> None:
+        """A slot is refilled: whole-step graphs point into the slots (segment graphs do not)."""
+        if self.model is not None and isinstance(self.model.decode_graphs, DecodeGraphs):
             self.model.decode_graphs = None
 
     # ---- one layer request: the I/O story ---------------------------------------------
@@ -374,7 +392,7 @@ class StreamingRuntime:
         """Give `key` a slot and queue its copy from mapping `m` (one ready event)."""
         if key in self.gpu or key in self._transient:
             return True
-        self._drop_decode_graphs()  # a slot may be refilled: the graphs' pointer table would go stale
+        self._drop_resident_graphs()  # a slot may be refilled: the whole-step graphs' table would go stale
         slot = self.gpu.admit(key, required=False)
         if slot is None:  # every slot pinned: only a request wider than the slab gets here
             if required:
