@@ -1,0 +1,202 @@
+"""The host's share of an op-by-op decode step on the nvrtc backend, measured on the CPU.
+
+With experts streaming, a decode step runs op by op (no CUDA graph) and the host's Python sits
+between every two routers: when it takes as long as the link, the link no longer sets the speed.
+This runs the nvrtc backend's own wrappers (checks, tables, argument packing) on a model of
+deep-k3.1-pro's exact layer schedule, with every kernel launch recorded instead of run and the
+router's ids drawn at random. The widths are narrow (hidden 256), so torch's own CPU work stays
+small: what is timed is the Python between launches, the driver's launch call excluded.
+
+    python profiling/bench_host_path.py                 # ms of host time per step, three rows each
+    python profiling/bench_host_path.py --profile 30    # ... and the 30 heaviest functions
+
+Rows, every expert in a slot (no copies: the host's Python alone):
+  runtime   the op by op step through the StreamingRuntime on its CPU device: the model's and
+            the backend's Python, and the scheduler's per-layer work
+  segments  the host's part of the same step under `--cuda-graphs streamed`
+            (runtime/segment_graphs.py) without its graph replays: the step's requests (recorded
+            from one op by op step) yielded to the same runtime in order, each answer placed in
+            the pointer table, as SegmentGraphs.steps does between two replays
+Numbers are for this machine's CPU; the GPU machine's cores are faster, and the launch calls
+(or graph replays) themselves come on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from streamrt.backends import nvrtc as nvm
+from streamrt.backends.expert_pointers import ExpertPointerCache
+from streamrt.checkpoint.reader import open_tree
+from streamrt.checkpoint.synth import synth
+from streamrt.loader import DirectExpertProvider, load_model
+from streamrt.model import run_sync
+from streamrt.runtime.options import RuntimeOptions
+from streamrt.runtime.scheduler import StreamingRuntime
+from streamrt.runtime.segment_graphs import SegmentGraphs
+
+# deep-k3.1-pro's schedule (layers, token mixers, indexer layers, AttnRes blocks, 24 experts,
+# top 16, two shared) at widths a CPU runs in no time; head dims stay real.
+NARROW = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 2,
+          "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "vocab_size": 512,
+          "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
+
+
+class Launches:
+    """Stands in for every loaded kernel: counts launches by name, runs nothing."""
+
+    def __init__(self):
+        self.count = Counter()
+
+    def kernel(self, program, name):
+        count = self.count
+
+        def launch(grid, block, args, smem=0, stream=None, pdl=False):
+            count[name] += 1
+
+        return launch
+
+
+class HostOnlyNvrtc(nvm.NvrtcBackend):
+    """The nvrtc backend's host side on CPU tensors: launches recorded, router ids drawn."""
+
+    def __init__(self, launches: Launches, experts: int, seed: int = 0):
+        # not NvrtcBackend.__init__: it needs a CUDA device; these are the fields it sets
+        self.device, self.rowwise_max, self._dev, self.nvfp4_impl = torch.device("cpu"), 64, 0, "tc"
+        self.tc_shape, self.pdl, self.pair_ready = nvm.TC_SHAPE, True, True
+        self._ready, self._ready_outgrown, self._ptr_cache = None, [], ExpertPointerCache(self.device)
+        self._torch_attention = nvm.TorchBackend()
+        self.gemv_plan, self._gemv_choice, self.gemv_tc_ks = {}, {}, None
+        self._cc, self._mma, self._smem_optin, self._sms = (9, 0), True, 227 * 1024, 132
+        self._launches, self._experts = launches, experts
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def _k(self, program, name):
+        return self._launches.kernel(program, name)
+
+    def _empty(self, *shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype)  # outputs feed torch ops: no uninitialised NaNs
+
+    def route(self, logits, bias, k, *args, **kw):
+        ids, wts = super().route(logits, bias, k, *args, **kw)
+        ids.copy_(torch.stack([torch.randperm(self._experts, generator=self._gen)[:k] for _ in range(ids.shape[0])]))
+        wts.fill_(1.0 / k)
+        return ids, wts
+
+
+def recorded(gen, requests: list):
+    """`gen` passed through, its requests kept (the tensors a chain's replays would leave)."""
+    try:
+        req = next(gen)
+        while True:
+            requests.append(req)
+            req = gen.send((yield req))
+    except StopIteration as stop:
+        return stop.value
+
+
+def between_replays(segments: SegmentGraphs, requests: list, ids):
+    """SegmentGraphs.steps' replay loop with the replays left out: the host's part of the step."""
+    model = segments.model
+    if model.step_hint is not None:
+        model.step_hint(model.embed(ids))
+    for req in requests:
+        segments._place(req, (yield req))
+    return None
+
+
+def narrow_config(path: Path) -> Path:
+    cfg = json.loads(resources.files("streamrt").joinpath("configs", "deep-k3.1-pro.json").read_text())
+    cfg["_streamrt_name"] = "deep-k3.1-pro-narrow"
+    cfg.update({k: v for k, v in NARROW.items() if k in cfg})
+    t = cfg["text_config"]
+    t.update({k: v for k, v in NARROW.items() if k in t})
+    t["linear_attn_config"]["num_heads"] = 2
+    t["dsa_config"]["index_n_heads"] = 2
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def timed_steps(step, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per row")
+    ap.add_argument("--repeats", type=int, default=3, help="rows per mode (the spread)")
+    ap.add_argument("--modes", default="runtime,segments", help="comma-separated: runtime, segments")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one row per mode, print the N heaviest")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the narrow tree is synthesised (default: a temp dir)")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in modes if m not in ("runtime", "segments")]:
+        ap.error(f"--modes: unknown {bad}")
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.workdir or Path(tmp)
+        tree_dir = work / "deep-narrow"
+        if not (tree_dir / "config.json").exists():
+            synth(str(narrow_config(work / "deep-narrow.json")), tree_dir, fmt="streamrt", seed=0, progress=False)
+        tree = open_tree(tree_dir)
+        cfg = tree.config
+        launches = Launches()
+        backend = HostOnlyNvrtc(launches, cfg.num_experts)
+        model = load_model(tree, "cpu", dtype=torch.bfloat16, backend=backend)
+        print(f"config: {cfg.num_layers} layers, {len(cfg.moe_layers)} MoE layers of {cfg.num_experts} experts, "
+              f"top {cfg.experts_per_token}; torch {torch.__version__}, 1 thread")
+
+        rt = StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files), workers=2)
+        rt.preload()
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            run_sync(model.forward_steps(torch.tensor([[1, 2, 3, 4]]), cache, last_only=True), DirectExpertProvider(tree))
+            requests = []
+            rt.run(recorded(model.forward_steps(torch.tensor([[5]]), cache), requests), tokens=1)
+            segments = SegmentGraphs(model, tensor_core=True)
+            for mode in modes:
+                if mode == "runtime":
+                    step = lambda: rt.run(model.forward_steps(torch.tensor([[5]]), cache), tokens=1)  # noqa: E731
+                else:
+                    step = lambda: rt.run(between_replays(segments, requests, torch.tensor([[5]])), tokens=1)  # noqa: E731
+                step()  # warm: first-call caches
+                launches.count.clear()
+                step()
+                per_step = sum(launches.count.values())
+                rows = [statistics.median(timed_steps(step, args.steps)) for _ in range(args.repeats)]
+                print(f"{mode:8s} host ms/step (median of {args.steps} steps), rows: "
+                      + ", ".join(f"{r:.1f}" for r in rows)
+                      + f"; spread {100 * (max(rows) - min(rows)) / min(rows):.1f} %; {per_step} launches/step")
+                if args.profile:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    timed_steps(step, args.steps)
+                    prof.disable()
+                    out = io.StringIO()
+                    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
+                    print(out.getvalue())
+        rt.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
