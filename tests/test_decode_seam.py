@@ -275,6 +275,47 @@ def test_segment_graphs_first_step_answers_from_the_table_and_a_failed_capture_s
     assert seg.replays == 0 and len(served) == steps.shape[0] * len(cfg.moe_layers)
 
 
+def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_misses(tree):
+    """The runtime's side on the CPU: under --cuda-graphs streamed, with experts streaming, a
+    device that says "cuda" and a backend named nvrtc, decode steps go through SegmentGraphs
+    (installed once, kept while slots are refilled); here the capture fails (no CUDA), so the
+    steps run op by op through the scheduler's answers, to the reference's bits."""
+    from streamrt.runtime.options import RuntimeOptions
+    from streamrt.runtime.scheduler import StreamingRuntime
+    from streamrt.runtime.segment_graphs import SegmentGraphs
+    from streamrt.runtime.streams import CpuDevice
+
+    class CudaNamedCpu(CpuDevice):  # the runtime's "cuda" branches, CPU tensors underneath
+        kind = "cuda"
+
+    cfg = tree.config
+    model = load_model(tree, "cpu", backend=_NamedNvrtc())
+    direct = DirectExpertProvider(tree)
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, cfg.vocab_size - 1, (9,), generator=g)
+    steps = torch.randint(0, cfg.vocab_size - 1, (5, 1, 1), generator=g)
+    with torch.no_grad():
+        ref_cache = model.new_cache()
+        model(prompt, ref_cache, direct, last_only=True)
+        want = [model(steps[t], ref_cache, direct) for t in range(steps.shape[0])]
+        opts = RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 4, cuda_graphs="streamed")
+        with StreamingRuntime(tree, model, opts, device=CudaNamedCpu(), workers=2) as rt:
+            cache = model.new_cache()
+            rt.run(model.forward_steps(prompt, cache, last_only=True))
+            assert model.decode_graphs is None  # prefill: no graphs
+            misses_before = rt.stats.device_misses
+            got, installed = [], None
+            for t in range(steps.shape[0]):
+                got.append(rt.run(model.forward_steps(steps[t], cache), tokens=1))
+                installed = installed or model.decode_graphs
+                assert model.decode_graphs is installed, f"step {t}: the segment graphs were replaced"
+            assert isinstance(installed, SegmentGraphs) and "CUDA" in (installed.refused or "")
+            assert rt.stats.device_misses > misses_before  # decode steps refilled slots: the graphs stayed
+        assert model.decode_graphs is None  # closing the runtime drops them
+    for t, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"step {t}"
+
+
 def _contiguous(ew):
     c = lambda m: NVFP4Matrix(m.packed.contiguous(), m.scales.contiguous(), m.global_scale.contiguous())  # noqa: E731
     return ExpertWeights(c(ew.gate), c(ew.up), c(ew.down))
