@@ -13,8 +13,9 @@
 // scales u8 [out, in/16] (E4M3), global fp32 [out]. A row's dot product is
 //   global[row] * sum_g e4m3(scale_g) * (sum_{i in g} e2m1_i * x_i)
 // (exactly the dequantised dot in real arithmetic; fp32 rounding in a fixed order).
-// Two implementations of steps 1-2: the tensor-core kernels (*_tc*, below; in % 128 == 0) and
-// the CUDA-core kernels (fp32 FMA; in % 32 == 0). In the CUDA-core kernels each warp owns 4 row
+// Two implementations of steps 1-2: the tensor-core kernels (*_tc*, below; in % 128 == 0; *_r16:
+// up to 16 rows of one expert a block, the activation staged in phases) and the CUDA-core
+// kernels (fp32 FMA; in % 32 == 0). In the CUDA-core kernels each warp owns 4 row
 // streams; each lane reads 16 bytes (32 weights = 2 scale groups) of each stream per step, the
 // activation comes from shared memory and is reused by the 4 streams.
 #include "common.cuh"
@@ -521,14 +522,27 @@ SRT_DEV u32 hmul2(u32 a, u32 b) {
   return r;
 }
 
+// The activation of a 16-row block, staged `kbp` column blocks (a phase) at a time (the 16-row
+// section below): where and from what tc_rows restages it when it has used up a phase.
+struct TcPhases {
+  u32* xs;          // the staged phase: the array tc_rows reads B from
+  const float* x;   // the rows in global memory: x + idx[j] * in, j < n
+  const int* idx;
+  int n, in, kbp;   // kbp: column blocks per phase, a multiple of the ring's KBS
+  const float* up;  // each row's prescale (shared memory)
+};
+
+SRT_DEV void stage_phase(const TcPhases& ph, int words, int kb0, int nkb);
+
 // acc[t][s]: tile t's sums for rows 4s..4s+3 of the group (n rows, staged at xs; s < SETS,
-// SETS = 2 when n > 4), over the whole row: [0] / [1] row g hi / lo of group row 4s + c, [2] / [3]
+// SETS = ceil(n / 4)), over the whole row: [0] / [1] row g hi / lo of group row 4s + c, [2] / [3]
 // row g + 8. Each word's two mmas feed two accumulators (one chain would put the mma latency
 // between every pair), added at the end: the same order for every n, so a row's bits do not
-// depend on SETS.
-template <int S, int KBS, int SETS>
+// depend on SETS. PHASED: xs holds one phase of ph's columns, restaged by the whole block (every
+// warp runs every stage) when the loop reaches the next; the sums run in the same order.
+template <int S, int KBS, int SETS, int NSETS = 2, bool PHASED = false>
 SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8* wring, const u8* sring,
-                     float acc[2][2][4]) {
+                     float acc[2][NSETS][4], const TcPhases* ph = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int nst = (R.nkb + KBS - 1) / KBS;
   const u32 wbuf = smem_addr(wring), sbuf = smem_addr(sring);
@@ -548,7 +562,15 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8*
     for (int s = 0; s < SETS; ++s)
 #pragma unroll
       for (int i = 0; i < 8; ++i) part[t][s][i >> 2][i & 3] = 0.0f;
+  int kb0 = 0;  // the first column block of the staged phase (PHASED), else 0
   for (int st = 0; st < nst; ++st) {
+    if constexpr (PHASED) {
+      if (st * KBS == kb0 + ph->kbp) {  // the phase is used up: the block moves on together
+        kb0 += ph->kbp;
+        __syncthreads();  // every warp has read the phase before
+        stage_phase(*ph, words, kb0, min(ph->kbp, R.nkb - kb0));
+      }
+    }
     tc_issue<S, KBS>(st + S - 1, R, wbuf, sbuf);
     cp_async_wait<S - 1>();
     __syncwarp();
@@ -583,7 +605,7 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8*
           }
 #pragma unroll
           for (int s = 0; s < SETS; ++s) {  // B word wi of this lane's column (read per use: fewer live registers)
-            const u32x4 b = bval[s] ? *(const u32x4*)(bsrc[s] + kb * 4 * MMA_XSTRIDE + 4 * wi) : u32x4{0u, 0u, 0u, 0u};
+            const u32x4 b = bval[s] ? *(const u32x4*)(bsrc[s] + (kb - kb0) * 4 * MMA_XSTRIDE + 4 * wi) : u32x4{0u, 0u, 0u, 0u};
             mma16816(part[t][s][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
             mma16816(part[t][s][1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
           }
@@ -724,6 +746,214 @@ SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restr
   }
   if (ready != nullptr) pdl_wait();  // end no earlier than the gate+up grid: the sum waits on this grid only
 }
+
+// ---- up to 16 rows of one expert per block (a batch's rows share one decode of the weights) ----
+//
+// The same kernels for groups of up to TC_ROWS16 pairs: the mma's 8 columns hold 4 rows, so up
+// to four sets of B per decoded A fragment, where the blocks above decode an expert's weights
+// once per 8 rows. Staged whole, 16 rows' hi / lo activation of a 3584-wide row is 289 KB, over
+// the 227 KB a block may have: the rows are staged `kbp` column blocks (a phase) at a time, and
+// every warp of the block moves from one phase to the next together. Each row's prescale comes
+// from its whole row first (rows_prescale), so a phase holds exactly the values the whole-row
+// staging would, and every row's sums run over the column blocks in the same order: a row's
+// bits are those of the 8-row blocks. One pipeline shape (2 stages of 2 column blocks); up to
+// 8 warps a block (the accumulators of four sets need more than 128 registers a thread).
+
+#ifndef TC_ROWS16  // the most pairs of one expert a 16-row block takes
+#error "TC_ROWS16 is passed by the host (-DTC_ROWS16=..., streamrt/backends/kernel_defines.py)"
+#elif TC_ROWS16 > 16
+#error "TC_ROWS16 > 16: four sets of 4 rows per decoded A fragment at most (tc_group16)"
+#endif
+
+// Each row's prescale from its whole row (as stage_rows_f16 takes it): up[j] = 2^s_j, putting
+// max|x_j| in [2^14, 2^15), and unscale[j] = 2^(14 - s_j), into shared memory for every thread.
+// red: 32 * TC_ROWS16 floats.
+SRT_DEV void rows_prescale(const float* __restrict__ x, const int* idx, int n, int in, float* red, float* up,
+                           float* unscale) {
+  const int items = in >> 3, total = n * items, nt = blockDim.x;
+  float m[TC_ROWS16];
+#pragma unroll
+  for (int j = 0; j < TC_ROWS16; ++j) m[j] = 0.0f;
+  for (int i = threadIdx.x; i < total; i += 4 * nt) {
+    f32x4 a[4], b[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {  // four items' loads in flight
+      const int iu = i + u * nt, j = iu / items;
+      const bool in_range = iu < total;
+      const f32x4* x4 = (const f32x4*)(x + (long long)idx[in_range ? j : 0] * in) + (iu - j * items) * 2;
+      a[u] = in_range ? ld_cg4(x4) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+      b[u] = in_range ? ld_cg4(x4 + 1) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = (i + u * nt) / items;
+      const float v = fmaxf(absmax4(a[u]), absmax4(b[u]));
+#pragma unroll
+      for (int jj = 0; jj < TC_ROWS16; ++jj) m[jj] = jj == j ? fmaxf(m[jj], v) : m[jj];
+    }
+  }
+  const int nw = (nt + 31) >> 5, w = threadIdx.x >> 5;
+#pragma unroll
+  for (int j = 0; j < TC_ROWS16; ++j) m[j] = warp_max(m[j]);
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int j = 0; j < TC_ROWS16; ++j) red[j * 32 + w] = m[j];
+  __syncthreads();
+  if (threadIdx.x < TC_ROWS16) {
+    const int j = threadIdx.x;
+    float mj = red[j * 32];
+    for (int v = 1; v < nw; ++v) mj = fmaxf(mj, red[j * 32 + v]);
+    int e = 0;
+    if (mj > 0.0f) frexpf(mj, &e);  // mj < 2^e
+    const int sh = max(-100, min(100, 15 - e));
+    up[j] = ldexpf(1.0f, sh);
+    unscale[j] = ldexpf(1.0f, 14 - sh);
+  }
+  __syncthreads();
+}
+
+// Stage column blocks kb0 .. kb0 + nkb - 1 of ph's rows as stage_rows_f16 stages a whole row
+// (row j's hi at xs + 2j * words, its lo one array on), then wait for the block.
+SRT_DEV void stage_phase(const TcPhases& ph, int words, int kb0, int nkb) {
+  const int items = nkb * 16, total = ph.n * items;  // an item: 8 elements, 16 to a column block
+  for (int iu = threadIdx.x; iu < total; iu += blockDim.x) {
+    const int j = iu / items, it = iu - j * items;
+    const f32x4* x4 = (const f32x4*)(ph.x + (long long)ph.idx[j] * ph.in) + (kb0 * 16 + it) * 2;
+    stage_item(ph.xs + 2 * j * words, ph.xs + (2 * j + 1) * words, it, ld_cg4(x4), ld_cg4(x4 + 1), ph.up[j]);
+  }
+  __syncthreads();
+}
+
+// tc_rows for up to 16 rows, staged by phases: every warp of the block takes part (a warp past
+// the matrix's last row computes clamped rows nobody reads, to meet the phases' barriers).
+template <int S, int KBS>
+SRT_DEV void tc_group16(const TcRows& R, const TcPhases& ph, int words, const u8* wring, const u8* sring,
+                        float acc[2][4][4]) {
+  const int n = ph.n;
+  if (n > 12) tc_rows<S, KBS, 4, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+  else if (n > 8) tc_rows<S, KBS, 3, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+  else if (n > 4) tc_rows<S, KBS, 2, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+  else tc_rows<S, KBS, 1, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+}
+
+// gateup_tc with groups of up to cap <= 16 pairs; kbp column blocks per phase. smem: cap * 8 *
+// tc_xwords(kbp * 128) + warps * S * KBS * (TC_WBYTES + TC_SBYTES) bytes; `sc`: 2 * TC_ROWS16 floats.
+template <int S, int KBS, class Tab>
+SRT_DEV void gateup_tc16(const Tab& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
+                         float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, int kbp, u8* smem,
+                         float* red, float* sc) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
+  if (n == 0) return;
+  const int words = tc_xwords(kbp * 128);
+  u32* xs = (u32*)smem;
+  const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+  const u8* sring = wring + S * KBS * TC_WBYTES;
+  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
+  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
+  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
+  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
+                    scales_aligned16(gs, us, Dl >> 4)};
+  for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  pdl_wait();  // z may be the kernel before's output
+  pdl_launch_dependents();  // (after pdl_wait: the down blocks read `ready`, which the sum before zeroes)
+  const TcPhases ph = {xs, z, &tab.row[p], n, Dl, kbp, sc};
+  rows_prescale(z, &tab.row[p], n, Dl, red, sc, sc + TC_ROWS16);
+  stage_phase(ph, words, 0, min(kbp, R.nkb));
+  float acc[2][4][4];
+  tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
+  if (r0 < I) {
+    const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
+    const float* gg = (const float*)tab.gate_global[p];
+    const float* ug = (const float*)tab.up_global[p];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int j = 4 * s + c;
+      if (j >= n) break;
+      const float u = sc[TC_ROWS16 + j];
+      const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
+      const float* ut = acc[1][s];
+      float* hp = h + (long long)tab.dst[p + j] * I;
+      if (r0 + g < I)
+        hp[r0 + g] = situ((gt[0] + gt[1]) * u * gg[ra], (ut[0] + ut[1]) * u * ug[ra], beta, beta_inf, lbeta, has_lin);
+      if (r0 + g + 8 < I)
+        hp[r0 + g + 8] = situ((gt[2] + gt[3]) * u * gg[rc], (ut[2] + ut[3]) * u * ug[rc], beta, beta_inf, lbeta, has_lin);
+    }
+  }
+  if (ready != nullptr) {
+    __syncthreads();  // every warp's rows of h are written
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(&ready[tab.dst[p]], 1);
+    }
+  }
+}
+
+// down_tc with groups of up to cap <= 16 pairs (gate+up's groups); kbp column blocks of h per phase.
+template <int S, int KBS, class Tab>
+SRT_DEV void down_tc16(const Tab& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
+                       const int* ready, int target, int cap, int kbp, u8* smem, float* red, float* sc) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = group_size(tab.packed, p, gridDim.y, cap);
+  if (n == 0) return;
+  const int words = tc_xwords(kbp * 128);
+  u32* xs = (u32*)smem;
+  const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+  const u8* sring = wring + S * KBS * TC_WBYTES;
+  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
+  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
+  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
+                    scales_aligned16(ds, ds, I >> 4)};
+  pdl_launch_dependents();
+  for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  if (ready != nullptr) wait_count(ready + tab.dst[p], target);
+  else pdl_wait();  // h is the gate+up kernel's output
+  const TcPhases ph = {xs, h, &tab.dst[p], n, I, kbp, sc};
+  rows_prescale(h, &tab.dst[p], n, I, red, sc, sc + TC_ROWS16);
+  stage_phase(ph, words, 0, min(kbp, R.nkb));
+  float acc[2][4][4];
+  tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
+  if (r0 < Dl) {
+    const float* dg = (const float*)tab.global[p];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int j = 4 * s + c;
+      if (j >= n) break;
+      const float u = sc[TC_ROWS16 + j];
+      float* yp = y + (long long)tab.dst[p + j] * Dl;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // slot q: tile q / 2, its rows g (q even) or g + 8
+        const int row = r0 + g + 8 * q;
+        const float* d = acc[q >> 1][s] + 2 * (q & 1);
+        if (row < Dl) yp[row] = (d[0] + d[1]) * u * dg[row];
+      }
+    }
+  }
+  if (ready != nullptr) pdl_wait();  // end no earlier than the gate+up grid: the sum waits on this grid only
+}
+
+// Entry points of the 16-row blocks (the host's table by value, or srt_moe_tables' in device memory).
+#define SRT_TC16_ENTRY(GU_NAME, DN_NAME, GU_TAB, DN_TAB, GU_ARG, DN_ARG)                                          \
+  extern "C" __global__ void __launch_bounds__(256, 1)                                                            \
+      GU_NAME(GU_TAB, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, float beta, int beta_inf, \
+              float lbeta, int has_lin, int* ready, int cap, int kbp) {                                           \
+    extern __shared__ u32x4 smem_##GU_NAME[];                                                                    \
+    __shared__ float red[32 * TC_ROWS16], sc[2 * TC_ROWS16];                                                     \
+    gateup_tc16<2, 2>(GU_ARG, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, kbp, (u8*)smem_##GU_NAME, \
+                      red, sc);                                                                                  \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(256, 1)                                                            \
+      DN_NAME(DN_TAB, const float* __restrict__ h, float* __restrict__ y, int Dl, int I, const int* ready,        \
+              int target, int cap, int kbp) {                                                                    \
+    extern __shared__ u32x4 smem_##DN_NAME[];                                                                    \
+    __shared__ float red[32 * TC_ROWS16], sc[2 * TC_ROWS16];                                                     \
+    down_tc16<2, 2>(DN_ARG, h, y, Dl, I, ready, target, cap, kbp, (u8*)smem_##DN_NAME, red, sc);                 \
+  }
+
+SRT_TC16_ENTRY(srt_nvfp4_gateup_r16, srt_nvfp4_down_r16, const __grid_constant__ GateUpTable tab,
+               const __grid_constant__ DownTable tab, tab, tab)
+SRT_TC16_ENTRY(srt_nvfp4_gateup_r16_dt, srt_nvfp4_down_r16_dt, const GateUpTableDt* __restrict__ tab,
+               const DownTableDt* __restrict__ tab, *tab, *tab)
 
 // Entry points per (stages S, blocks per stage KBS): the benchmark's variants; the backend picks one.
 // *_dt: the same kernels reading their table from device memory (srt_moe_tables).

@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler for the GPU busy time")
     ap.add_argument("--stream-slots", type=int, default=None, help="device slots of the streaming row (default: a third)")
     ap.add_argument("--stream-repeats", type=int, default=2, help="rows of each streaming mode")
+    ap.add_argument("--tc-rows", type=int, default=8, choices=(8, 16),
+                    help="rows of one expert a tensor-core FFN block takes (16: one weight decode per 16 rows)")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -103,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.randint(0, cfg.vocab_size - 256, (args.prompt_len + i,), generator=g) for i in range(Bmax)]
     N = args.warmup + args.tokens + args.profile_steps
     steps = torch.randint(0, cfg.vocab_size - 256, (N, Bmax), generator=g)
-    model = load_model(tree, device.torch_device, dtype=torch.bfloat16, backend=NvrtcBackend(device.torch_device))
+    backend = NvrtcBackend(device.torch_device)
+    backend.tc_rows = args.tc_rows
+    model = load_model(tree, device.torch_device, dtype=torch.bfloat16, backend=backend)
     rows: dict[str, dict] = {}
 
     def resident(graphs: str, m=None):

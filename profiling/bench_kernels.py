@@ -228,6 +228,13 @@ def expert_ffn_rows(args, nv, tb, dev, bench) -> None:
         distinct = len(set(ids_t.flatten().tolist()))
         bench(f"nvfp4 expert FFN batch, T={T} x 16 of 24 experts ({distinct} distinct, each counted once)",
               distinct * ex_bytes // k, lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
+        if T > 8:  # the same call with 16-row blocks (one decode of an expert's weights per 16 rows)
+            nv16 = NvrtcBackend()
+            nv16.tc_rows = 16
+            out8 = nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0)
+            same = torch.equal(out8, nv16.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
+            bench(f"nvfp4 expert FFN batch, T={T}, 16-row blocks (bits {'the same' if same else 'DIFFERENT'})",
+                  distinct * ex_bytes // k, lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv16.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
     bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
 

@@ -720,6 +720,56 @@ def test_expert_ffn_device_table_gives_the_host_bits(gen, T, k, impl):
         assert torch.equal(out, nv.expert_ffn(z, ids.cpu(), weights, experts, 4.0, 25.0)), "device table vs host tables"
 
 
+NV16 = _make_backend()  # 16-row tensor-core blocks (tc_rows = 16), poisoned outputs as the others
+if NV16 is not None:
+    NV16.tc_rows = 16
+
+
+@pytest.mark.parametrize(
+    "T,k,E,Dl,I,phase",
+    [(16, 16, 24, 3584, 3072, None),  # deep-k3.1-pro at B=16: ~11 rows an expert, two phases each matrix
+     (9, 16, 16, 3584, 3072, None),  # 9 rows an expert: three sets
+     (20, 6, 8, 256, 384, None),  # up to 20 rows an expert: groups of 16 and 4, one phase
+     (12, 4, 5, 640, 896, 2),  # phases of 2 column blocks, 5 and 7 blocks: a short last phase
+     (40, 8, 10, 128, 256, 2)],  # more pairs than a by-value table (64): groups cut at chunks
+)
+def test_expert_ffn_16_row_blocks_give_the_8_row_bits(gen, T, k, E, Dl, I, phase):
+    """Blocks of up to 16 rows of one expert (one decode of its weights for them), their
+    activation staged in phases of column blocks: within the float64 reference, and every row's
+    bits those of the 8-row blocks, on the host tables and on the device table."""
+    if CPU_DRY and Dl > 1000:
+        pytest.skip("slice geometry: GPU only")
+    experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
+    ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
+    tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    if NV16 is not None:
+        NV16.tc_phase_blocks = phase
+    try:
+        out = check(f"expert_ffn 16-row T={T} k={k} Dl={Dl} I={I} phase {phase}", gen, ref, tb,
+                    lambda: NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+        if out is None:
+            return
+        launched = []
+        real_k = NV16._k
+        NV16._k = lambda program, name: launched.append(name) or real_k(program, name)
+        try:
+            NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+        finally:
+            del NV16._k
+        assert "srt_nvfp4_gateup_r16" in launched and "srt_nvfp4_down_r16" in launched, launched
+        eight = NV_IMPLS["tc"].expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+        assert torch.equal(out, eight), "16-row blocks differ from the 8-row blocks"
+        table = ExpertTable([0], E, Dl, z.device)
+        for e, ew in experts.items():
+            table.place(0, e, ew)
+        table.upload()
+        resident = ResidentExperts(experts, table.layer(0), table.inter, ids.to(DEV), 0)
+        assert torch.equal(NV16.expert_ffn(z, resident.ids, weights, resident, 4.0, 25.0), out), "device table"
+    finally:
+        if NV16 is not None:
+            NV16.tc_phase_blocks = None
+
+
 # The grouped prefill GEMMs' single fp16 row mode rounds each row once (2^-11 of each element,
 # nvfp4_gemm.py): its outputs are held to this of the float64 reference (3e-4 .. 5.4e-4 seen on
 # the CPU twin at Dl 64 and 256), and to GROUPED_TWIN of the twin's torch ops run on the same

@@ -42,6 +42,7 @@ def _backend(launches):
     nv = object.__new__(nvm.NvrtcBackend)  # no CUDA device: only the host side runs
     nv.device, nv._dev, nv.nvfp4_impl, nv.tc_shape = torch.device("cpu"), 0, "tc", nvm.TC_SHAPE
     nv.pdl, nv.pair_ready, nv._ready, nv._ptr_cache = True, True, None, ExpertPointerCache(nv.device)
+    nv.tc_rows, nv.tc_phase_blocks, nv._smem_optin = 8, None, 227 * 1024
     nv._k = lambda program, name: _Recorder(launches, name)
     return nv
 
@@ -146,6 +147,59 @@ def test_counts_zeroed_when_a_launch_fails_midway():
     with pytest.raises(nvm.CudaError, match="launch failed"):
         nv.expert_ffn(torch.randn(1, DL), torch.arange(K).view(1, K), torch.rand(1, K), experts, 4.0, 25.0)
     assert int(nv._ready.abs().sum()) == 0
+
+
+def _ffn_launches(nv, T, k, E, dl, i):
+    """(name, grid, block, smem, int args) of each launch of one expert-FFN call."""
+    launches = []
+
+    def rec(program, name):
+        def launch(grid, block, args, smem=0, stream=None, pdl=False):
+            ints = [int(a.ravel()[0]) for a in args if a.dtype == np.int32]
+            launches.append((name, tuple(grid), tuple(block), smem, ints))
+        return launch
+
+    nv._k = rec
+    g = torch.Generator().manual_seed(T)
+    experts = {e: ExpertWeights(_mat(i, dl), _mat(i, dl), _mat(dl, i)) for e in range(E)}
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    nv.expert_ffn(torch.randn(T, dl), ids, torch.rand(T, k), experts, 4.0, 25.0)
+    return launches
+
+
+def test_16_row_blocks_launch_shape_phases_and_fallbacks():
+    """tc_rows = 16: a call of more than 8 rows takes the 16-row kernels, groups of up to
+    min(16, T) pairs, each matrix's activation in the fewest phases of column blocks whose
+    staged rows (16 x 2 x tc_xwords(phase) words) and ring fit the block's shared memory; 8 rows
+    or fewer, more than 8 warps or another pipeline shape keep the 8-row kernels."""
+    nv = _backend([])
+    nv.tc_rows = 16
+    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)  # deep-k3.1-pro's shape; 64 pairs over 6 experts: ~11 rows each
+    names = [n for n, *_ in launches]
+    assert names == ["srt_nvfp4_gateup_r16", "srt_nvfp4_down_r16", "srt_moe_combine"], names
+    (_, gu_grid, gu_block, gu_smem, gu_ints), (_, dn_grid, dn_block, dn_smem, dn_ints), _ = launches
+    # words of a staged 1792-column phase: 56 chunks x 20, a multiple of 32 so 16 more
+    words_gu, words_dn = 56 * 20 + 16, 48 * 20 + 16  # 1792 and 1536 columns: two phases each
+    assert gu_grid == (3072 // (16 * 8), 64) and gu_block == (256,) and dn_grid == (-(-3584 // (32 * 7)), 64)
+    assert gu_smem == 16 * 8 * words_gu + 8 * 2 * 2 * (32 * 64 + 32 * 8)
+    assert dn_smem == 16 * 8 * words_dn + 7 * 2 * 2 * (32 * 64 + 32 * 8)
+    assert gu_smem + 34 * 16 * 4 <= 227 * 1024 and dn_smem + 34 * 16 * 4 <= 227 * 1024
+    assert gu_ints[-2:] == [16, 14] and dn_ints[-3:] == [3072 // (16 * 8), 16, 12]  # cap, column blocks a phase
+    for T in (4, 8):  # a block of 8 rows holds every row of one expert already
+        assert [n for n, *_ in _ffn_launches(nv, T, 4, 6, 3584, 3072)][:2] == ["srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2"]
+    nv.tc_phase_blocks = 4
+    *_, gu_ints = _ffn_launches(nv, 12, 2, 3, 640, 896)[0]
+    assert gu_ints[-2:] == [12, 4]  # forced: 4 column blocks a phase, cap min(16, T)
+    nv.tc_phase_blocks = 3
+    with pytest.raises(ValueError, match="multiple of 2"):
+        _ffn_launches(nv, 12, 2, 3, 640, 896)
+    nv.tc_phase_blocks = None
+    for shape in ((16, 7, 2, 2), (8, 7, 3, 2)):
+        nv.tc_shape = shape
+        assert "r16" not in _ffn_launches(nv, 16, 4, 6, 3584, 3072)[0][0], shape
+    nv.tc_shape = nvm.TC_SHAPE
+    nv.tc_rows = 8
+    assert _ffn_launches(nv, 16, 4, 6, 3584, 3072)[0][0] == "srt_nvfp4_gateup_tc2x2"
 
 
 # ---- dense GEMV: which kernel, grid, K split and shared memory a call gets -------------------

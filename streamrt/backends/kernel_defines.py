@@ -16,6 +16,7 @@ EXPERT_COLS = 9  # u64 columns per expert of a device pointer table (ExpertPoint
 TC_WBYTES = 32 * 64  # tensor-core NVFP4 kernels: one 128-column block of 32 rows, weights ...
 TC_SBYTES = 32 * 8  # ... and its E4M3 scales
 TC_TOKENS = 8  # the most (row, expert) pairs of one expert one tensor-core block takes
+TC_ROWS16 = 16  # ... and one of the 16-row blocks (activation staged in phases of column blocks)
 TC_XSTRIDE = 20  # u32 words of one staged 32-element activation chunk (16 fp16 pairs + 4 of padding)
 # kda.cu: the largest head dim (a state column lives in registers)
 KDA_MAXK = 128
@@ -48,7 +49,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "kda": {"SRT_KDA_MAXK": KDA_MAXK, "KDA_WARPS": KDA_WARPS},
     "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS, "ATTNRES_SLICE": ATTNRES_SLICE},
     "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "SRT_MOE_MAXP_DT": MOE_MAXP_DT, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
-                  "TC_TOKENS": TC_TOKENS, "MMA_XSTRIDE": TC_XSTRIDE},
+                  "TC_TOKENS": TC_TOKENS, "TC_ROWS16": TC_ROWS16, "MMA_XSTRIDE": TC_XSTRIDE},
     "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},
 }
 

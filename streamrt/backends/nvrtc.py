@@ -84,6 +84,10 @@ class NvrtcBackend(MoeOps):
         if self.nvfp4_impl not in NVFP4_IMPLS:
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
         self.tc_shape = TC_SHAPE  # (warps gate+up, warps down, stages, blocks per stage)
+        # Rows of one expert a tensor-core block takes: 8, or 16 (a batch's rows share one decode
+        # of the weights; the activation staged in phases of `tc_phase_blocks` column blocks,
+        # None: the fewest phases that fit). The same bits either way.
+        self.tc_rows, self.tc_phase_blocks = 8, None
         # Programmatic dependent launch (sm_90+; False: plain launches). Each decode kernel lets
         # the next one start at once and waits for the one before (pdl_begin, common.cuh), so a
         # launch's ramp hides behind its predecessor; the tensor-core GEMV and gate+up kernels

@@ -1,11 +1,12 @@
 """The nvrtc backend's MoE ops: the router and the routed NVFP4 expert FFN.
 
 `MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
-and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `pdl`, `pair_ready`, `grouped_prefill`
-the backend sets; `prefill_rows` is its own). Decode runs the NVFP4 kernels over (row, expert)
-pairs, a tensor-core block taking up to `TC_TOKENS` pairs of one expert (one weight read for
-them; each row's bits its own: batch-invariant); the prefill view (`for_prefill`) runs grouped GEMMs per expert
-(`nvfp4_gemm.py`).
+and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `tc_rows`, `tc_phase_blocks`, `pdl`,
+`pair_ready`, `grouped_prefill` the backend sets; `prefill_rows` is its own). Decode runs the
+NVFP4 kernels over (row, expert) pairs, a tensor-core block taking up to `TC_TOKENS` pairs of
+one expert (one weight read for them; each row's bits its own: batch-invariant), or with
+`tc_rows = 16` up to `TC_ROWS16` once a call has more than TC_TOKENS rows; the prefill view
+(`for_prefill`) runs grouped GEMMs per expert (`nvfp4_gemm.py`).
 Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables, or in a
 CUDA graph up to `MOE_MAXP_DT` in tables built on the GPU (`expert_pointers.py`); the kernels:
 `kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`: `profiling/RESULTS.md`
@@ -22,7 +23,17 @@ from torch import Tensor
 
 from streamrt.backends.cuda_driver import SMEM_DEFAULT
 from streamrt.backends.expert_pointers import down_table_bytes, gate_up_table_bytes, scales_aligned8, tables
-from streamrt.backends.kernel_defines import MOE_MAXP, MOE_MAXP_DT, MOE_WARPS, ROUTER_THREADS, TC_SBYTES, TC_TOKENS, TC_WBYTES, TC_XSTRIDE
+from streamrt.backends.kernel_defines import (
+    MOE_MAXP,
+    MOE_MAXP_DT,
+    MOE_WARPS,
+    ROUTER_THREADS,
+    TC_ROWS16,
+    TC_SBYTES,
+    TC_TOKENS,
+    TC_WBYTES,
+    TC_XSTRIDE,
+)
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts, as_routed
@@ -39,6 +50,11 @@ TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
 NVFP4_IMPLS = ("tc", "cuda_core")
 
 
+TC16_PIPE = (2, 2)  # the 16-row blocks' one pipeline shape (stages, blocks per stage)
+TC16_MAX_WARPS = 8  # their accumulators take more than 128 registers a thread: 256 threads a block
+TC16_STATIC_SMEM = (32 + 2) * TC_ROWS16 * 4  # their static shared memory: the row max reduction, scales
+
+
 def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 1) -> int:
     """Dynamic shared memory of a tensor-core NVFP4 block that takes up to `rows` pairs of one
     expert: each row's staged activation (fp16 hi + lo arrays of `tc_xwords` u32 words, as
@@ -46,6 +62,25 @@ def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 
     words = in_features // 32 * TC_XSTRIDE
     words += 16 if words % 32 == 0 else 0  # tc_xwords' padding: a multiple of 16, not of 32
     return rows * 8 * words + warps * stages * blocks * TC_STAGE_SMEM
+
+
+def tc16_phase_blocks(in_features: int, warps: int, rows: int, smem_limit: int, forced: int | None = None) -> int | None:
+    """Column blocks per phase of a 16-row block over `in_features` columns: the fewest phases
+    whose staged rows and ring fit `smem_limit` (a phase other than the last a whole number of
+    stages), or `forced`; None if not even one stage's columns fit."""
+    nkb = in_features // 128
+    _, kbs = TC16_PIPE
+    fits = lambda kbp: tc_smem(kbp * 128, warps, *TC16_PIPE, rows) + TC16_STATIC_SMEM <= smem_limit  # noqa: E731
+    if forced is not None:
+        if forced < kbs or forced % kbs:
+            raise ValueError(f"tc_phase_blocks {forced}: a positive multiple of {kbs} column blocks")
+        return min(forced, nkb) if fits(min(forced, nkb)) else None
+    for phases in range(1, nkb + 1):
+        per = -(-nkb // phases)  # ceil(nkb / phases)
+        kbp = nkb if phases == 1 else -(-per // kbs) * kbs  # whole stages
+        if fits(kbp):
+            return kbp
+    return None
 
 
 def router_smem_bytes(experts: int) -> int:
@@ -299,6 +334,9 @@ class MoeOps:
             tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
             if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
                 raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+            if self.tc_rows == TC_ROWS16 and T > TC_TOKENS and self._launch_pairs16(gtab, dtab, np_, z, hp, yp, I, Dl, act,
+                                                                                ready, T, pdl_gateup, suffix):
+                return
             gu_blocks, cap = math.ceil(I / (16 * tg)), min(TC_TOKENS, T)
             self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}{suffix}")(
                 (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap)],
@@ -316,3 +354,25 @@ class MoeOps:
             [gtab, ptr(z), hp, i32(I), i32(Dl), *act], smem=Dl * 4)
         self._k("nvfp4_moe", f"srt_nvfp4_down{suffix}")(
             (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, i32(Dl), i32(I)], smem=I * 4)
+
+    def _launch_pairs16(self, gtab, dtab, np_, z, hp, yp, I, Dl, act, ready, T, pdl_gateup, suffix) -> bool:
+        """The 16-row blocks (a group takes up to min(TC_ROWS16, T) pairs of one expert, its
+        activation staged in phases) for a call of more than TC_TOKENS rows, where the shape
+        allows them: False if it does not (the 8-row blocks then run; the same bits)."""
+        tg, td, st, kbs = self.tc_shape
+        if max(tg, td) > TC16_MAX_WARPS or (st, kbs) != TC16_PIPE:
+            return False
+        cap = min(TC_ROWS16, T)
+        kbp_gu = tc16_phase_blocks(Dl, tg, cap, self._smem_optin, self.tc_phase_blocks)
+        kbp_dn = tc16_phase_blocks(I, td, cap, self._smem_optin, self.tc_phase_blocks)
+        if kbp_gu is None or kbp_dn is None:
+            return False
+        gu_blocks = math.ceil(I / (16 * tg))
+        self._k("nvfp4_moe", f"srt_nvfp4_gateup_r16{suffix}")(
+            (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap), i32(kbp_gu)],
+            smem=tc_smem(kbp_gu * 128, tg, st, kbs, cap), pdl=self.pdl and pdl_gateup)
+        self._k("nvfp4_moe", f"srt_nvfp4_down_r16{suffix}")(
+            (math.ceil(Dl / (32 * td)), np_), (td * 32,),
+            [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), i32(kbp_dn)],
+            smem=tc_smem(kbp_dn * 128, td, st, kbs, cap), pdl=self.pdl)
+        return True
