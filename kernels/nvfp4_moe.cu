@@ -353,6 +353,52 @@ SRT_DEV float pick(const float v[TC_TOKENS], int j) {
   return r;
 }
 
+// Items i + u * nt (u < 4; 8 elements each, of row iu / items) of rows x + idx[j] * in, all four
+// loads in flight, into a[u], b[u] (zeros from `total` on); each row's running max|x| into m.
+template <int R>
+SRT_DEV void load_items_max(const float* __restrict__ x, const int* idx, int in, int items, int total, int i, int nt,
+                            f32x4 a[4], f32x4 b[4], float m[R]) {
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int iu = i + u * nt, j = iu / items;
+    const bool in_range = iu < total;
+    const f32x4* x4 = (const f32x4*)(x + (long long)idx[in_range ? j : 0] * in) + (iu - j * items) * 2;
+    a[u] = in_range ? ld_cg4(x4) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+    b[u] = in_range ? ld_cg4(x4 + 1) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int j = (i + u * nt) / items;
+    const float v = fmaxf(absmax4(a[u]), absmax4(b[u]));
+#pragma unroll
+    for (int jj = 0; jj < R; ++jj) m[jj] = jj == j ? fmaxf(m[jj], v) : m[jj];
+  }
+}
+
+// Every row's max over the block from the threads' running maxima m (per warp, then across the
+// warps; red: 32 * R floats), and its prescale: up[j] = 2^s_j puts max|x_j| in [2^14, 2^15),
+// unscale[j] = 2^(14 - s_j). Every thread gets every row's (nt: the block's threads).
+template <int R>
+SRT_DEV void row_prescales(float m[R], float* red, float up[R], float unscale[R], int nt) {
+  const int nw = (nt + 31) >> 5, w = threadIdx.x >> 5;
+#pragma unroll
+  for (int j = 0; j < R; ++j) m[j] = warp_max(m[j]);
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int j = 0; j < R; ++j) red[j * 32 + w] = m[j];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    float mj = red[j * 32];
+    for (int v = 1; v < nw; ++v) mj = fmaxf(mj, red[j * 32 + v]);
+    int e = 0;
+    if (mj > 0.0f) frexpf(mj, &e);  // mj < 2^e
+    const int s = max(-100, min(100, 15 - e));
+    up[j] = ldexpf(1.0f, s);
+    unscale[j] = ldexpf(1.0f, 14 - s);
+  }
+}
+
 // Stage rows x + idx[j] * in (j < n <= TC_TOKENS; in % 32 == 0, 16-byte aligned) as prescaled
 // fp16 hi/lo pairs: row j's hi at xs + 2j * tc_xwords(in), its lo one array on. unscale[j] is
 // 2^(14 - s_j), the factor that undoes row j's prescale and the decode's 2^-14. Every block of a
@@ -364,45 +410,11 @@ SRT_DEV void stage_rows_f16(u32* xs, const float* __restrict__ x, const int* idx
   const int items = in >> 3, total = n * items, nt = blockDim.x, words = tc_xwords(in);
   const bool held = total <= 4 * nt;
   f32x4 a[4], b[4];
-  float m[TC_TOKENS];
+  float m[TC_TOKENS], up[TC_TOKENS];
 #pragma unroll
   for (int j = 0; j < TC_TOKENS; ++j) m[j] = 0.0f;
-  for (int i = threadIdx.x; i < total; i += 4 * nt) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int iu = i + u * nt, j = iu / items;
-      const bool in_range = iu < total;
-      const f32x4* x4 = (const f32x4*)(x + (long long)idx[in_range ? j : 0] * in) + (iu - j * items) * 2;
-      a[u] = in_range ? ld_cg4(x4) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
-      b[u] = in_range ? ld_cg4(x4 + 1) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int j = (i + u * nt) / items;
-      const float v = fmaxf(absmax4(a[u]), absmax4(b[u]));
-#pragma unroll
-      for (int jj = 0; jj < TC_TOKENS; ++jj) m[jj] = jj == j ? fmaxf(m[jj], v) : m[jj];
-    }
-  }
-  // every row's max over the block: per warp, then across the warps (red: 32 * TC_TOKENS floats)
-  const int nw = (nt + 31) >> 5, w = threadIdx.x >> 5;
-#pragma unroll
-  for (int j = 0; j < TC_TOKENS; ++j) m[j] = warp_max(m[j]);
-  if ((threadIdx.x & 31) == 0)
-#pragma unroll
-    for (int j = 0; j < TC_TOKENS; ++j) red[j * 32 + w] = m[j];
-  __syncthreads();
-  float up[TC_TOKENS];
-#pragma unroll
-  for (int j = 0; j < TC_TOKENS; ++j) {
-    float mj = red[j * 32];
-    for (int v = 1; v < nw; ++v) mj = fmaxf(mj, red[j * 32 + v]);
-    int e = 0;
-    if (mj > 0.0f) frexpf(mj, &e);  // mj < 2^e
-    const int s = max(-100, min(100, 15 - e));
-    up[j] = ldexpf(1.0f, s);
-    unscale[j] = ldexpf(1.0f, 14 - s);
-  }
+  for (int i = threadIdx.x; i < total; i += 4 * nt) load_items_max<TC_TOKENS>(x, idx, in, items, total, i, nt, a, b, m);
+  row_prescales<TC_TOKENS>(m, red, up, unscale, nt);
   if (held) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -631,17 +643,83 @@ SRT_DEV void tc_group(const TcRows& R, const u32* xs, int words, int n, const u8
   else tc_rows<S, KBS, 1>(R, xs, words, n, wring, sring, acc);
 }
 
+// ---- up to 16 rows of one expert per block (a batch's rows share one decode of the weights) ----
+//
+// The same kernels for groups of up to TC_ROWS16 pairs: the mma's 8 columns hold 4 rows, so up
+// to four sets of B per decoded A fragment, where the blocks above decode an expert's weights
+// once per 8 rows. Staged whole, 16 rows' hi / lo activation of a 3584-wide row is 289 KB, over
+// the 227 KB a block may have: the rows are staged `kbp` column blocks (a phase) at a time, and
+// every warp of the block moves from one phase to the next together. Each row's prescale comes
+// from its whole row first (rows_prescale), so a phase holds exactly the values the whole-row
+// staging would, and every row's sums run over the column blocks in the same order: a row's
+// bits are those of the 8-row blocks. One pipeline shape (2 stages of 2 column blocks); up to
+// 8 warps a block (the accumulators of four sets need more than 128 registers a thread).
+
+#ifndef TC_ROWS16  // the most pairs of one expert a 16-row block takes
+#error "TC_ROWS16 is passed by the host (-DTC_ROWS16=..., streamrt/backends/kernel_defines.py)"
+#elif TC_ROWS16 > 16
+#error "TC_ROWS16 > 16: four sets of 4 rows per decoded A fragment at most (tc_group16)"
+#endif
+
+// Each row's prescale from its whole row, as stage_rows_f16 takes it, into shared memory for
+// every thread: up[j] and unscale[j] (red: 32 * TC_ROWS16 floats).
+SRT_DEV void rows_prescale(const float* __restrict__ x, const int* idx, int n, int in, float* red, float* up,
+                           float* unscale) {
+  const int items = in >> 3, total = n * items, nt = blockDim.x;
+  f32x4 a[4], b[4];
+  float m[TC_ROWS16], u[TC_ROWS16], un[TC_ROWS16];
+#pragma unroll
+  for (int j = 0; j < TC_ROWS16; ++j) m[j] = 0.0f;
+  for (int i = threadIdx.x; i < total; i += 4 * nt) load_items_max<TC_ROWS16>(x, idx, in, items, total, i, nt, a, b, m);
+  row_prescales<TC_ROWS16>(m, red, u, un, nt);
+  if (threadIdx.x == 0)
+#pragma unroll
+    for (int j = 0; j < TC_ROWS16; ++j) {
+      up[j] = u[j];
+      unscale[j] = un[j];
+    }
+  __syncthreads();
+}
+
+// Stage column blocks kb0 .. kb0 + nkb - 1 of ph's rows as stage_rows_f16 stages a whole row
+// (row j's hi at xs + 2j * words, its lo one array on), then wait for the block.
+SRT_DEV void stage_phase(const TcPhases& ph, int words, int kb0, int nkb) {
+  const int items = nkb * 16, total = ph.n * items;  // an item: 8 elements, 16 to a column block
+  for (int iu = threadIdx.x; iu < total; iu += blockDim.x) {
+    const int j = iu / items, it = iu - j * items;
+    const f32x4* x4 = (const f32x4*)(ph.x + (long long)ph.idx[j] * ph.in) + (kb0 * 16 + it) * 2;
+    stage_item(ph.xs + 2 * j * words, ph.xs + (2 * j + 1) * words, it, ld_cg4(x4), ld_cg4(x4 + 1), ph.up[j]);
+  }
+  __syncthreads();
+}
+
+// tc_rows for up to 16 rows, staged by phases: every warp of the block takes part (a warp past
+// the matrix's last row computes clamped rows nobody reads, to meet the phases' barriers).
+template <int S, int KBS>
+SRT_DEV void tc_group16(const TcRows& R, const TcPhases& ph, int words, const u8* wring, const u8* sring,
+                        float acc[2][4][4]) {
+  const int n = ph.n;
+  if (n > 12) tc_rows<S, KBS, 4, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+  else if (n > 8) tc_rows<S, KBS, 3, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+  else if (n > 4) tc_rows<S, KBS, 2, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+  else tc_rows<S, KBS, 1, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
+}
+
 // grid (ceil(I / (16 * warps)), pairs), block warps*32, smem cap * 8 * tc_xwords(Dl) + warps * S *
 // KBS * (TC_WBYTES + TC_SBYTES). A block takes the group of up to cap pairs its entry leads
 // (group_size). With `ready`, each block counts itself done in ready[dst[its first pair]] once
 // its rows of h are written (the down kernel waits for its group's count, not for this grid).
-template <int S, int KBS, class Tab>
+// ROWS = TC_ROWS16: groups of up to cap <= 16 pairs, staged kbp column blocks at a time (smem
+// cap * 8 * tc_xwords(kbp * 128) + the rings; `sc`: each row's prescale and unscale).
+template <int S, int KBS, int ROWS, class Tab>
 SRT_DEV void gateup_tc(const Tab& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
-                       float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, u8* smem, float* red) {
+                       float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, int kbp, u8* smem,
+                       float* red, float* sc) {
+  constexpr bool PHASED = ROWS > TC_TOKENS;
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
   if (n == 0) return;
-  const int words = tc_xwords(Dl);
+  const int words = tc_xwords(PHASED ? kbp * 128 : Dl);
   u32* xs = (u32*)smem;
   const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
@@ -650,25 +728,32 @@ SRT_DEV void gateup_tc(const Tab& tab, const float* __restrict__ z, float* __res
   const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
   const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
                     scales_aligned16(gs, us, Dl >> 4)};
-  if (r0 < I)  // weights do not depend on x: start the pipeline before staging it
+  if (PHASED || r0 < I)  // weights do not depend on x: start the pipeline before staging it
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   pdl_wait();  // z may be the kernel before's output (when this one is launched programmatically)
   // The down kernel's blocks may now take SM slots this grid's last wave leaves free. Not before
   // pdl_wait(): they read `ready`, which the kernel before (the last call's sum) zeroes.
   pdl_launch_dependents();
   float unscale[TC_TOKENS];
-  stage_rows_f16(xs, z, &tab.row[p], n, Dl, red, unscale);
+  float acc[2][ROWS / 4][4];
+  if constexpr (PHASED) {  // every warp takes part in the phases
+    const TcPhases ph = {xs, z, &tab.row[p], n, Dl, kbp, sc};
+    rows_prescale(z, &tab.row[p], n, Dl, red, sc, sc + TC_ROWS16);
+    stage_phase(ph, words, 0, min(kbp, R.nkb));
+    tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
+  } else {
+    stage_rows_f16(xs, z, &tab.row[p], n, Dl, red, unscale);
+  }
   if (r0 < I) {
-    float acc[2][2][4];
-    tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
+    if constexpr (!PHASED) tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
     const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
     const float* gg = (const float*)tab.gate_global[p];
     const float* ug = (const float*)tab.up_global[p];
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < ROWS / 4; ++s) {
       const int j = 4 * s + c;
       if (j >= n) break;
-      const float u = pick(unscale, j);
+      const float u = PHASED ? sc[TC_ROWS16 + j] : pick(unscale, j);
       const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
       const float* ut = acc[1][s];
       float* hp = h + (long long)tab.dst[p + j] * I;
@@ -704,14 +789,16 @@ SRT_DEV void wait_count(const int* flag, int target) {
 // KBS * (TC_WBYTES + TC_SBYTES); the groups are gate+up's (the same table order). With `ready`,
 // a block starts on its group once ready[dst[its first pair]] reaches `target` (every gate+up
 // block of the group is done) instead of waiting for the whole gate+up grid: the down work of
-// the first experts fills the slots the gate+up grid's last wave leaves free.
-template <int S, int KBS, class Tab>
+// the first experts fills the slots the gate+up grid's last wave leaves free. ROWS = TC_ROWS16:
+// gate+up's groups of up to 16, h staged kbp column blocks at a time.
+template <int S, int KBS, int ROWS, class Tab>
 SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
-                     const int* ready, int target, int cap, u8* smem, float* red) {
+                     const int* ready, int target, int cap, int kbp, u8* smem, float* red, float* sc) {
+  constexpr bool PHASED = ROWS > TC_TOKENS;
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.packed, p, gridDim.y, cap);
   if (n == 0) return;
-  const int words = tc_xwords(I);
+  const int words = tc_xwords(PHASED ? kbp * 128 : I);
   u32* xs = (u32*)smem;
   const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
@@ -720,206 +807,28 @@ SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restr
   const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
                     scales_aligned16(ds, ds, I >> 4)};
   pdl_launch_dependents();
-  if (r0 < Dl)
+  if (PHASED || r0 < Dl)
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   if (ready != nullptr) wait_count(ready + tab.dst[p], target);
   else pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
   float unscale[TC_TOKENS];
-  stage_rows_f16(xs, h, &tab.dst[p], n, I, red, unscale);
+  float acc[2][ROWS / 4][4];
+  if constexpr (PHASED) {  // every warp takes part in the phases
+    const TcPhases ph = {xs, h, &tab.dst[p], n, I, kbp, sc};
+    rows_prescale(h, &tab.dst[p], n, I, red, sc, sc + TC_ROWS16);
+    stage_phase(ph, words, 0, min(kbp, R.nkb));
+    tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
+  } else {
+    stage_rows_f16(xs, h, &tab.dst[p], n, I, red, unscale);
+  }
   if (r0 < Dl) {
-    float acc[2][2][4];
-    tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
+    if constexpr (!PHASED) tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
     const float* dg = (const float*)tab.global[p];
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < ROWS / 4; ++s) {
       const int j = 4 * s + c;
       if (j >= n) break;
-      const float u = pick(unscale, j);
-      float* yp = y + (long long)tab.dst[p + j] * Dl;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {  // slot q: tile q / 2, its rows g (q even) or g + 8
-        const int row = r0 + g + 8 * q;
-        const float* d = acc[q >> 1][s] + 2 * (q & 1);
-        if (row < Dl) yp[row] = (d[0] + d[1]) * u * dg[row];
-      }
-    }
-  }
-  if (ready != nullptr) pdl_wait();  // end no earlier than the gate+up grid: the sum waits on this grid only
-}
-
-// ---- up to 16 rows of one expert per block (a batch's rows share one decode of the weights) ----
-//
-// The same kernels for groups of up to TC_ROWS16 pairs: the mma's 8 columns hold 4 rows, so up
-// to four sets of B per decoded A fragment, where the blocks above decode an expert's weights
-// once per 8 rows. Staged whole, 16 rows' hi / lo activation of a 3584-wide row is 289 KB, over
-// the 227 KB a block may have: the rows are staged `kbp` column blocks (a phase) at a time, and
-// every warp of the block moves from one phase to the next together. Each row's prescale comes
-// from its whole row first (rows_prescale), so a phase holds exactly the values the whole-row
-// staging would, and every row's sums run over the column blocks in the same order: a row's
-// bits are those of the 8-row blocks. One pipeline shape (2 stages of 2 column blocks); up to
-// 8 warps a block (the accumulators of four sets need more than 128 registers a thread).
-
-#ifndef TC_ROWS16  // the most pairs of one expert a 16-row block takes
-#error "TC_ROWS16 is passed by the host (-DTC_ROWS16=..., streamrt/backends/kernel_defines.py)"
-#elif TC_ROWS16 > 16
-#error "TC_ROWS16 > 16: four sets of 4 rows per decoded A fragment at most (tc_group16)"
-#endif
-
-// Each row's prescale from its whole row (as stage_rows_f16 takes it): up[j] = 2^s_j, putting
-// max|x_j| in [2^14, 2^15), and unscale[j] = 2^(14 - s_j), into shared memory for every thread.
-// red: 32 * TC_ROWS16 floats.
-SRT_DEV void rows_prescale(const float* __restrict__ x, const int* idx, int n, int in, float* red, float* up,
-                           float* unscale) {
-  const int items = in >> 3, total = n * items, nt = blockDim.x;
-  float m[TC_ROWS16];
-#pragma unroll
-  for (int j = 0; j < TC_ROWS16; ++j) m[j] = 0.0f;
-  for (int i = threadIdx.x; i < total; i += 4 * nt) {
-    f32x4 a[4], b[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {  // four items' loads in flight
-      const int iu = i + u * nt, j = iu / items;
-      const bool in_range = iu < total;
-      const f32x4* x4 = (const f32x4*)(x + (long long)idx[in_range ? j : 0] * in) + (iu - j * items) * 2;
-      a[u] = in_range ? ld_cg4(x4) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
-      b[u] = in_range ? ld_cg4(x4 + 1) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int j = (i + u * nt) / items;
-      const float v = fmaxf(absmax4(a[u]), absmax4(b[u]));
-#pragma unroll
-      for (int jj = 0; jj < TC_ROWS16; ++jj) m[jj] = jj == j ? fmaxf(m[jj], v) : m[jj];
-    }
-  }
-  const int nw = (nt + 31) >> 5, w = threadIdx.x >> 5;
-#pragma unroll
-  for (int j = 0; j < TC_ROWS16; ++j) m[j] = warp_max(m[j]);
-  if ((threadIdx.x & 31) == 0)
-#pragma unroll
-    for (int j = 0; j < TC_ROWS16; ++j) red[j * 32 + w] = m[j];
-  __syncthreads();
-  if (threadIdx.x < TC_ROWS16) {
-    const int j = threadIdx.x;
-    float mj = red[j * 32];
-    for (int v = 1; v < nw; ++v) mj = fmaxf(mj, red[j * 32 + v]);
-    int e = 0;
-    if (mj > 0.0f) frexpf(mj, &e);  // mj < 2^e
-    const int sh = max(-100, min(100, 15 - e));
-    up[j] = ldexpf(1.0f, sh);
-    unscale[j] = ldexpf(1.0f, 14 - sh);
-  }
-  __syncthreads();
-}
-
-// Stage column blocks kb0 .. kb0 + nkb - 1 of ph's rows as stage_rows_f16 stages a whole row
-// (row j's hi at xs + 2j * words, its lo one array on), then wait for the block.
-SRT_DEV void stage_phase(const TcPhases& ph, int words, int kb0, int nkb) {
-  const int items = nkb * 16, total = ph.n * items;  // an item: 8 elements, 16 to a column block
-  for (int iu = threadIdx.x; iu < total; iu += blockDim.x) {
-    const int j = iu / items, it = iu - j * items;
-    const f32x4* x4 = (const f32x4*)(ph.x + (long long)ph.idx[j] * ph.in) + (kb0 * 16 + it) * 2;
-    stage_item(ph.xs + 2 * j * words, ph.xs + (2 * j + 1) * words, it, ld_cg4(x4), ld_cg4(x4 + 1), ph.up[j]);
-  }
-  __syncthreads();
-}
-
-// tc_rows for up to 16 rows, staged by phases: every warp of the block takes part (a warp past
-// the matrix's last row computes clamped rows nobody reads, to meet the phases' barriers).
-template <int S, int KBS>
-SRT_DEV void tc_group16(const TcRows& R, const TcPhases& ph, int words, const u8* wring, const u8* sring,
-                        float acc[2][4][4]) {
-  const int n = ph.n;
-  if (n > 12) tc_rows<S, KBS, 4, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-  else if (n > 8) tc_rows<S, KBS, 3, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-  else if (n > 4) tc_rows<S, KBS, 2, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-  else tc_rows<S, KBS, 1, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-}
-
-// gateup_tc with groups of up to cap <= 16 pairs; kbp column blocks per phase. smem: cap * 8 *
-// tc_xwords(kbp * 128) + warps * S * KBS * (TC_WBYTES + TC_SBYTES) bytes; `sc`: 2 * TC_ROWS16 floats.
-template <int S, int KBS, class Tab>
-SRT_DEV void gateup_tc16(const Tab& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
-                         float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, int kbp, u8* smem,
-                         float* red, float* sc) {
-  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
-  if (n == 0) return;
-  const int words = tc_xwords(kbp * 128);
-  u32* xs = (u32*)smem;
-  const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
-  const u8* sring = wring + S * KBS * TC_WBYTES;
-  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
-  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
-  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
-  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
-                    scales_aligned16(gs, us, Dl >> 4)};
-  for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
-  pdl_wait();  // z may be the kernel before's output
-  pdl_launch_dependents();  // (after pdl_wait: the down blocks read `ready`, which the sum before zeroes)
-  const TcPhases ph = {xs, z, &tab.row[p], n, Dl, kbp, sc};
-  rows_prescale(z, &tab.row[p], n, Dl, red, sc, sc + TC_ROWS16);
-  stage_phase(ph, words, 0, min(kbp, R.nkb));
-  float acc[2][4][4];
-  tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
-  if (r0 < I) {
-    const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
-    const float* gg = (const float*)tab.gate_global[p];
-    const float* ug = (const float*)tab.up_global[p];
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int j = 4 * s + c;
-      if (j >= n) break;
-      const float u = sc[TC_ROWS16 + j];
-      const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
-      const float* ut = acc[1][s];
-      float* hp = h + (long long)tab.dst[p + j] * I;
-      if (r0 + g < I)
-        hp[r0 + g] = situ((gt[0] + gt[1]) * u * gg[ra], (ut[0] + ut[1]) * u * ug[ra], beta, beta_inf, lbeta, has_lin);
-      if (r0 + g + 8 < I)
-        hp[r0 + g + 8] = situ((gt[2] + gt[3]) * u * gg[rc], (ut[2] + ut[3]) * u * ug[rc], beta, beta_inf, lbeta, has_lin);
-    }
-  }
-  if (ready != nullptr) {
-    __syncthreads();  // every warp's rows of h are written
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(&ready[tab.dst[p]], 1);
-    }
-  }
-}
-
-// down_tc with groups of up to cap <= 16 pairs (gate+up's groups); kbp column blocks of h per phase.
-template <int S, int KBS, class Tab>
-SRT_DEV void down_tc16(const Tab& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
-                       const int* ready, int target, int cap, int kbp, u8* smem, float* red, float* sc) {
-  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int n = group_size(tab.packed, p, gridDim.y, cap);
-  if (n == 0) return;
-  const int words = tc_xwords(kbp * 128);
-  u32* xs = (u32*)smem;
-  const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
-  const u8* sring = wring + S * KBS * TC_WBYTES;
-  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
-  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
-  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
-                    scales_aligned16(ds, ds, I >> 4)};
-  pdl_launch_dependents();
-  for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
-  if (ready != nullptr) wait_count(ready + tab.dst[p], target);
-  else pdl_wait();  // h is the gate+up kernel's output
-  const TcPhases ph = {xs, h, &tab.dst[p], n, I, kbp, sc};
-  rows_prescale(h, &tab.dst[p], n, I, red, sc, sc + TC_ROWS16);
-  stage_phase(ph, words, 0, min(kbp, R.nkb));
-  float acc[2][4][4];
-  tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
-  if (r0 < Dl) {
-    const float* dg = (const float*)tab.global[p];
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int j = 4 * s + c;
-      if (j >= n) break;
-      const float u = sc[TC_ROWS16 + j];
+      const float u = PHASED ? sc[TC_ROWS16 + j] : pick(unscale, j);
       float* yp = y + (long long)tab.dst[p + j] * Dl;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {  // slot q: tile q / 2, its rows g (q even) or g + 8
@@ -939,15 +848,15 @@ SRT_DEV void down_tc16(const Tab& tab, const float* __restrict__ h, float* __res
               float lbeta, int has_lin, int* ready, int cap, int kbp) {                                           \
     extern __shared__ u32x4 smem_##GU_NAME[];                                                                    \
     __shared__ float red[32 * TC_ROWS16], sc[2 * TC_ROWS16];                                                     \
-    gateup_tc16<2, 2>(GU_ARG, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, kbp, (u8*)smem_##GU_NAME, \
-                      red, sc);                                                                                  \
+    gateup_tc<2, 2, TC_ROWS16>(GU_ARG, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, kbp,            \
+                               (u8*)smem_##GU_NAME, red, sc);                                                    \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(256, 1)                                                            \
       DN_NAME(DN_TAB, const float* __restrict__ h, float* __restrict__ y, int Dl, int I, const int* ready,        \
               int target, int cap, int kbp) {                                                                    \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                    \
     __shared__ float red[32 * TC_ROWS16], sc[2 * TC_ROWS16];                                                     \
-    down_tc16<2, 2>(DN_ARG, h, y, Dl, I, ready, target, cap, kbp, (u8*)smem_##DN_NAME, red, sc);                 \
+    down_tc<2, 2, TC_ROWS16>(DN_ARG, h, y, Dl, I, ready, target, cap, kbp, (u8*)smem_##DN_NAME, red, sc);        \
   }
 
 SRT_TC16_ENTRY(srt_nvfp4_gateup_r16, srt_nvfp4_down_r16, const __grid_constant__ GateUpTable tab,
@@ -963,28 +872,30 @@ SRT_TC16_ENTRY(srt_nvfp4_gateup_r16_dt, srt_nvfp4_down_r16_dt, const GateUpTable
               int Dl, float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                   \
     extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
     __shared__ float red[32 * TC_TOKENS];                                                                          \
-    gateup_tc<S, KBS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, (u8*)smem_##GU_NAME, red);     \
+    gateup_tc<S, KBS, TC_TOKENS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, 0,                 \
+                                 (u8*)smem_##GU_NAME, red, nullptr);                                             \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_NAME(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,    \
               int I, const int* ready, int target, int cap) {                                                      \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
     __shared__ float red[32 * TC_TOKENS];                                                                          \
-    down_tc<S, KBS>(tab, h, y, Dl, I, ready, target, cap, (u8*)smem_##DN_NAME, red);                               \
+    down_tc<S, KBS, TC_TOKENS>(tab, h, y, Dl, I, ready, target, cap, 0, (u8*)smem_##DN_NAME, red, nullptr);       \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       GU_DT(const GateUpTableDt* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, \
             float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                             \
     extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
     __shared__ float red[32 * TC_TOKENS];                                                                          \
-    gateup_tc<S, KBS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, (u8*)smem_##GU_DT, red);      \
+    gateup_tc<S, KBS, TC_TOKENS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, 0,                \
+                                 (u8*)smem_##GU_DT, red, nullptr);                                               \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_DT(const DownTableDt* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,   \
             const int* ready, int target, int cap) {                                                               \
     extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
     __shared__ float red[32 * TC_TOKENS];                                                                          \
-    down_tc<S, KBS>(*tab, h, y, Dl, I, ready, target, cap, (u8*)smem_##DN_DT, red);                                \
+    down_tc<S, KBS, TC_TOKENS>(*tab, h, y, Dl, I, ready, target, cap, 0, (u8*)smem_##DN_DT, red, nullptr);        \
   }
 
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, srt_nvfp4_gateup_tc2x2_dt, srt_nvfp4_down_tc2x2_dt, 2, 2)

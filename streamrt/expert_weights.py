@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from streamrt.errors import StreamrtError
+
 
 @dataclass(frozen=True)
 class NVFP4Matrix:
@@ -139,6 +141,15 @@ def answer_to(answer, ids: Tensor) -> RoutedExperts:
     """A provider's answer to the request for `ids` as RoutedExperts: itself, or a plain
     {id: weights} mapping wrapped (simple providers; `ids` come to the host once)."""
     return answer if isinstance(answer, RoutedExperts) else RoutedExperts(answer, ids.cpu())
+
+
+def answer_for_layer(answer, ids: Tensor, layer: int) -> RoutedExperts:
+    """`answer_to`, refused with a StreamrtError naming the layer if it lacks a routed expert."""
+    experts = answer_to(answer, ids)
+    missing = experts.missing()
+    if missing:
+        raise StreamrtError(f"expert provider returned no weights for layer {layer} experts {missing[:8]}")
+    return experts
 
 
 def as_routed(experts, ids: Tensor) -> RoutedExperts:

@@ -327,27 +327,31 @@ class MoeOps:
         """The gate+up and down kernels for np_ pairs of a T-row call: tables by value (the
         struct bytes), or `suffix="_dt"` and pointers to tables in device memory. A tensor-core
         block takes up to min(TC_TOKENS, T) pairs of one expert (an expert has at most one pair
-        per row) and counts into `ready`; the CUDA-core kernels take one pair per block and leave
-        `ready` alone."""
+        per row; min(TC_ROWS16, T) in the 16-row blocks, `_tc16_phases`) and counts into `ready`;
+        the CUDA-core kernels take one pair per block and leave `ready` alone."""
         hp, yp = ptr(h), ptr(y)
         if tc:
             tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
             if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
                 raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
-            if self.tc_rows == TC_ROWS16 and T > TC_TOKENS and self._launch_pairs16(gtab, dtab, np_, z, hp, yp, I, Dl, act,
-                                                                                ready, T, pdl_gateup, suffix):
-                return
-            gu_blocks, cap = math.ceil(I / (16 * tg)), min(TC_TOKENS, T)
-            self._k("nvfp4_moe", f"srt_nvfp4_gateup_tc{st}x{kbs}{suffix}")(
-                (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap)],
-                smem=tc_smem(Dl, tg, st, kbs, cap),
+            phases = self._tc16_phases(I, Dl, T)
+            if phases is not None:  # 16-row blocks: phases of column blocks, one more argument each
+                kernel, cap, (kbp_gu, kbp_dn) = "r16", min(TC_ROWS16, T), phases
+                gu_in, dn_in, gu_extra, dn_extra = kbp_gu * 128, kbp_dn * 128, [i32(kbp_gu)], [i32(kbp_dn)]
+            else:
+                kernel, cap = f"tc{st}x{kbs}", min(TC_TOKENS, T)
+                gu_in, dn_in, gu_extra, dn_extra = Dl, I, [], []
+            gu_blocks = math.ceil(I / (16 * tg))
+            self._k("nvfp4_moe", f"srt_nvfp4_gateup_{kernel}{suffix}")(
+                (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap), *gu_extra],
+                smem=tc_smem(gu_in, tg, st, kbs, cap),
                 # programmatic: reads z after pdl_wait(); before it only weights, and only of
                 # resident experts (a late expert's copy is waited for by an event before this)
                 pdl=self.pdl and pdl_gateup)
-            self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st}x{kbs}{suffix}")(
+            self._k("nvfp4_moe", f"srt_nvfp4_down_{kernel}{suffix}")(
                 (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-                [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap)],
-                smem=tc_smem(I, td, st, kbs, cap), pdl=self.pdl)
+                [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), *dn_extra],
+                smem=tc_smem(dn_in, td, st, kbs, cap), pdl=self.pdl)
             return
         self._k("nvfp4_moe", f"srt_nvfp4_gateup{suffix}")(
             (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
@@ -355,24 +359,14 @@ class MoeOps:
         self._k("nvfp4_moe", f"srt_nvfp4_down{suffix}")(
             (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, i32(Dl), i32(I)], smem=I * 4)
 
-    def _launch_pairs16(self, gtab, dtab, np_, z, hp, yp, I, Dl, act, ready, T, pdl_gateup, suffix) -> bool:
-        """The 16-row blocks (a group takes up to min(TC_ROWS16, T) pairs of one expert, its
-        activation staged in phases) for a call of more than TC_TOKENS rows, where the shape
-        allows them: False if it does not (the 8-row blocks then run; the same bits)."""
+    def _tc16_phases(self, I: int, Dl: int, T: int) -> tuple[int, int] | None:
+        """Column blocks per phase of the 16-row gate+up and down blocks (a group takes up to
+        min(TC_ROWS16, T) pairs of one expert), for a call of more than TC_TOKENS rows where
+        `tc_rows` asks for them and the shape allows them; None: the 8-row blocks (the same bits)."""
         tg, td, st, kbs = self.tc_shape
-        if max(tg, td) > TC16_MAX_WARPS or (st, kbs) != TC16_PIPE:
-            return False
+        if self.tc_rows != TC_ROWS16 or T <= TC_TOKENS or max(tg, td) > TC16_MAX_WARPS or (st, kbs) != TC16_PIPE:
+            return None
         cap = min(TC_ROWS16, T)
         kbp_gu = tc16_phase_blocks(Dl, tg, cap, self._smem_optin, self.tc_phase_blocks)
         kbp_dn = tc16_phase_blocks(I, td, cap, self._smem_optin, self.tc_phase_blocks)
-        if kbp_gu is None or kbp_dn is None:
-            return False
-        gu_blocks = math.ceil(I / (16 * tg))
-        self._k("nvfp4_moe", f"srt_nvfp4_gateup_r16{suffix}")(
-            (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap), i32(kbp_gu)],
-            smem=tc_smem(kbp_gu * 128, tg, st, kbs, cap), pdl=self.pdl and pdl_gateup)
-        self._k("nvfp4_moe", f"srt_nvfp4_down_r16{suffix}")(
-            (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-            [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), i32(kbp_dn)],
-            smem=tc_smem(kbp_dn * 128, td, st, kbs, cap), pdl=self.pdl)
-        return True
+        return None if kbp_gu is None or kbp_dn is None else (kbp_gu, kbp_dn)

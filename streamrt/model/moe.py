@@ -23,8 +23,7 @@ from typing import Generator, Mapping
 import torch
 from torch import Tensor, nn
 
-from streamrt.errors import StreamrtError
-from streamrt.expert_weights import ExpertWeights, RoutedExperts, answer_to
+from streamrt.expert_weights import ExpertWeights, RoutedExperts, answer_for_layer
 from streamrt.model.layers import GLUMLP, RMSNorm, act_betas
 
 
@@ -96,10 +95,7 @@ class LatentMoE(nn.Module):
             # The runtime and the providers answer with the ids already on the host (RoutedExperts),
             # which keeps this layer free of another device synchronize, or, every expert resident,
             # with the device ids and a pointer table (ResidentExperts); a plain mapping is wrapped.
-            experts = answer_to(answer, ids)
-            missing = experts.missing()
-            if missing:
-                raise StreamrtError(f"expert provider returned no weights for layer {self.layer_idx} experts {missing[:8]}")
+            experts = answer_for_layer(answer, ids, self.layer_idx)
             u = be.expert_ffn(z, experts.ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u, be)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from streamrt.backends.expert_pointers import ExpertPointerCache, ExpertTable
 from streamrt.errors import StreamrtError
-from streamrt.expert_weights import ResidentExperts, answer_to
+from streamrt.expert_weights import ResidentExperts, answer_for_layer
 from streamrt.model.cache import ModelCache
 
 
@@ -73,7 +73,7 @@ class SegmentGraphs:
         self._chains.move_to_end(key)
         static_ids, segments, logits = chain
         static_ids.copy_(ids)
-        if self.model.step_hint is not None:
+        if self.model.step_hint is not None:  # before segment 0, which runs to the first router
             self.model.step_hint(self.model.embed(ids))
         for graph, req in segments:
             graph.replay()  # on the current stream, behind the table copy and the copy waits
@@ -102,9 +102,7 @@ class SegmentGraphs:
         """Where the answer's experts are, into req's layer of the table (taking each one makes the
         compute stream wait for its copy), then the layer's rows copied to the device. Returns
         the views taken."""
-        experts = answer_to(answer, req.ids)
-        if missing := experts.missing():
-            raise StreamrtError(f"expert provider returned no weights for layer {req.layer} experts {missing[:8]}")
+        experts = answer_for_layer(answer, req.ids, req.layer)
         pointers, views = {}, {}
         for e in experts.unique:
             views[e] = experts.take(e)
