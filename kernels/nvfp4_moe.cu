@@ -693,12 +693,15 @@ SRT_DEV void stage_phase(const TcPhases& ph, int words, int kb0, int nkb) {
   __syncthreads();
 }
 
-// tc_rows for up to 16 rows, staged by phases: every warp of the block takes part (a warp past
-// the matrix's last row computes clamped rows nobody reads, to meet the phases' barriers).
+// A group of up to 16 rows x + idx[j] * in: their prescales (into sc), the first phase staged,
+// then tc_rows over every phase. Every warp of the block takes part (a warp past the matrix's
+// last row computes clamped rows nobody reads, to meet the phases' barriers).
 template <int S, int KBS>
-SRT_DEV void tc_group16(const TcRows& R, const TcPhases& ph, int words, const u8* wring, const u8* sring,
-                        float acc[2][4][4]) {
-  const int n = ph.n;
+SRT_DEV void tc_group16(const TcRows& R, u32* xs, int words, const float* __restrict__ x, const int* idx, int n, int in,
+                        int kbp, const u8* wring, const u8* sring, float* red, float* sc, float acc[2][4][4]) {
+  const TcPhases ph = {xs, x, idx, n, in, kbp, sc};
+  rows_prescale(x, idx, n, in, red, sc, sc + TC_ROWS16);
+  stage_phase(ph, words, 0, min(kbp, R.nkb));
   if (n > 12) tc_rows<S, KBS, 4, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
   else if (n > 8) tc_rows<S, KBS, 3, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
   else if (n > 4) tc_rows<S, KBS, 2, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
@@ -736,14 +739,10 @@ SRT_DEV void gateup_tc(const Tab& tab, const float* __restrict__ z, float* __res
   pdl_launch_dependents();
   float unscale[TC_TOKENS];
   float acc[2][ROWS / 4][4];
-  if constexpr (PHASED) {  // every warp takes part in the phases
-    const TcPhases ph = {xs, z, &tab.row[p], n, Dl, kbp, sc};
-    rows_prescale(z, &tab.row[p], n, Dl, red, sc, sc + TC_ROWS16);
-    stage_phase(ph, words, 0, min(kbp, R.nkb));
-    tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
-  } else {
+  if constexpr (PHASED)  // every warp takes part in the phases
+    tc_group16<S, KBS>(R, xs, words, z, &tab.row[p], n, Dl, kbp, wring, sring, red, sc, acc);
+  else
     stage_rows_f16(xs, z, &tab.row[p], n, Dl, red, unscale);
-  }
   if (r0 < I) {
     if constexpr (!PHASED) tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
     const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
@@ -813,14 +812,10 @@ SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restr
   else pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
   float unscale[TC_TOKENS];
   float acc[2][ROWS / 4][4];
-  if constexpr (PHASED) {  // every warp takes part in the phases
-    const TcPhases ph = {xs, h, &tab.dst[p], n, I, kbp, sc};
-    rows_prescale(h, &tab.dst[p], n, I, red, sc, sc + TC_ROWS16);
-    stage_phase(ph, words, 0, min(kbp, R.nkb));
-    tc_group16<S, KBS>(R, ph, words, wring, sring, acc);
-  } else {
+  if constexpr (PHASED)  // every warp takes part in the phases
+    tc_group16<S, KBS>(R, xs, words, h, &tab.dst[p], n, I, kbp, wring, sring, red, sc, acc);
+  else
     stage_rows_f16(xs, h, &tab.dst[p], n, I, red, unscale);
-  }
   if (r0 < Dl) {
     if constexpr (!PHASED) tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
     const float* dg = (const float*)tab.global[p];
