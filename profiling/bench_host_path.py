@@ -10,10 +10,14 @@ small: what is timed is the Python between launches, the driver's launch call ex
     python profiling/bench_host_path.py                 # ms of host time per step, three rows each
     python profiling/bench_host_path.py --profile 30    # ... and the 30 heaviest functions
 
-Rows, every expert in a slot (no copies: the host's Python alone):
-  runtime   the op by op step through the StreamingRuntime on its CPU device: the model's and
-            the backend's Python, and the scheduler's per-layer work
-  segments  the host's part of the same step under `--cuda-graphs streamed`
+Rows:
+  runtime   every expert in a slot (no copies: the host's Python alone): the op by op step
+            through the StreamingRuntime on its CPU device, the model's and the backend's
+            Python, and the scheduler's per-layer work
+  stream    the same with a third of the experts in slots (`--gpu-experts`, as the streaming
+            rows of bench_graphs): on top, the scheduler's misses, evictions and slot fills
+            (the fills are CPU copies here, of narrow experts)
+  segments  every expert in a slot: the host's part of the same step under `--cuda-graphs streamed`
             (runtime/segment_graphs.py) without its graph replays: the step's requests (recorded
             from one op by op step) yielded to the same runtime in order, each answer placed in
             the pointer table, as SegmentGraphs.steps does between two replays
@@ -39,7 +43,6 @@ from pathlib import Path
 import torch
 
 from streamrt.backends import nvrtc as nvm
-from streamrt.backends.expert_pointers import ExpertPointerCache
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
 from streamrt.loader import DirectExpertProvider, load_model
@@ -74,13 +77,8 @@ class HostOnlyNvrtc(nvm.NvrtcBackend):
     """The nvrtc backend's host side on CPU tensors: launches recorded, router ids drawn."""
 
     def __init__(self, launches: Launches, experts: int, seed: int = 0):
-        # not NvrtcBackend.__init__: it needs a CUDA device; these are the fields it sets
-        self.device, self.rowwise_max, self._dev, self.nvfp4_impl = torch.device("cpu"), 64, 0, "tc"
-        self.tc_shape, self.pdl, self.pair_ready = nvm.TC_SHAPE, True, True
-        self._ready, self._ready_outgrown, self._ptr_cache = None, [], ExpertPointerCache(self.device)
-        self._torch_attention = nvm.TorchBackend()
-        self.gemv_plan, self._gemv_choice, self.gemv_tc_ks = {}, {}, None
-        self._cc, self._mma, self._smem_optin, self._sms = (9, 0), True, 227 * 1024, 132
+        # not NvrtcBackend.__init__ (it needs a CUDA device): an H200's properties
+        self._configure(torch.device("cpu"), 64, "tc", capability=(9, 0), smem_optin=227 * 1024, sms=132)
         self._launches, self._experts = launches, experts
         self._gen = torch.Generator().manual_seed(seed)
 
@@ -143,12 +141,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per row")
     ap.add_argument("--repeats", type=int, default=3, help="rows per mode (the spread)")
-    ap.add_argument("--modes", default="runtime,segments", help="comma-separated: runtime, segments")
+    ap.add_argument("--modes", default="runtime,stream,segments", help="comma-separated: runtime, stream, segments")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one row per mode, print the N heaviest")
     ap.add_argument("--workdir", type=Path, default=None, help="where the narrow tree is synthesised (default: a temp dir)")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    if bad := [m for m in modes if m not in ("runtime", "segments")]:
+    if bad := [m for m in modes if m not in ("runtime", "stream", "segments")]:
         ap.error(f"--modes: unknown {bad}")
     torch.set_num_threads(1)
 
@@ -174,18 +172,26 @@ def main(argv=None) -> int:
             rt.run(recorded(model.forward_steps(torch.tensor([[5]]), cache), requests), tokens=1)
             segments = SegmentGraphs(model, tensor_core=True)
             for mode in modes:
+                streaming = None
                 if mode == "runtime":
                     step = lambda: rt.run(model.forward_steps(torch.tensor([[5]]), cache), tokens=1)  # noqa: E731
+                elif mode == "stream":  # a runtime of its own: a third of the experts in slots, filled on demand
+                    streaming = StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 3),
+                                                 workers=2)
+                    step = lambda: streaming.run(model.forward_steps(torch.tensor([[5]]), cache), tokens=1)  # noqa: E731
                 else:
                     step = lambda: rt.run(between_replays(segments, requests, torch.tensor([[5]])), tokens=1)  # noqa: E731
                 step()  # warm: first-call caches
                 launches.count.clear()
+                stats = (streaming or rt).stats
+                h2d = stats.bytes_h2d
                 step()
                 per_step = sum(launches.count.values())
+                fills = f", {(stats.bytes_h2d - h2d) / 2**20:.1f} MiB of slot fills" if streaming else ""
                 rows = [statistics.median(timed_steps(step, args.steps)) for _ in range(args.repeats)]
                 print(f"{mode:8s} host ms/step (median of {args.steps} steps), rows: "
                       + ", ".join(f"{r:.1f}" for r in rows)
-                      + f"; spread {100 * (max(rows) - min(rows)) / min(rows):.1f} %; {per_step} launches/step")
+                      + f"; spread {100 * (max(rows) - min(rows)) / min(rows):.1f} %; {per_step} launches/step{fills}")
                 if args.profile:
                     prof = cProfile.Profile()
                     prof.enable()
@@ -194,6 +200,8 @@ def main(argv=None) -> int:
                     out = io.StringIO()
                     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
                     print(out.getvalue())
+                if streaming is not None:
+                    streaming.close()
         rt.close()
     return 0
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from streamrt.backends import nvrtc as nvm
-from streamrt.backends.expert_pointers import ExpertPointerCache, ExpertPointers, scales_aligned8, tables
+from streamrt.backends.expert_pointers import ExpertPointers, scales_aligned8, tables
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
 
 DL, I, K = 256, 384, 4
@@ -38,11 +38,15 @@ class _Recorder:
         self.launches.append((self.name, args[0].copy() if "gateup" in self.name else [int(a.ravel()[0]) for a in args[1:]]))
 
 
+def _host_backend(capability=(9, 0), smem_optin=227 * 1024):
+    """The backend's host side on the CPU, with an H200's properties (no CUDA device)."""
+    nv = object.__new__(nvm.NvrtcBackend)
+    nv._configure(torch.device("cpu"), 64, "tc", capability=capability, smem_optin=smem_optin, sms=132)
+    return nv
+
+
 def _backend(launches):
-    nv = object.__new__(nvm.NvrtcBackend)  # no CUDA device: only the host side runs
-    nv.device, nv._dev, nv.nvfp4_impl, nv.tc_shape = torch.device("cpu"), 0, "tc", nvm.TC_SHAPE
-    nv.pdl, nv.pair_ready, nv._ready, nv._ptr_cache = True, True, None, ExpertPointerCache(nv.device)
-    nv.tc_rows, nv.tc_phase_blocks, nv._smem_optin = 8, None, 227 * 1024
+    nv = _host_backend()
     nv._k = lambda program, name: _Recorder(launches, name)
     return nv
 
@@ -234,10 +238,8 @@ class _GemvRecorder:
 
 
 def _gemv_backend(launches, mma=True, smem_optin=227 * 1024):
-    nv = object.__new__(nvm.NvrtcBackend)
-    nv.device, nv._dev, nv.rowwise_max = torch.device("cpu"), 0, 64
-    nv._mma, nv._cc, nv._sms, nv._smem_optin = mma, (9, 0) if mma else (7, 5), 132, smem_optin
-    nv.gemv_plan, nv._gemv_choice, nv.gemv_tc_ks, nv.pdl = {}, {}, None, True
+    nv = _host_backend((9, 0) if mma else (7, 5), smem_optin)
+    nv.pdl = True
     nv._k = lambda program, name: _GemvRecorder(launches, name)
     return nv
 

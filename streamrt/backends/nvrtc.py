@@ -76,9 +76,19 @@ class NvrtcBackend(MoeOps):
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if device.type != "cuda":
             raise ValueError(f"NvrtcBackend runs on CUDA devices, not {device}")
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        self._configure(torch.device("cuda", index), rowwise_max, nvfp4_impl, capability=(props.major, props.minor),
+                        smem_optin=getattr(props, "shared_memory_per_block_optin", SMEM_DEFAULT),
+                        sms=props.multi_processor_count)
+
+    def _configure(self, device: torch.device, rowwise_max: int, nvfp4_impl: str | None, *,
+                   capability: tuple[int, int], smem_optin: int, sms: int) -> None:
+        """Every setting of the backend from the device's properties; no CUDA call (the host
+        side alone runs on a CPU device given a GPU's properties)."""
+        self.device = device
         self.rowwise_max = rowwise_max
-        self._dev = self.device.index
+        self._dev = device.index or 0
         # NVFP4 expert GEMVs: "tc" (tensor cores, default) or "cuda_core" (fp32 FMA); same math
         self.nvfp4_impl = nvfp4_impl or "tc"
         if self.nvfp4_impl not in NVFP4_IMPLS:
@@ -93,7 +103,7 @@ class NvrtcBackend(MoeOps):
         # launch's ramp hides behind its predecessor; the tensor-core GEMV and gate+up kernels
         # pull their first weight stages while they wait, the down kernel's blocks take the SM
         # slots the gate+up grid's last wave leaves free, and the weighted sum queues behind it.
-        self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9
+        self.pdl = capability[0] >= 9
         # The tensor-core down kernel's blocks start on a pair once its gate+up blocks are done
         # (per-pair counts), not once the whole gate+up grid is: the first experts' down work
         # runs while the last experts' gate+up does.
@@ -104,10 +114,10 @@ class NvrtcBackend(MoeOps):
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
         self._gemv_choice: dict[tuple, str] = {}
         self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split's; changes bits)
-        self._cc = torch.cuda.get_device_capability(self.device)
+        self._cc = capability
         self._mma = self._cc >= (8, 0)  # bf16 mma.sync
-        self._smem_optin = getattr(torch.cuda.get_device_properties(self.device), "shared_memory_per_block_optin", SMEM_DEFAULT)
-        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._smem_optin = smem_optin
+        self._sms = sms
 
     def _k(self, program: str, name: str) -> Kernel:
         return kernel(program, name, self._dev)
