@@ -9,7 +9,7 @@ import pytest
 
 from streamrt.errors import StreamrtError
 from streamrt.store.keys import ExpertKey
-from streamrt.store.policies import DEFAULT_POLICY, LFUDecay, LRU, belady_hits, make_policy, replay
+from streamrt.store.policies import DEFAULT_POLICY, FrequencyMRU, LFUDecay, LRU, belady_hits, make_policy, replay
 
 _spec = importlib.util.spec_from_file_location("cache_sim", Path(__file__).parents[1] / "profiling" / "cache_sim.py")
 cache_sim = importlib.util.module_from_spec(_spec)
@@ -124,3 +124,51 @@ def test_policy_names_and_errors():
         make_policy("fifo")
     with pytest.raises(StreamrtError, match="cache holds 2"):
         replay(LRU(), [[ExpertKey(0, 0), ExpertKey(0, 1), ExpertKey(0, 2)]], 2)
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfu-mru"])
+def test_victims_follow_the_stated_rule_through_pins_and_unpins(name):
+    """Each victim is the unpinned resident key that ranks lowest by the policy's stated rule,
+    kept here by hand: lfu, the lowest sum of 2**(r / halflife) over the key's references r
+    (r counts every reference), ties to the least recently referenced; lfu-mru, the fewest
+    references, ties to the newest inserted. Pins come and go the way the device tier's do (a
+    layer's experts and the next layers' staged ones), so entries of pinned keys are skipped,
+    set aside, and must come back once unpinned; evicted keys keep their history."""
+    rng = random.Random(7)
+    halflife = 37
+    policy = LFUDecay(halflife=halflife) if name == "lfu" else FrequencyMRU(reset_every=10**9)
+    keys = [ExpertKey(layer, e) for layer in range(6) for e in range(12)]
+    refs: dict = {}  # key -> reference numbers (1-based, over all references)
+    inserted: dict = {}  # resident key -> insertion number
+    tick = seq = victims = 0
+
+    def rank(k):
+        if name == "lfu":
+            return (sum(2.0 ** (r / halflife) for r in refs[k]), refs[k][-1])
+        return (len(refs[k]), -inserted[k])
+
+    capacity = 20
+    for _ in range(600):
+        pinned = set(rng.sample(keys, rng.randint(0, 14)))
+        if rng.random() < 0.3:  # some steps pin nothing: every key set aside must come back
+            pinned = set()
+        for k in rng.sample(keys, rng.randint(1, 6)):
+            tick += 1
+            refs.setdefault(k, []).append(tick)
+            policy.access(k)
+            if k in inserted:
+                continue
+            if len(inserted) >= capacity:
+                candidates = [c for c in inserted if c not in pinned | {k}]
+                expect = min(candidates, key=rank) if candidates else None
+                got = policy.victim(pinned | {k})
+                assert got == expect, (got, expect)
+                if got is None:
+                    continue
+                victims += 1
+                policy.remove(got)
+                del inserted[got]
+            seq += 1
+            inserted[k] = seq
+            policy.insert(k)
+    assert victims > 500

@@ -34,21 +34,49 @@ Key = Hashable
 
 
 
-def _lazy_heap_victim(heap: list, live, pinned: Container) -> object | None:
-    """The smallest live, unpinned entry's key of a heap with lazy deletion (entries end with the
-    key; stale ones are dropped as they surface, pinned ones pushed back)."""
-    held, found = [], None
-    while heap:
-        entry = heapq.heappop(heap)
-        if not live(entry):
-            continue  # stale
-        held.append(entry)
-        if entry[-1] not in pinned:
-            found = entry[-1]
-            break
-    for entry in held:
-        heapq.heappush(heap, entry)
-    return found
+class LazyHeap:
+    """A min-heap of entries `(..., key)` with lazy deletion: an entry goes stale when its key's
+    rank changes or the key leaves, and is dropped when it surfaces (`live` says which).
+
+    The entries of pinned keys met on the way to a victim are set aside, not pushed back: the
+    keys just staged for the next layers are pinned and, new, rank lowest, so every eviction of
+    a step would pop and push them again. They rejoin the heap once their key is unpinned."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple] = []
+        self._aside: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._heap) + len(self._aside)
+
+    def push(self, entry: tuple) -> None:
+        heapq.heappush(self._heap, entry)
+
+    def reset(self, entries: Iterable[tuple]) -> None:
+        self._heap, self._aside = list(entries), []
+        heapq.heapify(self._heap)
+
+    def smallest(self, live, pinned: Container) -> object | None:
+        """The key of the smallest live entry whose key is not in `pinned`; None if none."""
+        heap = self._heap
+        if self._aside:
+            aside = []
+            for entry in self._aside:
+                if entry[-1] in pinned:
+                    aside.append(entry)
+                else:
+                    heapq.heappush(heap, entry)
+            self._aside = aside
+        while heap:
+            entry = heap[0]
+            if not live(entry):
+                heapq.heappop(heap)
+            elif entry[-1] in pinned:
+                self._aside.append(heapq.heappop(heap))
+            else:
+                return entry[-1]
+        return None
+
 
 class Policy(Protocol):
     name: str
@@ -112,7 +140,7 @@ class LFUDecay:
         self._score: dict[Key, float] = {}
         self._last: dict[Key, int] = {}
         self._resident: set[Key] = set()
-        self._heap: list[tuple[float, int, Key]] = []  # (score, last tick, key); lazily invalidated
+        self._heap = LazyHeap()  # (score, last tick, key)
 
     def access(self, key: Key) -> None:
         self._tick += 1
@@ -136,19 +164,18 @@ class LFUDecay:
             score, last, key = entry
             return key in self._resident and score == self._score.get(key, 0.0) and last == self._last.get(key, 0)
 
-        return _lazy_heap_victim(self._heap, live, pinned)
+        return self._heap.smallest(live, pinned)
 
     def __len__(self) -> int:
         return len(self._resident)
 
     def _push(self, key: Key) -> None:
-        heapq.heappush(self._heap, (self._score.get(key, 0.0), self._last.get(key, 0), key))
+        self._heap.push((self._score.get(key, 0.0), self._last.get(key, 0), key))
         if len(self._heap) > 4 * len(self._resident) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [(self._score.get(k, 0.0), self._last.get(k, 0), k) for k in self._resident]
-        heapq.heapify(self._heap)
+        self._heap.reset((self._score.get(k, 0.0), self._last.get(k, 0), k) for k in self._resident)
 
     def _rescale(self) -> None:
         s = self._inc
@@ -179,7 +206,7 @@ class FrequencyMRU:
         self._seq = 0
         self._count: dict[Key, int] = {}
         self._resident: dict[Key, int] = {}  # key -> insertion sequence number
-        self._heap: list[tuple[int, int, Key]] = []  # (count, -seq, key); lazily invalidated
+        self._heap = LazyHeap()  # (count, -seq, key)
 
     def access(self, key: Key) -> None:
         self._count[key] = self._count.get(key, 0) + 1
@@ -205,19 +232,18 @@ class FrequencyMRU:
             count, negseq, key = entry
             return self._resident.get(key) == -negseq and count == self._count.get(key, 0)
 
-        return _lazy_heap_victim(self._heap, live, pinned)
+        return self._heap.smallest(live, pinned)
 
     def __len__(self) -> int:
         return len(self._resident)
 
     def _push(self, key: Key) -> None:
-        heapq.heappush(self._heap, (self._count.get(key, 0), -self._resident[key], key))
+        self._heap.push((self._count.get(key, 0), -self._resident[key], key))
         if len(self._heap) > 4 * len(self._resident) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [(self._count.get(k, 0), -s, k) for k, s in self._resident.items()]
-        heapq.heapify(self._heap)
+        self._heap.reset((self._count.get(k, 0), -s, k) for k, s in self._resident.items())
 
     def _age(self) -> None:
         self._refs = 0
