@@ -59,14 +59,10 @@ class LazyHeap:
     def smallest(self, live, pinned: Container) -> object | None:
         """The key of the smallest live entry whose key is not in `pinned`; None if none."""
         heap = self._heap
-        if self._aside:
-            aside = []
-            for entry in self._aside:
-                if entry[-1] in pinned:
-                    aside.append(entry)
-                else:
-                    heapq.heappush(heap, entry)
-            self._aside = aside
+        if self._aside and (back := [e for e in self._aside if e[-1] not in pinned]):
+            self._aside = [e for e in self._aside if e[-1] in pinned]
+            for entry in back:
+                heapq.heappush(heap, entry)
         while heap:
             entry = heap[0]
             if not live(entry):
