@@ -33,7 +33,6 @@ from streamrt.errors import StreamrtError
 Key = Hashable
 
 
-
 class LazyHeap:
     """A min-heap of entries `(..., key)` with lazy deletion: an entry goes stale when its key's
     rank changes or the key leaves, and is dropped when it surfaces (`live` says which).
