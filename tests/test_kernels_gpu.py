@@ -770,6 +770,24 @@ def test_expert_ffn_16_row_blocks_give_the_8_row_bits(gen, T, k, E, Dl, I, phase
             NV16.tc_phase_blocks = None
 
 
+@pytest.mark.parametrize("pdl,pair_ready", [(False, True), (True, False), (False, False)])
+def test_expert_ffn_16_row_blocks_without_pdl_or_pair_counts(gen, pdl, pair_ready):
+    """The 16-row blocks launched plainly (no programmatic dependent launch) and with the down
+    kernel waiting for the whole gate+up grid (no per-pair counts): the bits of the default."""
+    if NV16 is None:
+        pytest.skip("needs a CUDA GPU")
+    experts, ids, weights, z = ffn_case(gen, 20, 6, 8, 256, 384)
+    default = NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    saved = NV16.pdl, NV16.pair_ready
+    NV16.pdl, NV16.pair_ready = pdl, pair_ready
+    try:
+        out = NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
+    finally:
+        NV16.pdl, NV16.pair_ready = saved
+    assert torch.equal(out, default), f"pdl={pdl} pair_ready={pair_ready}"
+    assert rel(out, ffn_ref(z, ids, weights, experts, 4.0, 25.0)) < TOL
+
+
 # The grouped prefill GEMMs' single fp16 row mode rounds each row once (2^-11 of each element,
 # nvfp4_gemm.py): its outputs are held to this of the float64 reference (3e-4 .. 5.4e-4 seen on
 # the CPU twin at Dl 64 and 256), and to GROUPED_TWIN of the twin's torch ops run on the same

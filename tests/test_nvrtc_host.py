@@ -197,6 +197,9 @@ def test_16_row_blocks_launch_shape_phases_and_fallbacks():
     nv.tc_phase_blocks = 3
     with pytest.raises(ValueError, match="multiple of 2"):
         _ffn_launches(nv, 12, 2, 3, 640, 896)
+    nv.tc_phase_blocks = 28  # deep's 3584 columns in one phase: 16 x 2 x 9,024 B of rows alone, over 227 KB
+    with pytest.raises(ValueError, match="tc_phase_blocks 28: 16 rows of 28 column blocks need .* over the block's 232448"):
+        _ffn_launches(nv, 16, 4, 6, 3584, 3072)
     nv.tc_phase_blocks = None
     for shape in ((16, 7, 2, 2), (8, 7, 3, 2)):
         nv.tc_shape = shape

@@ -67,14 +67,18 @@ def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 
 def tc16_phase_blocks(in_features: int, warps: int, rows: int, smem_limit: int, forced: int | None = None) -> int | None:
     """Column blocks per phase of a 16-row block over `in_features` columns: the fewest phases
     whose staged rows and ring fit `smem_limit` (a phase other than the last a whole number of
-    stages), or `forced`; None if not even one stage's columns fit."""
+    stages), or `forced` (ValueError if it does not fit); None if not even one stage's columns fit."""
     nkb = in_features // 128
     _, kbs = TC16_PIPE
-    fits = lambda kbp: tc_smem(kbp * 128, warps, *TC16_PIPE, rows) + TC16_STATIC_SMEM <= smem_limit  # noqa: E731
+    smem = lambda kbp: tc_smem(kbp * 128, warps, *TC16_PIPE, rows) + TC16_STATIC_SMEM  # noqa: E731
+    fits = lambda kbp: smem(kbp) <= smem_limit  # noqa: E731
     if forced is not None:
         if forced < kbs or forced % kbs:
             raise ValueError(f"tc_phase_blocks {forced}: a positive multiple of {kbs} column blocks")
-        return min(forced, nkb) if fits(min(forced, nkb)) else None
+        if not fits(min(forced, nkb)):  # said, not a quiet fall back to the 8-row blocks
+            raise ValueError(f"tc_phase_blocks {forced}: {rows} rows of {min(forced, nkb)} column blocks need "
+                             f"{smem(min(forced, nkb))} B of shared memory, over the block's {smem_limit}")
+        return min(forced, nkb)
     for phases in range(1, nkb + 1):
         per = -(-nkb // phases)  # ceil(nkb / phases)
         kbp = nkb if phases == 1 else -(-per // kbs) * kbs  # whole stages
