@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             profile_steps=args.profile_steps if i == 0 else 0))
             for B in batches[1:]:
                 record(f"{label} B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
+            if rt.graphs_line is not None:
+                print(f"  {label}: {rt.graphs_line}", flush=True)
     if args.torch:
         tmodel = load_model(tree, device.torch_device, dtype=torch.bfloat16)
         with resident("off", tmodel) as rt:
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {label}: {n} mappings warmed in {time.perf_counter() - t:.1f} s", flush=True)
                 for i in range(args.stream_repeats):
                     record(f"{label} #{i + 1}", decode_row(rt, model, prompts, steps[:T, :1], args.warmup))
+                if rt.graphs_line is not None:
+                    print(f"  {label}: {rt.graphs_line}", flush=True)
 
     # ---- results -------------------------------------------------------------------------------
     def same(a: str, b: str) -> bool:

@@ -116,6 +116,7 @@ class _ModelSession(Session):
         self.options = RuntimeOptions.from_args(args)  # flag errors before any loading
         self._args, self._progress, self._ranks, self._loaded = args, progress, ranks, False
         self.runtime, self.ep = None, None
+        self._graphs_said = None  # the graphs_line last printed: said once, not after every reply
         tree = open_tree(model_dir)
         tree.check_side_files()
         _check_outputs_outside(tree, self.options)
@@ -227,6 +228,9 @@ class _ModelSession(Session):
             hash_steps=True,
             max_context=self.context,
         )
+        if (line := self.runtime.graphs_line) is not None and line != self._graphs_said:
+            print(f"streamrt: {line}", file=sys.stderr)
+            self._graphs_said = line
         st = self.runtime.stats
         hits = {}
         for tier in ("device", "host"):

@@ -310,6 +310,7 @@ def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_m
                 installed = installed or model.decode_graphs
                 assert model.decode_graphs is installed, f"step {t}: the segment graphs were replaced"
             assert isinstance(installed, SegmentGraphs) and "cuda" in (installed.refused or "").lower()
+            assert rt.graphs_line == f"CUDA graphs refused, decode steps run op by op: {installed.refused}"
             assert rt.stats.device_misses > misses_before  # decode steps refilled slots: the graphs stayed
         assert model.decode_graphs is None  # closing the runtime drops them
     for t, (a, b) in enumerate(zip(want, got)):

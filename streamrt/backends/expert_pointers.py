@@ -183,7 +183,7 @@ class ExpertTable:
         self._device[i].copy_(self._host[i], non_blocking=True)
         if self.device.type == "cuda":
             self._copied[i] = torch.cuda.Event()
-            self._copied[i].record()
+            self._copied[i].record(torch.cuda.current_stream(self.device))  # the copy's stream, whatever device is current
 
     def layer(self, layer: int) -> torch.Tensor:
         return self._device[self._row[layer]]

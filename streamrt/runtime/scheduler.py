@@ -241,6 +241,13 @@ class StreamingRuntime:
             return
         self.model.decode_graphs = DecodeGraphs(self.model, table, views, stats=self.stats)
 
+    @property
+    def graphs_line(self) -> str | None:
+        """Why decode steps run op by op although CUDA graphs were asked for (the slot table
+        refused an expert, or a segment graph capture failed); None otherwise."""
+        reason = self.graphs_refused or getattr(self.model.decode_graphs if self.model is not None else None, "refused", None)
+        return None if reason is None else f"CUDA graphs refused, decode steps run op by op: {reason}"
+
     def _drop_decode_graphs(self) -> None:
         if self.model is not None:
             self.model.decode_graphs = None
