@@ -448,3 +448,37 @@ def test_stage_depth_flag():
     assert "--stage-depth" in p.format_help()
     with pytest.raises(Exception, match="--stage-depth must be >= 1"):
         RuntimeOptions.from_args(p.parse_args(["--stage-depth", "0"]))
+
+
+def test_predictor_guesses_the_next_routers_top_k(tree, model):
+    """A guess is the next MoE layer's router applied to this layer's FFN input: per row the k
+    experts of highest sigmoid(h . w_e) + bias_e, most confident first. Checked against float64
+    numpy (rows whose k-th and (k+1)-th scores are within 1e-5 only need the k-th to be a
+    near-tie), for a decode row, a batch and the first layer's guess from embeddings."""
+    import numpy as np
+
+    from streamrt.runtime.predictor import Predictor
+
+    cfg = model.config
+    pred = Predictor.from_model(model)
+    layer, k = cfg.moe_layers[0], cfg.experts_per_token
+    nxt = pred.target(layer)
+    assert nxt == cfg.moe_layers[1] and pred.target(cfg.moe_layers[-1]) is None
+    gates = {lay.layer_idx: lay.block_sparse_moe.gate for lay in model.model.layers if hasattr(lay, "block_sparse_moe")}
+    g = torch.Generator().manual_seed(int.from_bytes(np.random.bytes(4), "little"))
+    for rows, guess, target in [(1, None, nxt), (5, None, nxt), (3, "first", cfg.moe_layers[0])]:
+        h = torch.randn(rows, cfg.hidden_size, generator=g)
+        got = (pred.predict_first(h) if guess else pred.predict(layer, h)).numpy()
+        w = gates[target].weight.detach().double().numpy()
+        b = gates[target].e_score_correction_bias.double().numpy()
+        s = 1 / (1 + np.exp(-(h.double().numpy() @ w.T))) + b
+        assert got.shape == (rows, k)
+        for r in range(rows):
+            order = np.argsort(-s[r], kind="stable")
+            kth, next_best = s[r, order[k - 1]], s[r, order[k]]
+            assert len(set(got[r].tolist())) == k
+            assert np.all(np.diff(s[r, got[r]]) <= 1e-5), "most confident first"
+            if kth - next_best > 1e-5:
+                assert set(got[r].tolist()) == set(order[:k].tolist()), f"row {r}"
+            else:
+                assert s[r, got[r]].min() >= next_best - 1e-5

@@ -108,7 +108,7 @@ class ShardPredictor(Predictor):
     guess is owned repeats its first owned expert: at most one stray copy, on this link."""
 
     def __init__(self, inner: Predictor, owners: ExpertOwners, rank: int) -> None:
-        super().__init__(inner.routers, owners.moe_layers, inner.k)
+        super().__init__(inner.routers, owners.moe_layers, inner.k, inner.backend)
         self.next_layer, self.first_layer = inner.next_layer, inner.first_layer
         self.rank = rank
         self._owner = {layer: t == rank for layer, t in owners.table.items()}  # layer -> [E] bool, moved once
