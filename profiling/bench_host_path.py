@@ -195,6 +195,11 @@ def main(argv=None) -> int:
         launches = Launches()
         backend = HostOnlyNvrtc(launches, cfg.num_experts)
         model = load_model(tree, "cpu", dtype=torch.bfloat16, backend=backend)
+        # on the CPU the weights are views into the mapped files, at any offset; on a GPU each is
+        # its own allocation (aligned), which the tensor-core GEMV needs, else a scalar one runs
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                t.data = t.data.clone()
         print(f"config: {cfg.num_layers} layers, {len(cfg.moe_layers)} MoE layers of {cfg.num_experts} experts, "
               f"top {cfg.experts_per_token}; torch {torch.__version__}, 1 thread")
 
