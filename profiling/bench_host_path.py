@@ -21,8 +21,10 @@ Rows:
             (runtime/segment_graphs.py) without its graph replays: the step's requests (recorded
             from one op by op step) yielded to the same runtime in order, each answer placed in
             the pointer table, as SegmentGraphs.steps does between two replays
-Numbers are for this machine's CPU; the GPU machine's cores are faster, and the launch calls
-(or graph replays) themselves come on top.
+Each row also counts, for one step, the launches and the torch ops that would run a kernel on a
+GPU (views and allocations left out; the CPU device's slot fills count as copies). Numbers are
+for this machine's CPU; the GPU machine's cores are faster, and the launch calls (or graph
+replays) themselves come on top.
 """
 
 from __future__ import annotations
