@@ -2,10 +2,11 @@
 
 With experts streaming, a decode step runs op by op (no CUDA graph) and the host's Python sits
 between every two routers: when it takes as long as the link, the link no longer sets the speed.
-This runs the nvrtc backend's own wrappers (checks, tables, argument packing) on a model of
-deep-k3.1-pro's exact layer schedule, with every kernel launch recorded instead of run and the
-router's ids drawn at random. The widths are narrow (hidden 256), so torch's own CPU work stays
-small: what is timed is the Python between launches, the driver's launch call excluded.
+This runs the nvrtc backend's own wrappers (checks, tables, argument packing, the `Kernel`
+launch's own Python) on a model of deep-k3.1-pro's exact layer schedule, with every launch
+answered by a stub driver instead of run and the router's ids drawn at random. The widths are
+narrow (hidden 256), so torch's own CPU work stays small: what is timed is the host's Python,
+the driver's launch call excluded.
 
     python profiling/bench_host_path.py                 # ms of host time per step, three rows each
     python profiling/bench_host_path.py --profile 30    # ... and the 30 heaviest functions
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from streamrt.backends import cuda_driver
 from streamrt.backends import nvrtc as nvm
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
@@ -61,19 +63,66 @@ NARROW = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2
           "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
 
 
+class StubDriver:
+    """cuda.bindings.driver at a launch, every call answered at once: a `Kernel`'s own Python
+    (argument checks and packing, the launch config) runs, the driver's launch does not."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUlaunchConfig:
+        pass
+
+    @staticmethod
+    def CUstream(stream):
+        return stream
+
+    @staticmethod
+    def cuLaunchKernelEx(cfg, fn, params, extra):
+        return (0,)
+
+    @staticmethod
+    def cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        return (0,)
+
+
+class RecordedKernel(cuda_driver.Kernel):
+    """A loaded kernel's launch on the stub driver, counted by name; its parameter sizes are the
+    first call's (the driver's parameter info, on a GPU)."""
+
+    def __init__(self, name: str, count: Counter):
+        self.name, self.device_index, self.fn, self.smem_limit, self._configs = name, 0, None, cuda_driver.SMEM_DEFAULT, {}
+        self.param_sizes, self._layout, self._count = None, None, count
+
+    def set_smem_limit(self, smem: int) -> None:  # a driver attribute on a GPU, once per size
+        self.smem_limit = smem
+
+    def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
+        self._count[self.name] += 1
+        if self.param_sizes is None:
+            self.param_sizes = [a.nbytes for a in args]
+            if hasattr(cuda_driver, "param_layout"):
+                self._layout = cuda_driver.param_layout(self.param_sizes)
+        super().__call__(grid, block, args, smem, stream, pdl)
+
+
 class Launches:
-    """Stands in for every loaded kernel: counts launches by name, runs nothing."""
+    """Stands in for every loaded kernel: launches through the stub driver, counted by name."""
 
     def __init__(self):
         self.count = Counter()
+        self._kernels: dict[str, RecordedKernel] = {}
+        # the driver plumbing a launch calls, for the stub's (this process runs no CUDA)
+        cuda_driver.driver = lambda: StubDriver
+        cuda_driver.make_current = lambda device_index: None
+        cuda_driver.current_stream = lambda device_index: 0
+        cuda_driver._pdl_attr = lambda: None
 
     def kernel(self, program, name):
-        count = self.count
-
-        def launch(grid, block, args, smem=0, stream=None, pdl=False):
-            count[name] += 1
-
-        return launch
+        k = self._kernels.get(name)
+        if k is None:
+            k = self._kernels[name] = RecordedKernel(name, self.count)
+        return k
 
 
 # aten ops that move no data (a GPU runs no kernel for them)

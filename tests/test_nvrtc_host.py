@@ -6,7 +6,9 @@ an expert's checked pointers are reused across calls, and that a bad expert is s
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import struct
 
 import numpy as np
 import pytest
@@ -389,3 +391,90 @@ def test_elementwise_ops_pass_their_inputs_output_and_constants():
     assert [float(x[0]) for x in args[4:]] == [4.0, 0, 25.0, 1]  # beta, beta is inf, linear beta, has one
     with pytest.raises(ValueError, match="situ_glu.gate .* and situ_glu.up .* differ"):
         nv.situ_glu(a, b[:, :5], 4.0, None)
+
+
+# ---- the launch: what reaches the driver --------------------------------------------------------
+
+
+class _Driver:
+    """Stands in for cuda.bindings.driver at a launch: reads the kernelParams it is given (an
+    array of pointers, one per argument) while the call lasts, as the real driver does."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUlaunchConfig:
+        pass
+
+    def __init__(self, fail=0):
+        self.fail, self.launches = fail, []
+
+    @staticmethod
+    def CUstream(s):
+        return s
+
+    def _read(self, params, sizes):
+        ptrs = (ctypes.c_uint64 * len(sizes)).from_address(params)
+        return [(int(p), (ctypes.c_char * n).from_address(p).raw) for p, n in zip(ptrs, sizes)]
+
+    def cuLaunchKernelEx(self, cfg, fn, params, extra):
+        self.launches.append(("ex", cfg.gridDimX, self._read(params, self.sizes)))
+        return (self.fail,)
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.launches.append(("plain", gx, self._read(params, self.sizes)))
+        return (self.fail,)
+
+    def cuGetErrorName(self, err):
+        return 0, b"CUDA_ERROR_LAUNCH_FAILED"
+
+
+def _kernel(monkeypatch, drv, sizes):
+    from streamrt.backends import cuda_driver as cd
+
+    monkeypatch.setattr(cd, "driver", lambda: drv)
+    monkeypatch.setattr(cd, "make_current", lambda index: None)
+    monkeypatch.setattr(cd, "current_stream", lambda index: 7)
+    monkeypatch.setattr(cd, "_pdl_attr", lambda: None)
+    k = object.__new__(cd.Kernel)  # no module to load: only the launch's host side runs
+    k.name, k.device_index, k.fn, k.smem_limit, k._configs = "srt_probe", 0, object(), cd.SMEM_DEFAULT, {}
+    k.param_sizes, k._layout = sizes, cd.param_layout(sizes) if sizes is not None else None
+    drv.sizes = [n for n in (sizes or [])]
+    return k
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("known_sizes", [True, False])
+def test_launch_passes_a_pointer_to_each_arguments_bytes(monkeypatch, pdl, known_sizes):
+    """Every argument's bytes reach the driver whole, each 8-byte aligned, through the pointer
+    array of kernelParams, for a table, pointers, int32 and float32 arguments mixed; a size that
+    differs from the kernel's parameter is refused before any launch."""
+    from streamrt.backends.nvrtc_args import f32, i32, i64, ptr
+
+    rng = np.random.default_rng()
+    table = rng.integers(0, 2**63, 41, dtype=np.uint64)
+    t = torch.randn(5)
+    args = [table, ptr(t), i32(int(rng.integers(-2**31, 2**31))), f32(float(rng.standard_normal())), i64(int(rng.integers(0, 2**62))),
+            i32(3), ptr(None)]
+    sizes = [a.nbytes for a in args]
+    drv = _Driver()
+    k = _kernel(monkeypatch, drv, sizes if known_sizes else None)
+    drv.sizes = sizes
+    k((5, 2), (64,), args, pdl=pdl)
+    (kind, gx, got), = drv.launches
+    assert kind == ("ex" if pdl else "plain") and gx == 5
+    assert [raw for _, raw in got] == [a.tobytes() for a in args]
+    assert all(p % 8 == 0 for p, _ in got)
+    assert struct.unpack("<Q", got[1][1])[0] == t.data_ptr() and got[6][1] == bytes(8)
+    if known_sizes:
+        with pytest.raises(nvm.CudaError, match=r"srt_probe: argument sizes .* != kernel params"):
+            k((1,), (32,), args[:-1] + [i32(0)])
+        assert len(drv.launches) == 1
+
+
+def test_a_failed_launch_names_the_kernel_and_its_shape(monkeypatch):
+    drv = _Driver(fail=719)
+    k = _kernel(monkeypatch, drv, [4])
+    with pytest.raises(nvm.CudaError, match=r"cuLaunchKernelEx\(srt_probe, grid=\(3,\), block=\(32,\), smem=0, programmatic\) "
+                                            r"failed: CUDA_ERROR_LAUNCH_FAILED \(719\)"):
+        k((3,), (32,), [np.array([1], dtype=np.int32)], pdl=True)

@@ -9,6 +9,7 @@ No torch tensors here: arguments are 1-element numpy arrays of the exact C type 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 
@@ -111,6 +112,7 @@ class Kernel:
         mod = module if module is not None else load_module(program, device_index)
         self.fn = check(driver().cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
         self.param_sizes = self._param_sizes()
+        self._layout = param_layout(self.param_sizes) if self.param_sizes is not None else None
         self.smem_limit = SMEM_DEFAULT
         self._configs = {}  # programmatic launches: CUlaunchConfig by (grid, block, smem, stream)
 
@@ -143,14 +145,15 @@ class Kernel:
         the kernel may start before the kernel before it in the stream ends (it must call
         pdl_wait() before reading that kernel's output)."""
         cu = driver()
-        if self.param_sizes is not None and [a.nbytes for a in args] != self.param_sizes:
-            raise CudaError(f"{self.name}: argument sizes {[a.nbytes for a in args]} != kernel params {self.param_sizes}")
+        sizes = [a.nbytes for a in args]
+        if self.param_sizes is not None and sizes != self.param_sizes:
+            raise CudaError(f"{self.name}: argument sizes {sizes} != kernel params {self.param_sizes}")
         make_current(self.device_index)
         if smem > self.smem_limit:
             self.set_smem_limit(smem)
         if stream is None:
             stream = current_stream(self.device_index)
-        params = np.array([a.ctypes.data for a in args], dtype=np.uint64)
+        params, values = pack_params(args, self._layout or param_layout(sizes))
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         if pdl:
@@ -165,13 +168,35 @@ class Kernel:
                 if len(self._configs) >= 256:
                     self._configs.clear()
                 self._configs[key] = cfg
-            check(cu.cuLaunchKernelEx(cfg, self.fn, params.ctypes.data, 0),
-                f"cuLaunchKernelEx({self.name}, grid={grid}, block={block}, smem={smem}, programmatic)")
+            res = cu.cuLaunchKernelEx(cfg, self.fn, ctypes.addressof(params), 0)
+            if res[0] != cu.CUresult.CUDA_SUCCESS:  # the message is built only when it is needed
+                check(res, f"cuLaunchKernelEx({self.name}, grid={grid}, block={block}, smem={smem}, programmatic)")
             return
-        check(
-            cu.cuLaunchKernel(self.fn, gx, gy, gz, bx, by, bz, smem, cu.CUstream(stream), params.ctypes.data, 0),
-            f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})",
-        )
+        res = cu.cuLaunchKernel(self.fn, gx, gy, gz, bx, by, bz, smem, cu.CUstream(stream), ctypes.addressof(params), 0)
+        if res[0] != cu.CUresult.CUDA_SUCCESS:
+            check(res, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})")
+
+
+def param_layout(sizes: list[int]) -> tuple[list[bytes], list[int]]:
+    """Where each kernel argument's bytes go in a launch's one value buffer: the zero padding after
+    each (every value starts 8-byte aligned) and each value's offset."""
+    pads = [b"\0" * (-n % 8) for n in sizes]
+    offsets, at = [], 0
+    for n, pad in zip(sizes, pads):
+        offsets.append(at)
+        at += n + len(pad)
+    return pads, offsets
+
+
+def pack_params(args: list[np.ndarray], layout: tuple[list[bytes], list[int]]):
+    """The driver's kernelParams for `args`: (an array of pointers, one to each value; the buffer
+    holding the values), both to be kept alive through the launch call. The values go side by side
+    into one buffer, so one address is taken per launch: numpy's `.ctypes.data` on every argument
+    cost more host time than the launch itself."""
+    pads, offsets = layout
+    values = b"".join([a.tobytes() + pad for a, pad in zip(args, pads)])
+    base = ctypes.cast(ctypes.c_char_p(values), ctypes.c_void_p).value
+    return (ctypes.c_uint64 * len(offsets))(*[base + o for o in offsets]), values
 
 
 @functools.cache
