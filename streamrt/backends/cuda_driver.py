@@ -153,7 +153,7 @@ class Kernel:
             self.set_smem_limit(smem)
         if stream is None:
             stream = current_stream(self.device_index)
-        params, values = pack_params(args, self._layout or param_layout(sizes))
+        params, values = pack_params(args, self._layout or param_layout(sizes))  # both alive through the call
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         if pdl:
