@@ -263,6 +263,52 @@ def test_gemv_tensor_core_launch_shape():
     assert launches[0][0] == "srt_gemv_tc_xbf16_s2" and launches[0][3] == 4 * 2 * (32 * 128 * 2 + 128 * 2) + 3 * 8 * 32 * 4
 
 
+def test_gemv_launches_are_built_once_per_matrices_and_x_shape():
+    """A call of matrices seen before, at an x shape seen before, reuses the launches the first
+    call checked and built: the same kernels, grids, K splits and weight rows, with this call's
+    x, outputs and addends filled in; another T, other matrices or forced variants build anew."""
+    launches = []
+    nv = _gemv_backend(launches)
+    ws = [torch.empty(n, 512, dtype=torch.bfloat16) for n in (24, 700, 64, 300, 32, 96, 128, 40, 256)]  # 9: two launches
+    built = []
+    real = nv._gemv_tc_launch
+    nv._gemv_tc_launch = lambda *a, **kw: built.append(a[0]) or real(*a, **kw)
+
+    def call(T, mats, adds=False):
+        launches.clear()
+        x = torch.randn(T, 512)
+        add = [(torch.randn(T, w.shape[0]), torch.randn(T, w.shape[0])) for w in mats] if adds else []
+        outs = [nv.linear(x, w, add=a) for w, a in zip(mats, add)] if adds else nv.linears(x, mats)
+        return list(launches), outs, [tuple(t.data_ptr() for t in a) for a in add]
+
+    for T, mats, adds in ((3, ws, False), (1, ws[:4], False), (2, ws[1:3], True)):
+        built.clear()
+        first, _, _ = call(T, mats, adds)
+        assert built  # the first call builds its launches
+        built.clear()
+        again, outs, add_ptrs = call(T, mats, adds)
+        assert not built, "the second call rebuilt its launches"
+        assert len(again) == len(first)
+        for (n1, g1, b1, s1, i1, m1), (n2, g2, b2, s2, i2, m2) in zip(first, again):
+            assert (n1, g1, b1, s1, i1) == (n2, g2, b2, s2, i2) and m1[-1] == m2[-1]  # kernel, grid, T/N/K/split, blocks
+            for a, b in zip(m1[:-1], m2[:-1]):
+                assert a[0] == b[0] and a[4:] == b[4:]  # weight address, rows, first row block
+        # this call's outputs and addends, each once, in the tables
+        assert sorted(b[1] for *_, m in again for b in m[:-1]) == sorted(o.data_ptr() for o in outs)
+        if adds:  # a launch per linear call: its addends in order, (acc + add0) + add1
+            assert [tuple(m[0][2:4]) for *_, m in again] == add_ptrs
+        else:
+            assert all(b[2] == b[3] == 0 for *_, m in again for b in m[:-1])
+    built.clear()
+    call(5, ws[:4])  # another T
+    assert built
+    nv.gemv_plan = {("bf16", 4): "tc3"}
+    built.clear()
+    call(3, ws)
+    call(3, ws)
+    assert len(built) == 4  # forced variants: built every call
+
+
 def test_gemv_k_split_depends_on_the_matrix_not_on_t():
     """The K split sets the order of a row's sum: it must be the same for every T (batch
     invariance), also for a longer batch (its 8-row groups are blocks of one launch)."""

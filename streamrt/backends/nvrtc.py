@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -58,6 +59,21 @@ from streamrt.backends.torch_backend import TorchBackend
 # what tests and benchmarks import from here (defined in the modules above)
 __all__ = ["NvrtcBackend", "CudaError", "GEMV_VARIANTS", "gemv_plan", "gemv_tc_split", "MOE_MAXP", "NVFP4_IMPLS",
            "TC_PIPES", "TC_SHAPE", "tc_smem"]
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """A tensor-core GEMV launch of fixed matrices at one x shape, built and checked once: its
+    GemvMats table holds the weights' addresses, sizes and row blocks; a call fills in its
+    outputs' and addends' addresses. `items`: which of a `_linears` call's matrices it takes."""
+
+    kernel: Kernel
+    grid: tuple[int]
+    block: tuple[int]
+    smem: int
+    ks: int
+    table: np.ndarray
+    items: tuple[int, ...] = ()
 
 
 class NvrtcBackend(MoeOps):
@@ -113,6 +129,7 @@ class NvrtcBackend(MoeOps):
         self._torch_attention = TorchBackend()  # runs mla_prefill (see below)
         self.gemv_plan: dict[tuple[str, int], str] = {}  # forced variants (tests, benchmarks): gemv_plan.gemv_plan
         self._gemv_choice: dict[tuple, str] = {}
+        self._gemv_launches: dict[tuple, tuple[list[int], list[GemvLaunch]]] = {}  # see _linears
         self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split's; changes bits)
         self._cc = capability
         self._mma = self._cc >= (8, 0)  # bf16 mma.sync
@@ -167,23 +184,44 @@ class NvrtcBackend(MoeOps):
         x_bf16 = int(x2.dtype == torch.bfloat16)
         if K % 8 == 0 and T <= self.rowwise_max and not aligned(x2, 16):
             x2 = x2.clone()
-        outs, batch = [], {}  # batch: stages -> [(w, out, adds)] for the tensor-core launches
-        for w, add in items:
+        # a call of matrices seen before (same addresses, shapes, dtypes) at this x shape reuses
+        # its launches, checked and built the first time: only x, the outputs and the addends
+        # change (forced variants, tests and benchmarks, always take the checked path)
+        key = (T, K, x_bf16, self.gemv_tc_ks, self.rowwise_max,
+               tuple((w.data_ptr(), w.shape, w.dtype, w.is_contiguous(), len(add)) for w, add in items))
+        known = None if self.gemv_plan else self._gemv_launches.get(key)
+        if known is not None:
+            outs = [self._empty(T, n) for n in known[0]]
+            adds = [self._addends(add, lead, n, T) for (_, add), n in zip(items, known[0])]
+            for launch in known[1]:
+                self._run_gemv(launch, x2, [(outs[i], adds[i]) for i in launch.items])
+            return [o.view(*lead, n) for o, n in zip(outs, known[0])]
+        outs, batch = [], {}  # batch: stages -> [(item, w, out, adds)] for the tensor-core launches
+        for i, (w, add) in enumerate(items):
             if w.device != dev:
                 raise ValueError(f"linear: x on {x.device}, w on {w.device}, expected {dev}")
             if w.dim() != 2 or K != w.shape[1]:
                 raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not match (w is [out, in])")
-            N = w.shape[0]
-            if len(add) > 2 or any(a.shape != (*lead, N) for a in add):
-                raise ValueError(f"linear: add {[tuple(a.shape) for a in add]} (up to two) must each be {(*lead, N)}")
-            add = tuple(as_act(a, "linear.add", dev).view(T, N) for a in add)
-            outs.append(self._linear_into(x2, x_bf16, w, add, batch).view(*lead, N))
+            outs.append(self._linear_into(x2, x_bf16, w, self._addends(add, lead, w.shape[0], T), batch, i))
+        launches = []
         for stages, mats in batch.items():
             for m0 in range(0, len(mats), GEMV_TC_MATS):
-                self._gemv_tc(x2, x_bf16, mats[m0 : m0 + GEMV_TC_MATS], stages)
-        return outs
+                chunk = mats[m0 : m0 + GEMV_TC_MATS]
+                launch = self._gemv_tc_launch(T, K, x_bf16, [w for _, w, _, _ in chunk], stages, [i for i, *_ in chunk])
+                self._run_gemv(launch, x2, [(out, add) for _, _, out, add in chunk])
+                launches.append(launch)
+        if sum(len(m) for m in batch.values()) == len(items):  # every matrix in tensor-core launches
+            if len(self._gemv_launches) >= 4096:
+                self._gemv_launches.clear()
+            self._gemv_launches[key] = ([o.shape[1] for o in outs], launches)
+        return [o.view(*lead, o.shape[1]) for o in outs]
 
-    def _linear_into(self, x2: Tensor, x_bf16: int, w: Tensor, add: tuple[Tensor, ...], batch: dict) -> Tensor:
+    def _addends(self, add: tuple[Tensor, ...], lead, N: int, T: int) -> tuple[Tensor, ...]:
+        if len(add) > 2 or any(a.shape != (*lead, N) for a in add):
+            raise ValueError(f"linear: add {[tuple(a.shape) for a in add]} (up to two) must each be {(*lead, N)}")
+        return tuple(as_act(a, "linear.add", self.device).view(T, N) for a in add)
+
+    def _linear_into(self, x2: Tensor, x_bf16: int, w: Tensor, add: tuple[Tensor, ...], batch: dict, item: int) -> Tensor:
         """One matrix of `_linears`: its output, computed now, or left to the tensor-core launch
         of `batch` (every 8-row group of x in that one launch)."""
         (T, K), N = x2.shape, w.shape[0]
@@ -204,7 +242,7 @@ class NvrtcBackend(MoeOps):
         buckets = [1 if tn == 1 else 2 if tn == 2 else 4 if tn <= 4 else 8 for _, tn in groups]
         variants = [self._gemv_variant(dt, nt, N) for nt in buckets]
         if all(v.startswith("tc") for v in variants):
-            batch.setdefault(int(variants[0][2:]), []).append((w, out, add))
+            batch.setdefault(int(variants[0][2:]), []).append((item, w, out, add))
             return out
         for (t0, tn), nt, v in zip(groups, buckets, variants):
             xt, ot = x2[t0 : t0 + 8], out[t0 : t0 + 8]
@@ -223,12 +261,17 @@ class NvrtcBackend(MoeOps):
         return out
 
     def _gemv_tc(self, x: Tensor, x_bf16: int, mats: list[tuple[Tensor, Tensor, tuple[Tensor, ...]]], stages: int) -> None:
-        """The tensor-core GEMV of up to GEMV_TC_MATS (w, out, addends) sharing x: a block per 32
-        rows of a w and 8 rows of x, K split among its warps as `gemv_tc_split` gives for all
-        the matrices' row blocks (a function of the matrices only: a row's bits do not depend
-        on T)."""
+        """The tensor-core GEMV of up to GEMV_TC_MATS (w, out, addends) sharing x."""
         T, K = x.shape
-        row_blocks = [math.ceil(w.shape[0] / GEMV_TC_ROWS) for w, _, _ in mats]
+        self._run_gemv(self._gemv_tc_launch(T, K, x_bf16, [w for w, _, _ in mats], stages), x,
+                       [(out, add) for _, out, add in mats])
+
+    def _gemv_tc_launch(self, T: int, K: int, x_bf16: int, ws: list[Tensor], stages: int, items=()) -> "GemvLaunch":
+        """The launch of a tensor-core GEMV of up to GEMV_TC_MATS matrices `ws` sharing an x of T
+        rows: a block per 32 rows of a w and 8 rows of x, K split among its warps as
+        `gemv_tc_split` gives for all the matrices' row blocks (a function of the matrices only:
+        a row's bits do not depend on T)."""
+        row_blocks = [math.ceil(w.shape[0] / GEMV_TC_ROWS) for w in ws]
         # at most 8 warps, one stage each, and as many as fit shared memory with 2 stages of the
         # largest x (8 fp32 rows): a cap that does not depend on this call's T
         fit = (self._smem_optin + 8 * 32 * 4) // (2 * (GEMV_TC_ROWS * GEMV_TC_COLS * 2 + 8 * GEMV_TC_COLS * 4) + 8 * 32 * 4)
@@ -240,15 +283,25 @@ class NvrtcBackend(MoeOps):
         smem = ks * stages * stage + (ks - 1) * 8 * 32 * 4
         # GemvMats (kernels/gemv.cu): w, out, add0, add1 [GEMV_TC_MATS] u64; n, block0 [+1], m int32
         table = np.zeros(4 * GEMV_TC_MATS + (2 * GEMV_TC_MATS + 2) // 2, dtype=np.uint64)
-        addr, ints = table[: 4 * GEMV_TC_MATS].reshape(4, GEMV_TC_MATS), table[4 * GEMV_TC_MATS :].view(np.int32)
+        ints = table[4 * GEMV_TC_MATS :].view(np.int32)
         blocks = 0
-        for i, ((w, out, add), rb) in enumerate(zip(mats, row_blocks)):
-            addr[:, i] = [w.data_ptr(), out.data_ptr(), *(a.data_ptr() for a in add), *[0] * (2 - len(add))]
+        for i, (w, rb) in enumerate(zip(ws, row_blocks)):
+            table[i] = w.data_ptr()
             ints[i], ints[GEMV_TC_MATS + i] = w.shape[0], blocks
             blocks += rb
-        ints[GEMV_TC_MATS + len(mats)], ints[2 * GEMV_TC_MATS + 1] = blocks, len(mats)
+        ints[GEMV_TC_MATS + len(ws)], ints[2 * GEMV_TC_MATS + 1] = blocks, len(ws)
         k = self._k("gemv", f"srt_gemv_tc_x{'bf16' if x_bf16 else 'f32'}_s{stages}")
-        k((blocks * math.ceil(T / 8),), (32 * ks,), [table, ptr(x), i32(T), i32(K), i32(ks)], smem=smem, pdl=self.pdl)
+        return GemvLaunch(k, (blocks * math.ceil(T / 8),), (32 * ks,), smem, ks, table, tuple(items))
+
+    def _run_gemv(self, launch: "GemvLaunch", x: Tensor, outs: list[tuple[Tensor, tuple[Tensor, ...]]]) -> None:
+        """`launch` on x, its matrices' outputs and addends (in its table's order) filled in."""
+        table = launch.table.copy()
+        for i, (out, add) in enumerate(outs):
+            table[GEMV_TC_MATS + i] = out.data_ptr()
+            for j, a in enumerate(add):
+                table[(2 + j) * GEMV_TC_MATS + i] = a.data_ptr()
+        T, K = x.shape
+        launch.kernel(launch.grid, launch.block, [table, ptr(x), i32(T), i32(K), i32(launch.ks)], smem=launch.smem, pdl=self.pdl)
 
     def _gemv_variant(self, dt: str, nt: int, N: int) -> str:
         """The override if any; else for bf16 weights the tensor-core kernel where the device has
