@@ -200,6 +200,34 @@ def test_linear_addends_give_the_bits_of_separate_adds(gen, T, wdt):
         assert torch.equal(NV.linear(x, w, (a0,)), NV.linear(x, w) + a0)
 
 
+@pytest.mark.parametrize("T", [1, 11])
+def test_linear_launch_built_once_gives_the_checked_bits(gen, T):
+    """A call of matrices seen before at an x shape seen before reuses the launches the first
+    call built (GemvLaunch): the same bits as that first, checked call, for another x and
+    other addends too, and each output against float64."""
+    K = 1024
+    ws = [randn(gen, n, K, scale=K**-0.5, dtype=torch.bfloat16) for n in (24, 2048, 700, 96, 64, 33, 512, 8, 300)]  # 9: two launches
+    xs = [randn(gen, T, K) for _ in range(2)]
+    adds = [(randn(gen, T, 700), randn(gen, T, 700, scale=10.0)) for _ in range(2)]
+    tb = [TB.linears(x, ws) for x in xs]
+    if NV is None:
+        for x, outs in zip(xs, tb):
+            for w, o in zip(ws, outs):
+                assert rel(o, x.double() @ w.double().T) < TOL
+        return
+    NV._gemv_launches.clear()
+    first = [NV.linears(x, ws) for x in xs]  # the first builds, the second reuses
+    again = [NV.linears(x, ws) for x in xs]  # both reuse
+    for i, w in enumerate(ws):
+        for j, x in enumerate(xs):
+            check(f"linears reused T={T} matrix {i}", gen, x.double() @ w.double().T, tb[j][i], lambda: again[j][i])
+            assert torch.equal(first[j][i], again[j][i]), f"matrix {i}, x {j}: reused launch gives other bits"
+    NV._gemv_launches.clear()
+    built = [NV.linear(x, ws[2], a) for x, a in zip(xs, adds)]  # built, then reused with other addends
+    NV._gemv_launches.clear()
+    assert torch.equal(built[1], NV.linear(xs[1], ws[2], adds[1])), "addends of a reused launch"
+
+
 @pytest.mark.skipif(NV is None, reason="kernel property")
 def test_linear_every_gemv_variant_same_bits(gen):
     """Every GEMV variant agrees with the float64 reference and gives the same bits for a row as
