@@ -3,7 +3,7 @@
 # installed). Logs go to $OUT; the tables at the end are what profiling/RESULTS.md quotes.
 #   bash profiling/device_session.sh [stages...]
 #   stages: tests kernels variants access profile decode trace sweep convert kda mla
-#           slice graphs-slice deep graphs-deep serve dense parts prefill experts drop-slice
+#           slice graphs-slice deep graphs-deep profile-deep serve dense parts prefill experts drop-slice
 #           (slice / deep: synthesise slice-k3.1-pro, ~30 s, / deep-k3.1-pro, ~2 min; serve 1/4/16
 #           clients, dense streaming and prefill run on whichever of the two is present; the disk
 #           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
@@ -84,6 +84,13 @@ if has graphs-deep; then
   stage "bench CUDA-graph decode (deep: graphs vs op by op, B 1/4/16, a third streaming)"
   [ -f "$DEEP/manifest.json" ] && timeout ${T_GRAPHS_DEEP:-420} python3 profiling/bench_graphs.py --workdir "$W" --config deep-k3.1-pro \
     --json "$OUT/graphs_deep.json" 2>&1 | grep -v USDT | tee "$L/graphs_deep.log" | tail -30
+fi
+if has profile-deep; then
+  stage "profile a deep decode step: op by op (cProfile: the host's functions), then streamed segment graphs"
+  [ -f "$DEEP/manifest.json" ] && timeout ${T_PROFILE_DEEP:-150} python3 profiling/profile_step.py --workdir "$W" --config deep-k3.1-pro \
+    --backend nvrtc --cuda-graphs off --steps 3 2>&1 | grep -v USDT | tee "$L/profile_deep_off.log" | tail -60
+  [ -f "$DEEP/manifest.json" ] && timeout ${T_PROFILE_DEEP:-150} python3 profiling/profile_step.py --workdir "$W" --config deep-k3.1-pro \
+    --backend nvrtc --cuda-graphs streamed --gpu-experts 736 --steps 3 2>&1 | grep -v USDT | tee "$L/profile_deep_streamed.log" | tail -60
 fi
 if has serve; then  # needs the fastapi / uvicorn / pydantic / opentelemetry-api wheels on PYTHONPATH
   stage "bench serve (deep, a third of the experts in slots; slice)"
