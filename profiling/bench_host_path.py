@@ -31,6 +31,7 @@ replays) themselves come on top.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -106,17 +107,29 @@ class RecordedKernel(cuda_driver.Kernel):
         super().__call__(grid, block, args, smem, stream, pdl)
 
 
+@contextlib.contextmanager
+def stub_driver():
+    """The driver plumbing a launch calls, the stub's while the block runs, then the real one
+    again (a process that imports this, such as the test suite, may launch on a GPU later)."""
+    stubs = {"driver": lambda: StubDriver, "make_current": lambda device_index: None,
+             "current_stream": lambda device_index: 0, "_pdl_attr": lambda: None}
+    real = {name: getattr(cuda_driver, name) for name in stubs}
+    try:
+        for name, f in stubs.items():
+            setattr(cuda_driver, name, f)
+        yield
+    finally:
+        for name, f in real.items():
+            setattr(cuda_driver, name, f)
+
+
 class Launches:
-    """Stands in for every loaded kernel: launches through the stub driver, counted by name."""
+    """Stands in for every loaded kernel: launches through the stub driver (`stub_driver`),
+    counted by name."""
 
     def __init__(self):
         self.count = Counter()
         self._kernels: dict[str, RecordedKernel] = {}
-        # the driver plumbing a launch calls, for the stub's (this process runs no CUDA)
-        cuda_driver.driver = lambda: StubDriver
-        cuda_driver.make_current = lambda device_index: None
-        cuda_driver.current_stream = lambda device_index: 0
-        cuda_driver._pdl_attr = lambda: None
 
     def kernel(self, program, name):
         k = self._kernels.get(name)
@@ -236,7 +249,7 @@ def main(argv=None) -> int:
         ap.error(f"--modes: unknown {bad}")
     torch.set_num_threads(1)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, stub_driver():
         work = args.workdir or Path(tmp)
         tree_dir = work / "deep-narrow"
         if not (tree_dir / "config.json").exists():

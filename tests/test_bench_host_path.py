@@ -13,7 +13,12 @@ ROW = re.compile(r"^(\w+) +host ms/step .*rows: ([\d.]+); .*?(\d+) launches \+ (
 
 
 def test_bench_host_path_rows(tmp_path, capsys):
+    from streamrt.backends import cuda_driver
+
+    real = (cuda_driver.driver, cuda_driver.make_current, cuda_driver.current_stream, cuda_driver._pdl_attr)
     assert bench.main(["--workdir", str(tmp_path), "--steps", "1", "--repeats", "1"]) == 0
+    # the stub driver is gone again: later tests in this process launch on a GPU where there is one
+    assert (cuda_driver.driver, cuda_driver.make_current, cuda_driver.current_stream, cuda_driver._pdl_attr) == real
     out = capsys.readouterr().out
     rows = {m.group(1): m for m in ROW.finditer(out)}
     assert set(rows) == {"runtime", "stream", "segments"}, out
