@@ -20,6 +20,7 @@ same bits (tests/test_decode_graphs_gpu.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Mapping
 
@@ -32,22 +33,70 @@ from streamrt.model.cache import ModelCache
 from streamrt.model.model import run_sync
 
 
-class DecodeGraphs:
+class StepGraphs:
+    """What whole-step and segment graphs share: captures kept per (ids shape, last_only, cache
+    addresses), at most `keep` (least recently used first out), and a replay's bookkeeping."""
+
+    def __init__(self, model, keep: int, stats):
+        if getattr(model.backend, "name", None) != "nvrtc":
+            raise ValueError("decode graphs need the nvrtc backend (the torch backend reads ids on the host)")
+        self.model, self.keep = model, keep
+        self.stats = stats  # RuntimeStats: graph_steps counts the replays
+        self._kept: OrderedDict[tuple, tuple] = OrderedDict()
+        self.captures = self.replays = 0
+
+    def _lookup(self, ids: Tensor, cache: ModelCache, last_only: bool) -> tuple[tuple, tuple | None]:
+        """(the step's key, what was captured for it or None)."""
+        # growth moves the caches: before the key is taken, and one position ahead, so that the
+        # capture after a first step (one position later) never grows them inside the graph
+        cache.reserve(max(cache.lengths) + 2)
+        key = (tuple(ids.shape), last_only, cache.tensor_addresses())
+        entry = self._kept.get(key)
+        if entry is not None:
+            self._kept.move_to_end(key)
+        return key, entry
+
+    def _keep(self, key: tuple, entry: tuple) -> None:
+        while len(self._kept) >= self.keep:
+            self._kept.popitem(last=False)
+        self._kept[key] = entry
+        self.captures += 1
+
+    def _replayed(self, cache: ModelCache, logits: Tensor) -> Tensor:
+        """After a replay: the host lengths counted (the graph advanced the device's), the
+        replay counted, and the logits copied out (the next replay overwrites its own)."""
+        cache.advance(1, on_device=False)
+        self.replays += 1
+        if self.stats is not None:
+            self.stats.graph_steps += 1
+        return logits.clone()
+
+
+@contextlib.contextmanager
+def lengths_taken_back(cache: ModelCache):
+    """Capturing runs a step's Python but not its kernels: the host lengths it counted are
+    taken back, whatever happens in the block."""
+    before = cache.lengths[0]
+    try:
+        yield
+    finally:
+        counted = cache.lengths[0] - before
+        if counted:
+            cache.advance(-counted, on_device=False)
+
+
+class DecodeGraphs(StepGraphs):
     """`model.decode_graphs` (the model's forward replays through `decode`): every MoE layer's
     experts in `views` ({layer: {expert: device views}}) and placed in `table`."""
 
     def __init__(self, model, table: ExpertTable, views: Mapping[int, Mapping[int, ExpertWeights]], *, keep: int = 4,
                  stats=None):
-        if getattr(model.backend, "name", None) != "nvrtc":
-            raise ValueError("decode graphs need the nvrtc backend (the torch backend reads ids on the host)")
+        super().__init__(model, keep, stats)
         if not table.complete():
             raise ValueError("decode graphs need every routed expert placed in the expert table")
-        self.model, self.table, self.views, self.keep = model, table, views, keep
+        self.table, self.views = table, views
         self.tensor_core = table.tensor_core_ready()
         table.upload()
-        self._graphs: OrderedDict[tuple, tuple[Tensor, torch.cuda.CUDAGraph, Tensor]] = OrderedDict()
-        self.stats = stats  # RuntimeStats: graph_steps counts the replays
-        self.captures = self.replays = 0
 
     def answer(self, req) -> ResidentExperts:
         """A layer's experts: its table and views, the router's ids left on the device."""
@@ -61,11 +110,7 @@ class DecodeGraphs:
 
     def decode(self, ids: Tensor, cache: ModelCache, last_only: bool) -> Tensor:
         """One decode step of ids [B, 1] (checked, on the device) -> logits [B, 1, V]."""
-        # growth moves the caches: before the key is taken, and one position ahead, so that the
-        # capture after a first step (one position later) never grows them inside the graph
-        cache.reserve(max(cache.lengths) + 2)
-        key = (tuple(ids.shape), last_only, cache.tensor_addresses())
-        entry = self._graphs.get(key)
+        key, entry = self._lookup(ids, cache, last_only)
         if entry is None:
             hint, self.model.step_hint = self.model.step_hint, None  # nothing to stage: every expert is resident
             try:
@@ -74,33 +119,19 @@ class DecodeGraphs:
             finally:
                 self.model.step_hint = hint
             return logits
-        self._graphs.move_to_end(key)
         static_ids, graph, logits = entry
         static_ids.copy_(ids)
         graph.replay()  # on the current stream, behind whatever the caller queued there
-        cache.advance(1, on_device=False)  # the replay advanced the device lengths
-        self.replays += 1
-        if self.stats is not None:
-            self.stats.graph_steps += 1
-        return logits.clone()  # the next replay overwrites the graph's own output
+        return self._replayed(cache, logits)
 
     def _capture(self, key: tuple, ids: Tensor, cache: ModelCache, last_only: bool) -> None:
-        """Capture the step for ids' shape on this cache. Capturing runs the step's Python but not
-        its kernels: the host lengths it counted are taken back."""
+        """Capture the step for ids' shape on this cache."""
         static_ids = ids.clone()
-        before = cache.lengths[0]
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(ids.device)  # capture needs a stream other than the default
         side.wait_stream(torch.cuda.current_stream(ids.device))
-        try:
+        with lengths_taken_back(cache):
             with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 logits = run_sync(self.model.forward_chunk(static_ids, cache, last_only), self.answer)
-        finally:
-            counted = cache.lengths[0] - before
-            if counted:
-                cache.advance(-counted, on_device=False)
         torch.cuda.current_stream(ids.device).wait_stream(side)
-        while len(self._graphs) >= self.keep:
-            self._graphs.popitem(last=False)
-        self._graphs[key] = (static_ids, graph, logits)
-        self.captures += 1
+        self._keep(key, (static_ids, graph, logits))

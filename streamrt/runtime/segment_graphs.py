@@ -28,8 +28,6 @@ loaded) before it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 from torch import Tensor
 
@@ -37,25 +35,24 @@ from streamrt.backends.expert_pointers import ExpertPointerCache, ExpertTable
 from streamrt.errors import StreamrtError
 from streamrt.expert_weights import ResidentExperts, answer_for_layer
 from streamrt.model.cache import ModelCache
+from streamrt.runtime.decode_graphs import StepGraphs, lengths_taken_back
 
 
-class SegmentGraphs:
+class SegmentGraphs(StepGraphs):
     """`model.decode_graphs` while experts stream: steps of shapes seen before replay a chain of
-    graphs. `tensor_core`: the experts' sections meet the tensor-core kernels' alignment (a
-    property of the expert layout, checked again on every expert that reaches the table)."""
+    graphs (kept per key as `StepGraphs` keeps them: static ids, [(graph, request it ends on, or
+    None for the last)], static logits). `tensor_core`: the experts' sections meet the
+    tensor-core kernels' alignment (a property of the expert layout, checked again on every
+    expert that reaches the table)."""
 
     def __init__(self, model, *, tensor_core: bool, keep: int = 4, stats=None):
-        if getattr(model.backend, "name", None) != "nvrtc":
-            raise ValueError("segment graphs need the nvrtc backend (the torch backend reads ids on the host)")
+        super().__init__(model, keep, stats)
         cfg = model.config
-        self.model, self.keep, self.stats, self.tensor_core = model, keep, stats, tensor_core
+        self.tensor_core = tensor_core
         self.device = model.lm_head.weight.device
         self.routed_width, self.inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
         self.table = ExpertTable(cfg.moe_layers, cfg.num_experts, self.routed_width, self.device)
         self._pointers = ExpertPointerCache(self.device)
-        # key -> (static ids, [(graph, request it ends on, or None for the last)], static logits)
-        self._chains: OrderedDict[tuple, tuple[Tensor, list, Tensor]] = OrderedDict()
-        self.captures = self.replays = 0
         self.refused: str | None = None  # why a capture failed: steps stay op by op from then on
 
     def steps(self, ids: Tensor, cache: ModelCache, last_only: bool):
@@ -63,14 +60,11 @@ class SegmentGraphs:
         -> logits [B, 1, V]."""
         if self.refused is not None:
             return (yield from self.model.forward_chunk(ids, cache, last_only))
-        cache.reserve(max(cache.lengths) + 2)  # as DecodeGraphs: no growth inside a capture
-        key = (tuple(ids.shape), last_only, cache.tensor_addresses())
-        chain = self._chains.get(key)
+        key, chain = self._lookup(ids, cache, last_only)
         if chain is None:
             logits = yield from self._table_answered(self.model.forward_chunk(ids, cache, last_only))
             self._capture(key, ids, cache, last_only)
             return logits
-        self._chains.move_to_end(key)
         static_ids, segments, logits = chain
         static_ids.copy_(ids)
         if self.model.step_hint is not None:  # before segment 0, which runs to the first router
@@ -79,11 +73,7 @@ class SegmentGraphs:
             graph.replay()  # on the current stream, behind the table copy and the copy waits
             if req is not None:
                 self._place(req, (yield req))
-        cache.advance(1, on_device=False)  # the replay advanced the device lengths
-        self.replays += 1
-        if self.stats is not None:
-            self.stats.graph_steps += 1
-        return logits.clone()  # the next replay overwrites the chain's own output
+        return self._replayed(cache, logits)
 
     def _table_answered(self, gen):
         """Drive a forward op by op, each request served by the caller and answered from the table:
@@ -123,29 +113,22 @@ class SegmentGraphs:
 
     def _capture(self, key: tuple, ids: Tensor, cache: ModelCache, last_only: bool) -> None:
         """Capture the step for ids' shape on this cache as a chain of graphs, each ending at a
-        router. Capturing runs the step's Python but not its kernels: the host lengths it counted
-        are taken back. A failed capture leaves this step's (op by op) logits as they were and
+        router. A failed capture leaves this step's (op by op) logits as they were and
         every later step op by op."""
         static_ids = ids.clone()
-        before = cache.lengths[0]
         hint, self.model.step_hint = self.model.step_hint, None  # no staging from inside a capture
         gen = self.model.forward_chunk(static_ids, cache, last_only)
-        try:
-            segments, logits = self._record(gen)
-        except Exception as e:  # e.g. an op that cannot be captured: op by op from now on
-            self.refused = f"{type(e).__name__}: {e}"
-            self._chains.clear()
-            return
-        finally:
-            gen.close()
-            self.model.step_hint = hint
-            counted = cache.lengths[0] - before
-            if counted:
-                cache.advance(-counted, on_device=False)
-        while len(self._chains) >= self.keep:
-            self._chains.popitem(last=False)
-        self._chains[key] = (static_ids, segments, logits)
-        self.captures += 1
+        with lengths_taken_back(cache):
+            try:
+                segments, logits = self._record(gen)
+            except Exception as e:  # e.g. an op that cannot be captured: op by op from now on
+                self.refused = f"{type(e).__name__}: {e}"
+                self._kept.clear()
+                return
+            finally:
+                gen.close()
+                self.model.step_hint = hint
+        self._keep(key, (static_ids, segments, logits))
 
     def _record(self, gen) -> tuple[list, Tensor]:
         """Run `gen` under capture, one graph from each resumption to the next request (or the
