@@ -92,8 +92,8 @@ class RecordedKernel(cuda_driver.Kernel):
     first call's (the driver's parameter info, on a GPU)."""
 
     def __init__(self, name: str, count: Counter):
-        self.name, self.device_index, self.fn, self.smem_limit, self._configs = name, 0, None, cuda_driver.SMEM_DEFAULT, {}
-        self.param_sizes, self._layout, self._count = None, None, count
+        self._configure(name, 0, None, None)
+        self._count = count
 
     def set_smem_limit(self, smem: int) -> None:  # a driver attribute on a GPU, once per size
         self.smem_limit = smem
@@ -101,9 +101,7 @@ class RecordedKernel(cuda_driver.Kernel):
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
         self._count[self.name] += 1
         if self.param_sizes is None:
-            self.param_sizes = [a.nbytes for a in args]
-            if hasattr(cuda_driver, "param_layout"):
-                self._layout = cuda_driver.param_layout(self.param_sizes)
+            self._configure(self.name, 0, None, [a.nbytes for a in args])
         super().__call__(grid, block, args, smem, stream, pdl)
 
 

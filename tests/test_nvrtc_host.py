@@ -483,8 +483,7 @@ def _kernel(monkeypatch, drv, sizes):
     monkeypatch.setattr(cd, "current_stream", lambda index: 7)
     monkeypatch.setattr(cd, "_pdl_attr", lambda: None)
     k = object.__new__(cd.Kernel)  # no module to load: only the launch's host side runs
-    k.name, k.device_index, k.fn, k.smem_limit, k._configs = "srt_probe", 0, object(), cd.SMEM_DEFAULT, {}
-    k.param_sizes, k._layout = sizes, cd.param_layout(sizes) if sizes is not None else None
+    k._configure("srt_probe", 0, object(), sizes)
     drv.sizes = [n for n in (sizes or [])]
     return k
 

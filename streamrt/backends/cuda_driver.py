@@ -108,25 +108,18 @@ class Kernel:
 
     def __init__(self, program: str, name: str, device_index: int, module=None):
         """`module`: a module loaded elsewhere (e.g. a benchmark's own source) instead of `program`'s."""
-        self.name, self.device_index = name, device_index
         mod = module if module is not None else load_module(program, device_index)
-        self.fn = check(driver().cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
-        self.param_sizes = self._param_sizes()
-        self._layout = param_layout(self.param_sizes) if self.param_sizes is not None else None
+        fn = check(driver().cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
+        self._configure(name, device_index, fn, _param_sizes(fn))
+
+    def _configure(self, name: str, device_index: int, fn, param_sizes: list[int] | None) -> None:
+        """Every field from the loaded function and its parameter sizes (None: the driver cannot
+        say); no driver call (a launch's host side runs on a stand-in driver so)."""
+        self.name, self.device_index, self.fn = name, device_index, fn
+        self.param_sizes = param_sizes
+        self._layout = param_layout(param_sizes) if param_sizes is not None else None
         self.smem_limit = SMEM_DEFAULT
         self._configs = {}  # programmatic launches: CUlaunchConfig by (grid, block, smem, stream)
-
-    def _param_sizes(self) -> list[int] | None:
-        cu = driver()
-        if not hasattr(cu, "cuFuncGetParamInfo"):
-            return None
-        sizes = []
-        for i in range(256):
-            res = cu.cuFuncGetParamInfo(self.fn, i)
-            if res[0] != cu.CUresult.CUDA_SUCCESS:
-                break
-            sizes.append(int(res[2]))
-        return sizes or None
 
     def set_smem_limit(self, smem: int) -> None:
         """Allow `smem` bytes of dynamic shared memory per block (above the 48 KiB default; the
@@ -175,6 +168,20 @@ class Kernel:
         res = cu.cuLaunchKernel(self.fn, gx, gy, gz, bx, by, bz, smem, cu.CUstream(stream), ctypes.addressof(params), 0)
         if res[0] != cu.CUresult.CUDA_SUCCESS:
             check(res, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})")
+
+
+def _param_sizes(fn) -> list[int] | None:
+    """The byte size of each of a kernel's parameters, from the driver (None where it cannot say)."""
+    cu = driver()
+    if not hasattr(cu, "cuFuncGetParamInfo"):
+        return None
+    sizes = []
+    for i in range(256):
+        res = cu.cuFuncGetParamInfo(fn, i)
+        if res[0] != cu.CUresult.CUDA_SUCCESS:
+            break
+        sizes.append(int(res[2]))
+    return sizes or None
 
 
 def param_layout(sizes: list[int]) -> tuple[list[bytes], list[int]]:
