@@ -45,7 +45,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from streamrt.backends import cuda_driver
 from streamrt.backends import nvrtc as nvm
@@ -169,6 +169,7 @@ class HostOnlyNvrtc(nvm.NvrtcBackend):
         gen = torch.Generator().manual_seed(seed)
         self._perms = torch.stack([torch.randperm(experts, generator=gen) for _ in range(4096)])
         self._next = 0
+        self.counting: TorchOps | None = None  # the torch op count of the step being counted
 
     def _k(self, program, name):
         return self._launches.kernel(program, name)
@@ -178,7 +179,7 @@ class HostOnlyNvrtc(nvm.NvrtcBackend):
 
     def route(self, logits, bias, k, *args, **kw):
         ids, wts = super().route(logits, bias, k, *args, **kw)
-        ops = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, TorchOps)), None)
+        ops = self.counting
         if ops is not None:  # on a GPU the router's kernel writes these
             ops.paused = True
         T = ids.shape[0]
@@ -287,9 +288,10 @@ def main(argv=None) -> int:
                 launches.count.clear()
                 stats = (streaming or rt).stats
                 h2d = stats.bytes_h2d
-                ops = TorchOps()
+                ops = backend.counting = TorchOps()
                 with ops:
                     step()
+                backend.counting = None
                 per_step = sum(launches.count.values())
                 fills = f", {(stats.bytes_h2d - h2d) / 2**20:.1f} MiB of slot fills" if streaming else ""
                 rows = [statistics.median(timed_steps(step, args.steps)) for _ in range(args.repeats)]
