@@ -101,7 +101,7 @@ class RecordedKernel(cuda_driver.Kernel):
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
         self._count[self.name] += 1
         if self.param_sizes is None:
-            self._configure(self.name, 0, None, [a.nbytes for a in args])
+            self._configure(self.name, 0, None, [len(a) for a in args])
         super().__call__(grid, block, args, smem, stream, pdl)
 
 

@@ -37,7 +37,12 @@ class _Recorder:
         self.launches, self.name = launches, name
 
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
-        self.launches.append((self.name, args[0].copy() if "gateup" in self.name else [int(a.ravel()[0]) for a in args[1:]]))
+        self.launches.append((self.name, np.frombuffer(args[0], np.uint8) if "gateup" in self.name else [_int(a) for a in args[1:]]))
+
+
+def _int(arg: bytes) -> int:
+    """A pointer (8 bytes) or int32 (4 bytes) launch argument's value."""
+    return struct.unpack("<Q" if len(arg) == 8 else "<i", arg)[0]
 
 
 def _host_backend(capability=(9, 0), smem_optin=227 * 1024):
@@ -156,12 +161,13 @@ def test_counts_zeroed_when_a_launch_fails_midway():
 
 
 def _ffn_launches(nv, T, k, E, dl, i):
-    """(name, grid, block, smem, int args) of each launch of one expert-FFN call."""
+    """(name, grid, block, smem, 4-byte args read as int32: the tests read the int tail, past the
+    SiTU floats) of each launch of one expert-FFN call."""
     launches = []
 
     def rec(program, name):
         def launch(grid, block, args, smem=0, stream=None, pdl=False):
-            ints = [int(a.ravel()[0]) for a in args if a.dtype == np.int32]
+            ints = [struct.unpack("<i", a)[0] for a in args if len(a) == 4]
             launches.append((name, tuple(grid), tuple(block), smem, ints))
         return launch
 
@@ -232,8 +238,8 @@ class _GemvRecorder:
         self.launches, self.name = launches, name
 
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
-        ints = [int(a.ravel()[0]) for a in args if a.dtype == np.int32]
-        mats = _gemv_mats(args[0]) if args[0].dtype == np.uint64 and args[0].size == 41 else None
+        ints = [struct.unpack("<i", a)[0] for a in args if len(a) == 4]  # a GEMV takes no float
+        mats = _gemv_mats(np.frombuffer(args[0], np.uint64)) if len(args[0]) == 41 * 8 else None
         if mats is not None:
             ints = ints[:1] + [m[4] for m in mats[:-1]] + ints[1:]
         self.launches.append((self.name, tuple(grid), tuple(block), smem, ints, mats))
@@ -430,11 +436,11 @@ def test_elementwise_ops_pass_their_inputs_output_and_constants():
     out = nv.sigmoid_mul(a, b)
     name, grid, block, args = calls[-1]
     assert name == "srt_sigmoid_mul" and grid == (9,) and block == (256,) and len(args) == 4
-    assert [int(x[0]) for x in args] == [a.data_ptr(), b.data_ptr(), out.data_ptr(), 2100]
+    assert [_int(x) for x in args] == [a.data_ptr(), b.data_ptr(), out.data_ptr(), 2100]
     out = nv.situ_glu(a, b, 4.0, 25.0)
     name, _, _, args = calls[-1]
-    assert name == "srt_situ_glu" and [int(x[0]) for x in args[:4]] == [a.data_ptr(), b.data_ptr(), out.data_ptr(), 2100]
-    assert [float(x[0]) for x in args[4:]] == [4.0, 0, 25.0, 1]  # beta, beta is inf, linear beta, has one
+    assert name == "srt_situ_glu" and [_int(x) for x in args[:4]] == [a.data_ptr(), b.data_ptr(), out.data_ptr(), 2100]
+    assert struct.unpack("<fifi", b"".join(args[4:])) == (4.0, 0, 25.0, 1)  # beta, beta is inf, linear beta, has one
     with pytest.raises(ValueError, match="situ_glu.gate .* and situ_glu.up .* differ"):
         nv.situ_glu(a, b[:, :5], 4.0, None)
 
@@ -497,18 +503,18 @@ def test_launch_passes_a_pointer_to_each_arguments_bytes(monkeypatch, pdl, known
     from streamrt.backends.nvrtc_args import f32, i32, i64, ptr
 
     rng = np.random.default_rng()
-    table = rng.integers(0, 2**63, 41, dtype=np.uint64)
+    table = rng.integers(0, 2**63, 41, dtype=np.uint64).tobytes()
     t = torch.randn(5)
     args = [table, ptr(t), i32(int(rng.integers(-2**31, 2**31))), f32(float(rng.standard_normal())), i64(int(rng.integers(0, 2**62))),
             i32(3), ptr(None)]
-    sizes = [a.nbytes for a in args]
+    sizes = [len(a) for a in args]
     drv = _Driver()
     k = _kernel(monkeypatch, drv, sizes if known_sizes else None)
     drv.sizes = sizes
     k((5, 2), (64,), args, pdl=pdl)
     (kind, gx, got), = drv.launches
     assert kind == ("ex" if pdl else "plain") and gx == 5
-    assert [raw for _, raw in got] == [a.tobytes() for a in args]
+    assert [raw for _, raw in got] == args
     assert all(p % 8 == 0 for p, _ in got)
     assert struct.unpack("<Q", got[1][1])[0] == t.data_ptr() and got[6][1] == bytes(8)
     if known_sizes:
@@ -522,4 +528,4 @@ def test_a_failed_launch_names_the_kernel_and_its_shape(monkeypatch):
     k = _kernel(monkeypatch, drv, [4])
     with pytest.raises(nvm.CudaError, match=r"cuLaunchKernelEx\(srt_probe, grid=\(3,\), block=\(32,\), smem=0, programmatic\) "
                                             r"failed: CUDA_ERROR_LAUNCH_FAILED \(719\)"):
-        k((3,), (32,), [np.array([1], dtype=np.int32)], pdl=True)
+        k((3,), (32,), [struct.pack("<i", 1)], pdl=True)

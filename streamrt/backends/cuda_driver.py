@@ -4,7 +4,7 @@ Cubins (`cuda_compile.compile_cubin`) are loaded with the driver API into torch'
 (cuDevicePrimaryCtxRetain + cuCtxSetCurrent) and launched on torch's current stream, so they
 order with torch's own work and the caching allocator. A `Kernel` checks its argument sizes
 against the driver's parameter info and launches plainly or programmatically (PDL, sm_90+).
-No torch tensors here: arguments are 1-element numpy arrays of the exact C type (`nvrtc_args`).
+No torch tensors here: arguments are each value's bytes as the kernel's C type holds them (`nvrtc_args`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import ctypes
 import functools
 import threading
 
-import numpy as np
 import torch
 
 from streamrt.backends.cuda_compile import compile_cubin
@@ -133,12 +132,12 @@ class Kernel:
         n = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, smem), f"occupancy({self.name})")
         return max(1, int(n))
 
-    def __call__(self, grid, block, args: list[np.ndarray], smem: int = 0, stream=None, pdl: bool = False) -> None:
+    def __call__(self, grid, block, args: list[bytes], smem: int = 0, stream=None, pdl: bool = False) -> None:
         """Launch on `stream` (torch's current one by default). pdl: programmatic dependent launch,
         the kernel may start before the kernel before it in the stream ends (it must call
         pdl_wait() before reading that kernel's output)."""
         cu = driver()
-        sizes = [a.nbytes for a in args]
+        sizes = list(map(len, args))
         if self.param_sizes is not None and sizes != self.param_sizes:
             raise CudaError(f"{self.name}: argument sizes {sizes} != kernel params {self.param_sizes}")
         make_current(self.device_index)
@@ -195,13 +194,12 @@ def param_layout(sizes: list[int]) -> tuple[list[bytes], list[int]]:
     return pads, offsets
 
 
-def pack_params(args: list[np.ndarray], layout: tuple[list[bytes], list[int]]):
+def pack_params(args: list[bytes], layout: tuple[list[bytes], list[int]]):
     """The driver's kernelParams for `args`: (an array of pointers, one to each value; the buffer
     holding the values), both to be kept alive through the launch call. The values go side by side
-    into one buffer, so one address is taken per launch: numpy's `.ctypes.data` on every argument
-    cost more host time than the launch itself."""
+    into one buffer, so one address is taken per launch, not one per argument."""
     pads, offsets = layout
-    values = b"".join([a.tobytes() + pad for a, pad in zip(args, pads)])
+    values = b"".join([a + pad for a, pad in zip(args, pads)])
     base = ctypes.cast(ctypes.c_char_p(values), ctypes.c_void_p).value
     return (ctypes.c_uint64 * len(offsets))(*[base + o for o in offsets]), values
 

@@ -301,7 +301,7 @@ class NvrtcBackend(MoeOps):
             for j, a in enumerate(add):
                 table[(2 + j) * GEMV_TC_MATS + i] = a.data_ptr()
         T, K = x.shape
-        launch.kernel(launch.grid, launch.block, [table, ptr(x), i32(T), i32(K), i32(launch.ks)], smem=launch.smem, pdl=self.pdl)
+        launch.kernel(launch.grid, launch.block, [table.tobytes(), ptr(x), i32(T), i32(K), i32(launch.ks)], smem=launch.smem, pdl=self.pdl)
 
     def _gemv_variant(self, dt: str, nt: int, N: int) -> str:
         """The override if any; else for bf16 weights the tensor-core kernel where the device has
@@ -462,7 +462,7 @@ class NvrtcBackend(MoeOps):
             flags[i] = wts[i][1]
         if T * P:
             self._k("norms", "srt_kda_conv_step")(
-                (T * (P // K), 3), (block_threads(K, 512),), [table, i32(P // K), i32(K), i32(W), f32(eps), f32(q_scale)], pdl=self.pdl)
+                (T * (P // K), 3), (block_threads(K, 512),), [table.tobytes(), i32(P // K), i32(K), i32(W), f32(eps), f32(q_scale)], pdl=self.pdl)
             for buf, st in zip(bufs, states):
                 if buf is not st:
                     st.copy_(buf)
@@ -682,7 +682,7 @@ class NvrtcBackend(MoeOps):
                                  f"and row {tuple(v.shape)} do not fit")
             table[i], table[4 + i], width[i], stride[i] = d.data_ptr(), v.data_ptr(), d.shape[2], v.stride(0)
         if B:
-            self._k("norms", "srt_cache_append")((B, len(dsts)), (256,), [table, ptr(lengths), i32(cap)], pdl=self.pdl)
+            self._k("norms", "srt_cache_append")((B, len(dsts)), (256,), [table.tobytes(), ptr(lengths), i32(cap)], pdl=self.pdl)
 
     def attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float,
                     out_w: Tensor | None = None, out_eps: float = 0.0) -> Tensor:
@@ -706,8 +706,7 @@ class NvrtcBackend(MoeOps):
         ow = None if out_w is None else as_weight(out_w.reshape(-1), "attnres_mix.out_w", dev)[0]
         if ow is not None and ow.numel() != D:
             raise ValueError(f"attnres_mix: out_w has {ow.numel()} entries, want D={D}")
-        table = np.zeros(ATTNRES_MAXS, dtype=np.uint64)
-        table[: len(srcs)] = [v.data_ptr() for v in srcs]
+        table = b"".join([ptr(v) for v in srcs]).ljust(8 * ATTNRES_MAXS, b"\0")  # the sources' addresses, by value
         S, slices = len(srcs), math.ceil(D / ATTNRES_SLICE)
         out = self._empty(T, D, dtype=torch.float32)
         if T and D:

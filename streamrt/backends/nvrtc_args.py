@@ -1,7 +1,8 @@
 """Kernel arguments of the nvrtc backend: packing and the checks every op makes.
 
-Packers (`ptr`, `i32`, `i64`, `f32`) return a 1-element numpy array of the exact C type (the
-driver passes its address). Checks: an activation is made fp32 and contiguous, a weight fp32
+Packers (`ptr`, `i32`, `i64`, `f32`) return the argument's bytes as the kernel's C type holds
+them (struct, little-endian); a struct passed by value (a pointer table) is its numpy array's
+`tobytes()`. Checks: an activation is made fp32 and contiguous, a weight fp32
 or bf16 and contiguous, a buffer updated in place must already have the kernel's dtype and
 shape (a strided one goes through a contiguous copy the caller writes back).
 """
@@ -9,31 +10,43 @@ shape (a strided one goes through a contiguous copy the caller writes back).
 from __future__ import annotations
 
 import math
+import struct
 
-import numpy as np
 import torch
 from torch import Tensor
 
 
-def ptr(t: Tensor | None) -> np.ndarray:
-    return np.array([0 if t is None else t.data_ptr()], dtype=np.uint64)
+_U64, _I32, _I64, _F32 = (struct.Struct(f).pack for f in ("<Q", "<i", "<q", "<f"))
 
 
-def i32(v: int) -> np.ndarray:
-    if not -(2**31) <= int(v) < 2**31:
-        raise ValueError(f"int argument {v} does not fit in int32")
-    return np.array([int(v)], dtype=np.int32)
+def ptr(t: Tensor | None) -> bytes:
+    return _U64(0 if t is None else t.data_ptr())
 
 
-def i64(v: int) -> np.ndarray:
-    return np.array([int(v)], dtype=np.int64)
+def i32(v: int) -> bytes:
+    try:
+        return _I32(v)
+    except struct.error:  # out of range, or not an int (a float is truncated, as int() does)
+        if not -(2**31) <= int(v) < 2**31:
+            raise ValueError(f"int argument {v} does not fit in int32") from None
+        return _I32(int(v))
 
 
-def f32(v: float) -> np.ndarray:
-    return np.array([v], dtype=np.float32)
+def i64(v: int) -> bytes:
+    try:
+        return _I64(v)
+    except struct.error:
+        return _I64(int(v))
 
 
-def situ_args(beta: float, linear_beta: float | None) -> list[np.ndarray]:
+def f32(v: float) -> bytes:
+    try:
+        return _F32(v)
+    except OverflowError:  # beyond float32: its infinity, as a cast gives
+        return _F32(math.copysign(math.inf, v))
+
+
+def situ_args(beta: float, linear_beta: float | None) -> list[bytes]:
     """The SiTU-GLU constants every kernel that applies it takes: beta (0 and a flag when
     infinite, i.e. plain SiLU), then linear_beta (1 and a flag when None, i.e. no up clamp)."""
     binf = math.isinf(beta)

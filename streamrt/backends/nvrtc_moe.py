@@ -322,7 +322,7 @@ class MoeOps:
 
     def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, T, pdl_gateup) -> None:
         """gate+up+SiTU into h and down into y for up to 64 pairs, their tables by value."""
-        gtab, dtab = tables(chunk, ptrs)
+        gtab, dtab = (t.tobytes() for t in tables(chunk, ptrs))
         # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
         tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs)
         self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, T, pdl_gateup)
