@@ -57,11 +57,14 @@ class LazyHeap:
 
     def smallest(self, live, pinned: Container) -> object | None:
         """The key of the smallest live entry whose key is not in `pinned`; None if none."""
-        heap = self._heap
-        if self._aside and (back := [e for e in self._aside if e[-1] not in pinned]):
-            self._aside = [e for e in self._aside if e[-1] in pinned]
-            for entry in back:
-                heapq.heappush(heap, entry)
+        heap, aside = self._heap, self._aside
+        if aside:
+            self._aside = []
+            for entry in aside:  # the entries of keys unpinned since rejoin the heap
+                if entry[-1] in pinned:
+                    self._aside.append(entry)
+                else:
+                    heapq.heappush(heap, entry)
         while heap:
             entry = heap[0]
             if not live(entry):
