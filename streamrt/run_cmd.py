@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
     src.add_argument("--chat", action="store_true", help="interactive: one user message per stdin line")
-    src.add_argument("--messages", metavar="FILE.json", help='OpenAI-style messages (a list, or {"messages", "tools"})')
+    src.add_argument("--messages", metavar="FILE.json", help='OpenAI-style messages (a list, or {"messages", "tools"}), checked as the server checks them')
     p.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     p.add_argument("--no-thinking", action="store_true", help="answer without the think channel")
     p.add_argument("--show-thinking", action="store_true", help="print the think channel too")

@@ -1,6 +1,7 @@
 """XTML frames (spec/MODEL.md §8.2): exact rendering, render -> parse round trips, a total parser."""
 
 import json
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -295,7 +296,7 @@ def test_messages_file_openai_style(tmp_path):
     msgs, tools = load_messages_file(f)
     assert tools == WEATHER_TOOLS and msgs[2]["tool_calls"][0]["id"] == "c1"
     f.write_text(json.dumps([{"role": "wizard", "content": "x"}]))
-    with pytest.raises(ChatFormatError, match=r"m\.json: message 0: role 'wizard'"):
+    with pytest.raises(ChatFormatError, match=r"m\.json: messages\[0\]\.role: Input should be 'system', 'developer'"):
         load_messages_file(f)
     f.write_text("{nope")
     with pytest.raises(ChatFormatError, match="messages file: invalid JSON at line 1"):
@@ -305,3 +306,51 @@ def test_messages_file_openai_style(tmp_path):
     f.write_text(json.dumps([{"role": "tool", "content": "x"}]))
     with pytest.raises(ChatFormatError, match="tool result without a tool name"):
         load_messages_file(f)
+
+
+@pytest.mark.parametrize("doc,error", [
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": 5}], r"messages\[1\]\.tool_calls: Input should be a valid list"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": True}], r"messages\[1\]\.tool_calls: Input should be a valid list"),
+    ([{"role": "user", "content": "a\ud800"}], r"messages\[0\]\.content: not valid Unicode \(lone surrogate \\ud800 at position 1\)"),
+    ([{"role": "user", "content": "hi", "name": "\udc80"}], r"messages\[0\]\.name: not valid Unicode"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": "f"}]}, r"tools\[0\]\.function: Input should be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": 5}}]}, r"tools\[0\]\.function\.name: Input should be a valid string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+     r"tools\[0\]\.function\.parameters: Input should be a valid dictionary"),
+    ([{"role": "user", "content": "hi", "name": [1]}], r"messages\[0\]\.name: Input should be a valid string"),
+    ([{"role": "assistant", "content": "x", "reasoning_content": {}}], r"messages\[0\]\.reasoning_content: Input should be a valid string"),
+    ([{"role": "user", "content": [{"type": "text"}]}], r"missing messages\[0\]\.content\[0\]\.text"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 0}, r"'temperature' is not read from a messages file"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, r"'response_format' is not read"),
+    ([], r"messages: List should have at least 1 item"),
+])
+def test_messages_file_is_checked_as_a_request_is(tmp_path, doc, error):
+    """A file's messages and tools obey the server's request rules (each error one line naming
+    the file and the field); what a file cannot carry (sampling, ...) is refused, not ignored;
+    JSON's lone-surrogate escapes are refused before a tokenizer meets them."""
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(ChatFormatError, match=r"m\.json: " + error) as err:
+        load_messages_file(f)
+    assert "\n" not in str(err.value)
+
+
+def test_messages_file_takes_developer_and_vllm_reasoning(tmp_path):
+    """A developer message renders as a system message, as the server renders it; vLLM's
+    `reasoning` field is an assistant turn's reasoning, as `reasoning_content` is."""
+    f = tmp_path / "m.json"
+    rng = random.Random()
+    why = f"thought {rng.randrange(10**6)}"
+    doc = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"},
+           {"role": "assistant", "content": "hello", "reasoning": why}, {"role": "user", "content": "again"}]
+    f.write_text(json.dumps(doc))
+    msgs, _ = load_messages_file(f)
+    want = [dict(doc[0], role="system"), *doc[1:]]
+    assert msgs == want
+    assert render_text(render(msgs)) == render_text(render([dict(doc[0], role="system"), doc[1],
+                                                           dict(doc[2], reasoning_content=why), doc[3]]))
+    assert why in render_text(render(msgs))
+    for kind in ("dir", "devnull"):
+        path = tmp_path if kind == "dir" else "/dev/null"
+        with pytest.raises(ChatFormatError, match="not a regular file"):
+            load_messages_file(path)

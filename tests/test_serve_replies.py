@@ -11,7 +11,8 @@ pytest.importorskip("fastapi")
 
 from streamrt.chat import encode_chat, encode_segments, render  # noqa: E402
 from streamrt.serve import schemas as S  # noqa: E402
-from streamrt.serve.errors import field_path, from_validation  # noqa: E402
+from streamrt.serve.errors import from_validation  # noqa: E402
+from streamrt.serve.schemas import field_path  # noqa: E402
 from streamrt.serve.replies import ChatReply, StopMatcher, prior_calls  # noqa: E402
 from streamrt.serve.routes import ServerState, _delta_chunks, render_chat  # noqa: E402
 

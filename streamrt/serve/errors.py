@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from streamrt.serve.schemas import first_error
+
 log = logging.getLogger("streamrt.serve")
 
 
@@ -32,26 +34,6 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, type=e.type, param=e.param, code=e.code), e.status, headers=e.headers)
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def _is_tag(part) -> bool:
-    """A union branch pydantic names in a location ('str', 'list[TextPart]', 'NamedToolChoice')."""
-    p = str(part)
-    return "[" in p or p in _TYPE_TAGS or p[:1].isupper() or p.startswith("function-")
-
-
-def field_path(loc: tuple) -> str:
-    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch tags are dropped."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not _is_tag(part):
-            out += f".{part}" if out else str(part)
-    return out
-
-
 def from_validation(exc: ValidationError) -> ApiError:
     """A body validation error as a 400 naming its field: of a union's branch errors, the one
     that got furthest into the value (a list of parts beats 'not a string')."""
@@ -61,10 +43,8 @@ def from_validation(exc: ValidationError) -> ApiError:
         why = bad[0].get("ctx", {}).get("error", "")
         return ApiError(400, f"request body is not valid JSON ({why})" if why else "request body is not valid JSON",
                         code="invalid_json")
-    first = max(errors, key=lambda e: len(field_path(tuple(e["loc"]))))
-    param = field_path(tuple(first["loc"]))
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "missing":
+    param, msg, kind = first_error(exc)
+    if kind == "missing":
         return ApiError(400, f"missing required field {param!r}", param=param, code="missing_required_parameter")
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param or None, code="invalid_value")
 

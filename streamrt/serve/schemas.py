@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from streamrt.run_args import MAX_SEED
 
@@ -23,6 +23,33 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_tag(part) -> bool:
+    """A union branch pydantic names in a location ('str', 'list[TextPart]', 'NamedToolChoice')."""
+    p = str(part)
+    return "[" in p or p in _TYPE_TAGS or p[:1].isupper() or p.startswith("function-")
+
+
+def field_path(loc: tuple) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch tags are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_tag(part):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def first_error(exc: ValidationError) -> tuple[str, str, str]:
+    """(field path, message, pydantic's error type) of the error to report: of a union's branch
+    errors, the one that got furthest into the value (a list of parts beats 'not a string')."""
+    first = max(exc.errors(include_url=False), key=lambda e: len(field_path(tuple(e["loc"]))))
+    return field_path(tuple(first["loc"])), first["msg"].removeprefix("Value error, "), first["type"]
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -49,6 +76,7 @@ class Message(_Strict):
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name for it
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
@@ -168,13 +196,19 @@ class _Sampling(_Strict):
         return list(self.stop or [])
 
 
-class ChatRequest(_Sampling):
+class ChatPrompt(_Strict):
+    """The conversation a chat prompt is rendered from: a request's, and the whole of
+    `streamrt run --messages FILE`."""
+
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
+
+
+class ChatRequest(_Sampling, ChatPrompt):
+    max_completion_tokens: int | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    thinking: bool = True  # streamrt extension: False answers without the think channel
     response_format: ResponseFormat | None = None
+    thinking: bool = True  # streamrt extension: False answers without the think channel
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
