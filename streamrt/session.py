@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from streamrt.chat import ChatProfile
+from streamrt.checkpoint.dst import STATE_DIR
 from streamrt.errors import StreamrtError
 from streamrt.run_args import Sampling, prefill_chunk
 from streamrt.tokenizer import Tokenizer
@@ -38,6 +41,9 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
     except OSError as e:  # e.g. a name longer than the file system allows
         raise StreamrtError(f"--model {model}: {e.strerror or e}") from None
     if not tree:
+        if (path / STATE_DIR).is_dir():
+            raise StreamrtError(f"--model {model}: an unfinished conversion (no manifest.json yet); finish it: "
+                                f"streamrt convert {_convert_source(path)} {shlex.quote(model)}")
         if release:
             raise StreamrtError(
                 f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
@@ -45,6 +51,15 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
             )
         raise StreamrtError(f"--model {model}: no manifest.json (not a converted streamrt tree)")
     return path
+
+
+def _convert_source(dst: Path) -> str:
+    """The source a conversion into `dst` recorded (its state file), or SRC where it cannot say."""
+    try:
+        source = json.loads((dst / STATE_DIR / "state.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return "SRC"
+    return shlex.quote(source) if isinstance(source, str) and source else "SRC"
 
 
 @dataclass

@@ -448,3 +448,26 @@ def test_verify_names_a_directory_where_a_file_belongs(tree, capsys):
     (tree / rel).mkdir()
     assert main(["verify", str(tree)]) == 1
     assert f"BAD {tree / rel}: not a regular file" in capsys.readouterr().err
+
+
+def test_an_unfinished_conversion_is_named_with_the_command_that_finishes_it(capsys, tmp_path):
+    """A DST a killed `convert` left (its state, no manifest yet) is not called a release: the
+    message gives the command that resumes it, with the source its state recorded."""
+    dst = tmp_path / "half done"
+    (dst / ".convert").mkdir(parents=True)
+    (dst / "config.json").write_text("{}")  # copied early by convert: it looks like a release
+    src = tmp_path / "the release"
+    (dst / ".convert" / "state.json").write_text(json.dumps({"source": str(src)}))
+    err = _one_line_error(capsys, ["run", "--model", str(dst), "--prompt", "hi"], "an unfinished conversion")
+    assert f"streamrt convert '{src}' '{dst}'" in err
+    (dst / ".convert" / "state.json").write_text("{")  # unreadable state: the command still reads right
+    _one_line_error(capsys, ["run", "--model", str(dst), "--prompt", "hi"], f"streamrt convert SRC '{dst}'")
+
+
+def test_synth_refused_for_space_leaves_no_directory(capsys, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10))
+    out = tmp_path / "a" / "b" / "c"
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 0.0 GiB free")
+    assert seen == [tmp_path]  # the nearest directory that exists
+    assert not (tmp_path / "a").exists()

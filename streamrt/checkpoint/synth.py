@@ -421,8 +421,8 @@ def synth(
         raise CheckpointError(f"{out}: --out exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
+    _check_space(out, nbytes)  # before any directory is made: a refusal leaves nothing behind
     out.mkdir(parents=True, exist_ok=True)
-    _check_space(out, nbytes)
     gen = Generator(cfg, seed, skew, device)
     if workers is None:
         workers = min(6, os.cpu_count() or 1) if gen.device.type == "cuda" else max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -445,6 +445,9 @@ def _disable(progress: bool | None) -> bool | None:
 def _check_space(out: Path, need: int) -> None:
     import shutil
 
-    free = shutil.disk_usage(out).free
+    where = out
+    while not where.exists() and where != where.parent:  # out and its parents may not exist yet
+        where = where.parent
+    free = shutil.disk_usage(where).free
     if free < need:
         raise CheckpointError(f"{out}: needs {need / 2**30:.1f} GiB, only {free / 2**30:.1f} GiB free")
