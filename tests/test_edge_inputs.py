@@ -471,3 +471,11 @@ def test_synth_refused_for_space_leaves_no_directory(capsys, tmp_path, monkeypat
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 0.0 GiB free")
     assert seen == [tmp_path]  # the nearest directory that exists
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("src, dst, name", [("", "out", "SRC"), ("rel", "", "DST"), ("rel", "  ", "DST")])
+def test_convert_refuses_an_empty_path(capsys, tmp_path, monkeypatch, src, dst, name):
+    """An unset shell variable is not the current directory."""
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, ["convert", src, dst], f"convert: {name} is empty")
+    assert list(tmp_path.iterdir()) == []

@@ -123,6 +123,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     _check_int(args.workers, "--workers", 1, MAX_WORKERS)
     _check_int(args.commit_threads, "--commit-threads", 0, MAX_WORKERS)
+    for name, value in (("SRC", args.src), ("DST", args.dst)):
+        if not str(value).strip():  # an unset shell variable: Path("") is the current directory
+            raise StreamrtError(f"convert: {name} is empty; give a directory")
     _check_dst(args.dst)
     convert(args.src, args.dst, workers=args.workers, allow_per_row=args.allow_per_row,
             progress=False if args.no_progress else None, log=print, commit_threads=args.commit_threads,
