@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -246,6 +247,22 @@ def test_index_naming_a_missing_shard(rel_copy, tmp_path):
     with pytest.raises(CheckpointError) as ei:
         convert(rel_copy, tmp_path / "out", progress=False)
     one_line(ei, "model-00002-of-000004.safetensors", "shard missing")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink loop", "directory"])
+def test_index_naming_a_shard_that_is_not_a_file(rel_copy, tmp_path, kind):
+    shard = rel_copy / "model-00002-of-000004.safetensors"
+    shard.unlink()
+    if kind == "fifo":
+        os.mkfifo(shard)
+    elif kind == "directory":
+        shard.mkdir()
+    else:
+        shard.symlink_to(shard)
+    with pytest.raises(CheckpointError) as ei:
+        convert(rel_copy, tmp_path / "out", progress=False)
+    one_line(ei, shard.name, "shard is not a regular file")
     assert not (tmp_path / "out").exists()
 
 

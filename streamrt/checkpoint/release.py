@@ -191,7 +191,8 @@ def open_release(path: str | Path, *, check_tensors: bool = True) -> ReleaseTree
             raise CheckpointError(f"{root / INDEX}: shard name {clip(repr(shard))}: {e.strerror or e}") from None
         if not present:
             first = next(n for n, s in wm.items() if s == shard)
-            raise CheckpointError(f"{f}: shard missing (index maps tensor {clip(first)} and others to it)")
+            what = "shard missing" if not (f.exists() or f.is_symlink()) else "shard is not a regular file"
+            raise CheckpointError(f"{f}: {what} (index maps tensor {clip(first)} and others to it)")
         headers[shard] = read_header(f)
     _check_index_agrees(root, wm, headers)
     specs = tensor_specs(cfg)
