@@ -12,11 +12,11 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
-import json
 from pathlib import Path
 from typing import Iterable
 
-from streamrt.errors import CheckpointError, ConfigError
+from streamrt.errors import CheckpointError, ConfigError, clip
+from streamrt.jsonio import load_json, type_name
 
 K3_SPECIAL_BASE = 163584
 NUM_SPECIALS = 256
@@ -229,22 +229,52 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_CONFIG_MAX_BYTES = 16 << 20  # 256 added tokens take ~50 KB; a replaced file must not cost minutes to parse
+_ADDED_TOKENS_SHAPE = 'added_tokens_decoder must be an object of id -> {"content": str, ...}'
+
+
+def read_tokenizer_config(path: Path) -> dict:
+    """`tokenizer_config.json`, its `added_tokens_decoder` checked: the file is the user's to
+    edit (docs/CONTRACTS.md) and outside the checksums, so anything wrong in it is a one-line
+    CheckpointError naming the file and the field."""
+    data = load_json(path, what="tokenizer config", expect=dict, max_bytes=TOKENIZER_CONFIG_MAX_BYTES,
+                     unique_keys=True)
+    decoder = data.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise CheckpointError(f"{path}: {_ADDED_TOKENS_SHAPE}, got {type_name(decoder)}")
+    for key, entry in decoder.items():
+        field = f"added_tokens_decoder[{clip(key, 40)!r}]"
+        try:
+            int(key)
+        except ValueError:
+            raise CheckpointError(f"{path}: {field}: the key is not a token id (an integer)") from None
+        if not isinstance(entry, dict):
+            raise CheckpointError(f'{path}: {field} must be an object with a string "content", got {type_name(entry)}')
+        if not isinstance(entry.get("content"), str):
+            got = type_name(entry["content"]) if "content" in entry else "nothing"
+            raise CheckpointError(f"{path}: {field}.content must be a string, got {got}")
+    return data
+
+
+def check_tokenizer_config(path: Path) -> None:
+    """Everything streamrt reads from a tree's `tokenizer_config.json` (`path`): the added tokens and the
+    `streamrt_chat` block (ChatProfile's rules). For `verify` and `convert`, which must refuse
+    a broken edit that `run` would refuse."""
+    read_tokenizer_config(path)
+    # imported here: streamrt.chat imports this module
+    from streamrt.chat.profile import ChatProfile
+
+    ChatProfile.from_tree(path.parent)  # reads path: the profile lives in the same file
+
+
 def _special_names_from_config(path: Path) -> dict[str, int]:
     """Names of added tokens in `tokenizer_config.json`, as K3 ids (ids outside the block are ignored)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable tokenizer config ({exc})") from None
     out = {}
-    decoder = data.get("added_tokens_decoder") if isinstance(data, dict) else None
-    for key, entry in (decoder or {}).items():
-        try:
-            k3 = int(key)
-            name = entry["content"]
-        except (ValueError, TypeError, KeyError):
-            raise CheckpointError(f"{path}: added_tokens_decoder entry {key!r} is malformed") from None
+    for key, entry in read_tokenizer_config(path).get("added_tokens_decoder", {}).items():
+        k3 = int(key)
         if K3_SPECIAL_BASE <= k3 < K3_SPECIAL_BASE + NUM_SPECIALS:
-            out[name] = k3
+            out[entry["content"]] = k3
     return out
 
 
@@ -252,8 +282,8 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_id: 
     """The tokenizer of a checkpoint directory (release or streamrt tree)."""
     root = Path(model_dir) if model_dir is not None else None
     names: dict[str, int] = {}
-    if root is not None and (root / "tokenizer_config.json").is_file():
-        names = _special_names_from_config(root / "tokenizer_config.json")
+    if root is not None and (root / TOKENIZER_CONFIG).is_file():
+        names = _special_names_from_config(root / TOKENIZER_CONFIG)
     if root is not None and (root / "tiktoken.model").is_file():
         tok: Tokenizer = TiktokenTokenizer(root / "tiktoken.model", vocab_size, names)
     else:

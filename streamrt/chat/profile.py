@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from streamrt.chat.xtml import THINKING_EFFORTS, ChatFormatError
+from streamrt.jsonio import load_json
+from streamrt.tokenizer import TOKENIZER_CONFIG_MAX_BYTES
 
 PROFILE_FILE = "tokenizer_config.json"
 PROFILE_KEY = "streamrt_chat"
@@ -30,11 +31,9 @@ class ChatProfile:
         path = Path(root) / PROFILE_FILE
         if not path.is_file():
             return cls()
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ChatFormatError(f"{path}: not a JSON file ({exc})") from None
-        spec = data.get(PROFILE_KEY, {}) if isinstance(data, dict) else {}
+        data = load_json(path, what="tokenizer config", expect=dict, max_bytes=TOKENIZER_CONFIG_MAX_BYTES,
+                         error=ChatFormatError)
+        spec = data.get(PROFILE_KEY, {})
         if not isinstance(spec, dict):
             raise ChatFormatError(f"{path}: {PROFILE_KEY} must be an object")
         unknown = sorted(set(spec) - {"thinking_effort", "multi_turn"})

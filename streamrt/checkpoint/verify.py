@@ -7,6 +7,9 @@ every tensor name, dtype and shape, `reader.check_dense_header`). `--full` also 
 file against its checksum in the manifest, under the manifest's rule (`tree.digest`): files
 hash in parallel, and so do the 64 MiB chunks of a big file (format_version 2), so one
 multi-GB file no longer runs on one core. Every bad file is listed by path.
+
+A file the user may edit (`tokenizer_config.json`, reader.USER_EDITABLE, docs/CONTRACTS.md) is
+not held to the manifest's size and checksum; it is parsed and checked as `run` reads it instead.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ from pathlib import Path
 from streamrt.checkpoint.manifest import dense_files
 from streamrt.checkpoint.expert_file import HEADER_BYTES, parse_header
 from streamrt.checkpoint.names import dense_specs, expert_relpath
-from streamrt.checkpoint.reader import check_dense_header, open_tree
+from streamrt.checkpoint.reader import USER_EDITABLE, check_dense_header, open_tree
 from streamrt.checkpoint.safetensors_io import read_header
 from streamrt.errors import StreamrtError
+from streamrt.tokenizer import check_tokenizer_config
 
 
 MAX_WORKERS = 1024
+# A user-editable file (reader.USER_EDITABLE) may differ from the manifest's size and checksum;
+# what it says must still be what run accepts.
+_CONTENT_CHECKS = {"tokenizer_config.json": check_tokenizer_config}
 _EXPERT_REL = re.compile(r"experts/L(\d{3,})/E(\d{4,})\.nvfp4")
 
 
@@ -39,6 +46,8 @@ def verify_tree(root: str | Path, *, full: bool = False, workers: int | None = N
     expected = ["config.json", *dense_files(dense_specs(cfg))]
     expected += [expert_relpath(l, e) for l in cfg.moe_layers for e in range(cfg.num_experts)]
     bad: list[tuple[str, str]] = [(rel, "missing from manifest.json") for rel in expected if rel not in files]
+    # run reads a user-editable file whether or not the manifest lists it (the embedded tree's is unlisted)
+    files = {**files, **{rel: {} for rel in USER_EDITABLE - files.keys() if (root / rel).is_file()}}
     rels = sorted(files)
     lock = threading.Lock()
 
@@ -73,10 +82,13 @@ def check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | Non
         return f"cannot stat: {e.strerror}"
     if not path.is_file():  # a directory's st_size would read as a wrong size
         return "not a regular file"
-    if size != entry.get("size"):
+    editable = rel in USER_EDITABLE
+    if not editable and size != entry.get("size"):
         return f"size {size}, manifest says {entry.get('size')}"
     try:
-        if rel.endswith(".nvfp4"):
+        if editable:
+            _CONTENT_CHECKS[rel](path)
+        elif rel.endswith(".nvfp4"):
             want = _ids_of(rel)
             if want is None:
                 return "not an expert file name this tree uses (experts/LNNN/ENNNN.nvfp4)"
@@ -88,7 +100,7 @@ def check_file(tree, path: Path, rel: str, entry: dict, full: bool) -> str | Non
             hdr = read_header(path)
             if rel.startswith("dense/"):
                 check_dense_header(tree, rel, hdr)
-        if full:
+        if full and not editable:
             got = tree.digest(path)
             if got != entry.get("blake2b"):
                 return f"checksum mismatch (manifest {entry.get('blake2b')}, file {got})"
