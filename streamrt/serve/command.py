@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib
+import socket
 import sys
 import time
 
@@ -19,6 +21,7 @@ from streamrt.runtime.options import add_runtime_flags
 from streamrt.session import resolve_model_dir
 
 DEFAULT_PORT = 8000
+MAX_THREADS = 1024  # like verify's --workers; a count torch cannot start kills the process with a signal
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt tokens prefilled per decode step of the running batch, a multiple of 64 (default "
                         "256; 0: a whole prompt at once). A position's logits do not depend on the chunk size, so "
                         "greedy output equals `streamrt run`'s either way")
-    p.add_argument("--threads", metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", metavar="N", help=f"torch CPU threads, 1..{MAX_THREADS} (default: torch's)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_runtime_flags(p)
     p.set_defaults(func=serve_command)
@@ -54,32 +57,87 @@ def serve_command(args: argparse.Namespace) -> int:
         raise StreamrtError(f"--port must be <= 65535, got {port}")
     max_batch, max_queue = parse_int(args.max_batch, "--max-batch", 1), parse_int(args.max_queue, "--max-queue", 0)
     context = parse_int(args.max_context, "--max-context", 2) if args.max_context is not None else None
-    threads = parse_int(args.threads, "--threads", 1) if args.threads is not None else None
+    threads = parse_int(args.threads, "--threads", 1, MAX_THREADS) if args.threads is not None else None
     chunk = parse_int(args.prefill_chunk, "--prefill-chunk", 0)
     if chunk % 64:
         raise StreamrtError(f"--prefill-chunk must be a multiple of 64 (the KDA chunk), got {chunk}")
     if args.api_key is not None and not args.api_key.strip():
         # an unset variable in `--api-key "$KEY"` must not turn the key check off
         raise StreamrtError("--api-key must not be empty")
+    if not args.host.strip():
+        # '' binds every interface: an unset variable in `--host "$HOST"` must not expose the server
+        raise StreamrtError("--host must not be empty (give 0.0.0.0 to listen on every interface)")
     check_runtime_flags(args)
     try:
         for name in ("fastapi", "uvicorn", "prometheus_client"):
             importlib.import_module(name)
     except ModuleNotFoundError as exc:
         raise StreamrtError(f"streamrt serve needs {exc.name}: pip install fastapi uvicorn prometheus-client") from None
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    from streamrt.serve.runner import ModelRunner
-
-    model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
-    runner = ModelRunner(model_dir, args, max_batch=max_batch)
+    # Bound before the model loads, so a busy port or a bad --host costs no load, and held
+    # until uvicorn listens on these very sockets, so the port cannot be taken in between.
+    sockets = bind_sockets(args.host, port)
     try:
-        runner.loop.run_until_complete(_serve(runner, args, port, max_batch, max_queue, context, chunk))
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        from streamrt.serve.runner import ModelRunner
+
+        model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
+        runner = ModelRunner(model_dir, args, max_batch=max_batch)
+        try:
+            runner.loop.run_until_complete(_serve(runner, args, sockets, max_batch, max_queue, context, chunk))
+        finally:
+            runner.close()
     finally:
-        runner.close()
+        for sock in sockets:
+            sock.close()
     return 0
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address `host` resolves to, as uvicorn's `loop.create_server` binds
+    them (SO_REUSEADDR, IPv6 ones v6-only); port 0 takes a free one. Errors name the flag."""
+    shown = host if host.isprintable() and len(host) <= 64 else repr(host[:64])
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StreamrtError(f"--host {shown}: cannot resolve ({e.strerror})") from None
+    except UnicodeError:  # the IDNA codec: a label over 63 characters, an undecodable byte
+        raise StreamrtError(f"--host {shown}: cannot resolve (not a valid host name)") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:
+                continue  # a family this machine lacks (IPv6 off): create_server skips it too
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                raise StreamrtError(_bind_error(shown, port, family, address, e)) from None
+        if not sockets:
+            raise StreamrtError(f"--host {shown}: no address of it can be used on this machine")
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _bind_error(host: str, port: int, family: int, address: tuple, e: OSError) -> str:
+    where = f"[{address[0]}]:{address[1]}" if family == socket.AF_INET6 else f"{address[0]}:{address[1]}"
+    if e.errno == errno.EADDRINUSE:
+        return f"--port {port}: {where} is already in use"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: {address[0]} is not an address of this machine"
+    if e.errno == errno.EACCES and 0 < port < 1024:
+        return f"--port {port}: binding {where} needs privileges (ports below 1024); pick a port >= 1024"
+    return f"--host {host} --port {port}: cannot bind {where} ({e.strerror})"
 
 
 def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None = None,
@@ -102,20 +160,21 @@ def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None 
                        created=int(time.time()))
 
 
-async def _serve(runner, args, port: int, max_batch: int, max_queue: int, context: int | None, chunk: int) -> None:
+async def _serve(runner, args, sockets: list[socket.socket], max_batch: int, max_queue: int, context: int | None,
+                 chunk: int) -> None:
     import uvicorn
 
     from streamrt.serve.app import create_app
 
     state = build_state(runner, max_batch=max_batch, max_queue=max_queue, model_id=args.served_model_name,
                         max_context=context, api_key=args.api_key, prefill_chunk=chunk)
-    config = uvicorn.Config(create_app(state), host=args.host, port=port, log_level=args.log_level,
-                            lifespan="off", timeout_graceful_shutdown=2)
+    # no host or port here: uvicorn listens on `sockets`, bound by serve_command
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, lifespan="off", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     engine = asyncio.ensure_future(state.engine.run())
     ready = asyncio.ensure_future(_announce(server, state, max_batch, max_queue))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         ready.cancel()
         state.engine.stop()
