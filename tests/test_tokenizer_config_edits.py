@@ -204,3 +204,19 @@ def test_convert_refuses_a_broken_streamrt_chat_block_and_keeps_a_previous_dst(r
     with pytest.raises(StreamrtError, match=f"tokenizer_config.json: {fragment}"):
         convert(release, dst, progress=False)
     assert {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before
+
+
+def test_convert_refuses_a_broken_tiktoken_model_before_writing(release, tmp_path, capsys):
+    model = release / "tiktoken.model"
+    good = model.read_bytes()
+    try:
+        lines = good.splitlines()
+        lines[len(lines) // 2] = b"not base64 at all"
+        model.write_bytes(b"\n".join(lines) + b"\n")
+        dst = tmp_path / "out"
+        assert main(["convert", "--no-progress", str(release), str(dst)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"streamrt: {model}: ") and err.count("\n") == 1, err
+        assert not dst.exists()
+    finally:
+        model.write_bytes(good)
