@@ -51,7 +51,7 @@ def test_missing_input_and_bad_messages_file_are_one_line_exit_2(capsys, tmp_pat
     _one_line_error(capsys, ["run"], "give --prompt TEXT, --chat or --messages")
     _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "no such messages file")
     (tmp_path / "m.json").write_text(json.dumps([{"role": "user", "content": 3}]))
-    _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "message 0: content must be")
+    _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "messages[0].content: Input should be a valid string")
 
 
 def test_selfcheck_bad_cycles_is_one_line_exit_2(capsys):
