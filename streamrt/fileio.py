@@ -432,6 +432,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     return path
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (what a directory still to be made lives in)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def writable_dir_error(directory: Path) -> str | None:
     """Why files cannot be created in an existing directory (None if they can). Probed by
     creating and removing a temp file: permission bits say nothing for root, a read-only
@@ -463,9 +470,7 @@ def check_output_path(path: str | os.PathLike, flag: str) -> Path:
         # --stats-json /dev/null turned /dev/null into a regular file for the whole system)
         if path.exists() and not path.is_file():
             raise StreamrtError(f"{flag} {path}: not a regular file (a device, FIFO or socket); give a file name")
-        parent = path.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
+        parent = nearest_existing(path.parent)
         parent_is_dir = parent.is_dir()
     except OSError as e:
         raise StreamrtError(f"{flag} {path}: cannot be written: {e.strerror or e}") from None

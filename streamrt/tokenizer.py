@@ -230,6 +230,7 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
+TIKTOKEN_MODEL = "tiktoken.model"
 TOKENIZER_CONFIG_MAX_BYTES = 16 << 20  # 256 added tokens take ~50 KB; a replaced file must not cost minutes to parse
 _ADDED_TOKENS_SHAPE = 'added_tokens_decoder must be an object of id -> {"content": str, ...}'
 
@@ -284,8 +285,8 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_id: 
     names: dict[str, int] = {}
     if root is not None and (root / TOKENIZER_CONFIG).is_file():
         names = _special_names_from_config(root / TOKENIZER_CONFIG)
-    if root is not None and (root / "tiktoken.model").is_file():
-        tok: Tokenizer = TiktokenTokenizer(root / "tiktoken.model", vocab_size, names)
+    if root is not None and (root / TIKTOKEN_MODEL).is_file():
+        tok: Tokenizer = TiktokenTokenizer(root / TIKTOKEN_MODEL, vocab_size, names)
     else:
         tok = ByteTokenizer(vocab_size, names)
     if eos_token_id is not None and eos_token_id != tok.eos_id:

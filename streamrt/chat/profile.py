@@ -7,9 +7,9 @@ from pathlib import Path
 
 from streamrt.chat.xtml import THINKING_EFFORTS, ChatFormatError
 from streamrt.jsonio import load_json
-from streamrt.tokenizer import TOKENIZER_CONFIG_MAX_BYTES
+from streamrt.tokenizer import TOKENIZER_CONFIG, TOKENIZER_CONFIG_MAX_BYTES
 
-PROFILE_FILE = "tokenizer_config.json"
+PROFILE_FILE = TOKENIZER_CONFIG
 PROFILE_KEY = "streamrt_chat"
 
 

@@ -20,15 +20,13 @@ def _check_int(value: int | None, flag: str, lo: int, hi: int) -> None:
 
 def _check_dst(dst: str) -> None:
     """DST must be a directory we can create files in (or creatable): one line, before any work."""
-    from streamrt.fileio import writable_dir_error
+    from streamrt.fileio import nearest_existing, writable_dir_error
 
     path = Path(dst)
     try:
         if path.exists() and not path.is_dir():
             raise StreamrtError(f"{dst}: DST exists and is not a directory")
-        parent = path
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
+        parent = nearest_existing(path)
     except OSError as e:  # e.g. a name longer than the file system allows
         raise StreamrtError(f"{dst}: DST cannot be created: {e.strerror or e}") from None
     if not parent.is_dir():

@@ -52,7 +52,7 @@ from streamrt.checkpoint.names import TensorSpec, expert_prefix, expert_relpath,
 from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint, shard_fingerprints
 from streamrt.checkpoint.safetensors_io import build_header
 from streamrt.errors import CheckpointError
-from streamrt.tokenizer import TOKENIZER_CONFIG, check_tokenizer_config, read_bpe_ranks
+from streamrt.tokenizer import TIKTOKEN_MODEL, TOKENIZER_CONFIG, check_tokenizer_config, read_bpe_ranks
 
 PIECE_BYTES = 4 << 20  # dense bytes per pread/hash/pwrite step: the buffer stays in the CPU cache
 COMMIT_BACKLOG = 4  # finished-but-uncommitted files allowed per worker (4 x 16 x 18.6 MB ~ 1.2 GB dirty)
@@ -217,8 +217,8 @@ def convert(
     # the tokenizer files are copied as they are: refuse now what run would refuse after the conversion
     if (src / TOKENIZER_CONFIG).is_file():
         check_tokenizer_config(src / TOKENIZER_CONFIG)
-    if (src / "tiktoken.model").is_file():
-        read_bpe_ranks(src / "tiktoken.model")
+    if (src / TIKTOKEN_MODEL).is_file():
+        read_bpe_ranks(src / TIKTOKEN_MODEL)
     if rt.skipped and log:
         log(f"convert: skipping {len(rt.skipped)} tensors outside the language model (vision tower, projector): "
             f"{rt.skipped_bytes / 2**20:,.1f} MiB")

@@ -38,6 +38,7 @@ from streamrt.checkpoint.safetensors_io import STHeader, read_header
 from streamrt.config import ModelConfig, load_config
 from streamrt.errors import CheckpointError
 from streamrt.jsonio import load_json, type_name
+from streamrt.tokenizer import TOKENIZER_CONFIG
 
 if TYPE_CHECKING:  # torch loads lazily so `streamrt verify` starts fast
     import torch
@@ -189,7 +190,7 @@ class StreamrtTree:
 
 # tokenizer_config.json's `streamrt_chat` block is the user's to set (docs/CONTRACTS.md), and
 # ChatProfile validates what it reads there
-USER_EDITABLE = frozenset({"tokenizer_config.json"})
+USER_EDITABLE = frozenset({TOKENIZER_CONFIG})
 SIDE_FILE_HASH_BYTES = 64 << 20  # config and tokenizer files are hashed at every open (a few MB at most)
 VERIFIED = ".streamrt-verified.json"  # dense files that passed their checksum, by size and mtime
 

@@ -445,9 +445,8 @@ def _disable(progress: bool | None) -> bool | None:
 def _check_space(out: Path, need: int) -> None:
     import shutil
 
-    where = out
-    while not where.exists() and where != where.parent:  # out and its parents may not exist yet
-        where = where.parent
-    free = shutil.disk_usage(where).free
+    from streamrt.fileio import nearest_existing
+
+    free = shutil.disk_usage(nearest_existing(out)).free  # out and its parents may not exist yet
     if free < need:
         raise CheckpointError(f"{out}: needs {need / 2**30:.1f} GiB, only {free / 2**30:.1f} GiB free")

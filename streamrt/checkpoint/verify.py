@@ -26,13 +26,13 @@ from streamrt.checkpoint.names import dense_specs, expert_relpath
 from streamrt.checkpoint.reader import USER_EDITABLE, check_dense_header, open_tree
 from streamrt.checkpoint.safetensors_io import read_header
 from streamrt.errors import StreamrtError
-from streamrt.tokenizer import check_tokenizer_config
+from streamrt.tokenizer import TOKENIZER_CONFIG, check_tokenizer_config
 
 
 MAX_WORKERS = 1024
 # A user-editable file (reader.USER_EDITABLE) may differ from the manifest's size and checksum;
 # what it says must still be what run accepts.
-_CONTENT_CHECKS = {"tokenizer_config.json": check_tokenizer_config}
+_CONTENT_CHECKS = {TOKENIZER_CONFIG: check_tokenizer_config}
 _EXPERT_REL = re.compile(r"experts/L(\d{3,})/E(\d{4,})\.nvfp4")
 
 
