@@ -18,7 +18,7 @@ Rows:
   stream    the same with a third of the experts in slots (`--gpu-experts`, as the streaming
             rows of bench_graphs): on top, the scheduler's misses, evictions and slot fills
             (the fills are CPU copies here, of narrow experts)
-  segments  every expert in a slot: the host's part of the same step under `--cuda-graphs streamed`
+  segments  every expert in a slot: the host's part of the same step under `--cuda-graphs auto` while experts stream
             (runtime/segment_graphs.py) without its graph replays: the step's requests (recorded
             from one op by op step) yielded to the same runtime in order, each answer placed in
             the pointer table, as SegmentGraphs.steps does between two replays

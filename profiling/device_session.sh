@@ -90,7 +90,7 @@ if has profile-deep; then
   [ -f "$DEEP/manifest.json" ] && timeout ${T_PROFILE_DEEP:-150} python3 profiling/profile_step.py --workdir "$W" --config deep-k3.1-pro \
     --backend nvrtc --cuda-graphs off --steps 3 2>&1 | grep -v USDT | tee "$L/profile_deep_off.log" | tail -60
   [ -f "$DEEP/manifest.json" ] && timeout ${T_PROFILE_DEEP:-150} python3 profiling/profile_step.py --workdir "$W" --config deep-k3.1-pro \
-    --backend nvrtc --cuda-graphs streamed --gpu-experts 736 --steps 3 2>&1 | grep -v USDT | tee "$L/profile_deep_streamed.log" | tail -60
+    --backend nvrtc --cuda-graphs auto --gpu-experts 736 --steps 3 2>&1 | grep -v USDT | tee "$L/profile_deep_streamed.log" | tail -60
 fi
 if has serve; then  # needs the fastapi / uvicorn / pydantic / opentelemetry-api wheels on PYTHONPATH
   stage "bench serve (deep, a third of the experts in slots; slice)"

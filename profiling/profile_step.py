@@ -71,9 +71,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=1, help="decode: rows per step (one sequence each)")
     ap.add_argument("--gpu-experts", type=int, default=None, help="default: all (resident)")
-    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "streamed", "off"),
-                    help="decode: auto replays CUDA graphs once every expert is resident (nvrtc); streamed: also "
-                         "segment graphs between routers while experts stream (with --gpu-experts); off: op by op")
+    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "resident", "off"),
+                    help="decode (nvrtc), as `run --cuda-graphs`: auto replays whole steps once every expert is "
+                         "resident and the stretches between routers while experts stream (with --gpu-experts); "
+                         "resident: only the former; off: op by op")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (torch backend)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill instead of decode steps")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (default: the model's)")

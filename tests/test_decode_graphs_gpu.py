@@ -9,7 +9,7 @@
   bit-identical to op by op (`off`), at one row and three rows of different lengths, across a
   doubling of the cache (a new capture) and the indexer's top-k, with the experts' slots in two
   different orders; and, a third of the experts in slots, with the stretches between routers
-  replayed as graphs (`--cuda-graphs streamed`). CPU twin: tests/test_decode_seam.py.
+  replayed as graphs (`--cuda-graphs auto` while experts stream). CPU twin: tests/test_decode_seam.py.
 """
 
 from __future__ import annotations
@@ -152,14 +152,14 @@ def test_a_row_decodes_to_the_same_bits_alone_and_in_a_batch(tiny):
 
 @pytest.mark.parametrize("rows", [[0], [0, 1, 2]])
 def test_streamed_segment_graphs_are_bit_identical_to_op_by_op(tiny, rows):
-    """A third of the experts in slots, so every step streams: `--cuda-graphs streamed` replays
+    """A third of the experts in slots, so every step streams: `--cuda-graphs auto` replays
     the stretches between routers (runtime/segment_graphs.py) to the bits of op by op, across
     a doubling of the cache and the indexer's top-k."""
     tree, model = tiny
     slots = tree.config.expert_files // 3
     eager, off = _decode(tree, model, "off", rows, False, slots)
     assert off["graph_steps"] == 0
-    graphed, on = _decode(tree, model, "streamed", rows, False, slots)
+    graphed, on = _decode(tree, model, "auto", rows, False, slots)
     assert on["kind"] == "SegmentGraphs" and on["refused"] is None, on
     assert on["resident"] < tree.config.expert_files  # it streamed to the end
     assert on["captures"] >= 2, on  # the first shape, and again once the cache doubled past 64

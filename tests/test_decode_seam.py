@@ -276,7 +276,7 @@ def test_segment_graphs_first_step_answers_from_the_table_and_a_failed_capture_s
 
 
 def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_misses(tree):
-    """The runtime's side on the CPU: under --cuda-graphs streamed, with experts streaming, a
+    """The runtime's side on the CPU: under --cuda-graphs auto, with experts streaming, a
     device that says "cuda" and a backend named nvrtc, decode steps go through SegmentGraphs
     (installed once, kept while slots are refilled); here the capture fails (no CUDA), so the
     steps run op by op through the scheduler's answers, to the reference's bits."""
@@ -298,7 +298,7 @@ def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_m
         ref_cache = model.new_cache()
         model(prompt, ref_cache, direct, last_only=True)
         want = [model(steps[t], ref_cache, direct) for t in range(steps.shape[0])]
-        opts = RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 4, cuda_graphs="streamed")
+        opts = RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 4)  # --cuda-graphs auto
         with StreamingRuntime(tree, model, opts, device=CudaNamedCpu(), workers=2) as rt:
             cache = model.new_cache()
             rt.run(model.forward_steps(prompt, cache, last_only=True))
@@ -311,11 +311,31 @@ def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_m
                 assert model.decode_graphs is installed, f"step {t}: the segment graphs were replaced"
             assert isinstance(installed, SegmentGraphs) and "cuda" in (installed.refused or "").lower()
             assert rt.graphs_line == f"CUDA graphs refused, decode steps run op by op: {installed.refused}"
+            assert rt.stage_depth == 2  # the steps run op by op, and stage as op-by-op steps do
             assert rt.stats.device_misses > misses_before  # decode steps refilled slots: the graphs stayed
         assert model.decode_graphs is None  # closing the runtime drops them
     for t, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"step {t}"
 
+
+
+def test_stage_depth_is_one_while_segment_graphs_replay_unless_the_flag_says(tree):
+    """--stage-depth unset: one staged copy in flight while segment graphs replay (the host waits
+    on the GPU then, and deeper queues put wrong guesses ahead of real misses), two op by op or
+    once a capture was refused; the flag, when given, wins."""
+    from streamrt.runtime.options import RuntimeOptions
+    from streamrt.runtime.scheduler import StreamingRuntime
+    from streamrt.runtime.segment_graphs import SegmentGraphs
+
+    model = load_model(tree, "cpu", backend=_NamedNvrtc())
+    for flag, replaying, refused_then in ((None, 1, 2), (3, 3, 3)):
+        with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", stage_depth=flag)) as rt:
+            assert rt.stage_depth == (flag or 2)  # op by op
+            model.decode_graphs = graphs = SegmentGraphs(model, tensor_core=False)
+            assert rt.stage_depth == replaying
+            graphs.refused = "RuntimeError: capture failed"
+            assert rt.stage_depth == refused_then
+            model.decode_graphs = None
 
 def _contiguous(ew):
     c = lambda m: NVFP4Matrix(m.packed.contiguous(), m.scales.contiguous(), m.global_scale.contiguous())  # noqa: E731
@@ -378,7 +398,8 @@ def test_cuda_graphs_flag_is_checked_and_cpu_steps_stay_op_by_op(tree):
     with pytest.raises(StreamrtError, match="cuda.graphs"):
         RuntimeOptions(cuda_graphs="always")
     model = load_model(tree, "cpu")
-    for graphs, slots in (("auto", tree.config.expert_files), ("streamed", tree.config.expert_files // 3)):
+    for graphs, slots in (("auto", tree.config.expert_files), ("auto", tree.config.expert_files // 3),
+                          ("resident", tree.config.expert_files // 3)):
         with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=slots, cuda_graphs=graphs)) as rt:
             rt.preload()
             cache = model.new_cache()

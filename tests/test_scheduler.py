@@ -443,7 +443,7 @@ def test_cpu_device_issues_every_open_guess_at_once(tree, model, reference):
 
 def test_stage_depth_flag():
     p = add_runtime_flags(argparse.ArgumentParser())
-    assert RuntimeOptions.from_args(p.parse_args([])).stage_depth == 2
+    assert RuntimeOptions.from_args(p.parse_args([])).stage_depth is None  # the runtime's default: test_decode_seam
     assert RuntimeOptions.from_args(p.parse_args(["--stage-depth", "3"])).stage_depth == 3
     assert "--stage-depth" in p.format_help()
     with pytest.raises(Exception, match="--stage-depth must be >= 1"):

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from streamrt.runtime.options import RuntimeOptions
+from streamrt.runtime.options import DEFAULT_STAGE_DEPTH, RuntimeOptions
 from streamrt.runtime.stager import Stager
 from streamrt.runtime.stats import RuntimeStats
 from streamrt.store.keys import ExpertKey
@@ -70,6 +70,10 @@ class FakeRuntime:
         self.loop = asyncio.new_event_loop()
         self.copies = []  # keys in the order their copies were issued
         self.maps = {}  # key -> future the test resolves to finish its mapping
+
+    @property
+    def stage_depth(self):
+        return self.options.stage_depth or DEFAULT_STAGE_DEPTH
 
     def copy_in(self, key, src, *, required=True):
         assert src == key and not required

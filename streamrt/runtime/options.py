@@ -28,7 +28,8 @@ from streamrt.store.policies import DEFAULT_POLICY, POLICIES
 DEFAULT_WINDOW_FLOOR = 65536
 CPU_SLAB_BYTES = 2 << 30  # default device-tier budget of the CPU twin
 GPU_RESERVE_BYTES = 6 << 30  # left free for activations, caches and workspace by default
-DEFAULT_STAGE_DEPTH = 2  # staged copies in flight on the copy stream at once (--stage-depth)
+DEFAULT_STAGE_DEPTH = 2  # staged copies in flight on the copy stream at once (--stage-depth), op by op
+SEGMENT_STAGE_DEPTH = 1  # the same while segment graphs replay (the host idles, so every guess it may goes out)
 # Upper limits of the integer flags: far beyond any machine (a K3.1 Pro tree has ~60k expert
 # files), low enough that a typo is one line here and not an allocation failure later.
 MAX_WINDOW = 1 << 24  # open expert mappings
@@ -154,11 +155,12 @@ class RuntimeOptions:
         None, "queue at most the N most confident guesses for the next layer for staging (default: every guess "
               "that fits in free device slots); a wrong guess that is issued costs link time and a device slot",
         type=int, metavar="N")
-    stage_depth: int = _flag(
-        DEFAULT_STAGE_DEPTH, "staged guesses in flight on the copy stream at once (default %(default)s): the rest "
-        "wait in a queue, most confident first, and are issued one by one as earlier copies finish; those still "
-        "waiting when the layer's router speaks are dropped (a routed one is then fetched as an ordinary miss), so "
-        "real misses queue behind at most N guesses", type=int, metavar="N")
+    stage_depth: int | None = _flag(
+        None, f"staged guesses in flight on the copy stream at once (default {DEFAULT_STAGE_DEPTH} op by op, "
+        f"{SEGMENT_STAGE_DEPTH} while decode steps replay as graphs): the rest wait in a queue, most confident "
+        "first, and are issued one by one as earlier copies finish; those still waiting when the layer's router "
+        "speaks are dropped (a routed one is then fetched as an ordinary miss), so real misses queue behind at "
+        "most N guesses", type=int, metavar="N")
     preparse: bool = _flag(False, "failure mode: eagerly map and parse experts at load", action="store_true",
                            parse=bool)
     prefetch: str = _flag("none", "failure mode 'discard': read each routed file into a throwaway buffer first",
@@ -184,10 +186,11 @@ class RuntimeOptions:
     gds: str = _flag("auto", "pool tier: GPUDirect Storage through kvikio/cuFile where present (auto), required "
                              "(on) or not used (off); the start line says which path runs",
                      choices=("auto", "on", "off"))
-    cuda_graphs: str = _flag("auto", "auto: once every routed expert sits in a device slot (and the backend is nvrtc, "
-                                     "the dense layers resident), decode steps replay CUDA graphs; streamed: also while "
-                                     "experts stream, the work between two routers replays as one graph each; off: op by "
-                                     "op (the same tokens, more host time)", choices=("auto", "streamed", "off"))
+    cuda_graphs: str = _flag("auto", "with the nvrtc backend and the dense layers resident, decode steps replay CUDA "
+                                     "graphs. auto (default): a whole step as one graph once every routed expert sits in "
+                                     "a device slot, and while experts stream the work between two routers as one graph "
+                                     "each; resident: only the former (op by op while experts stream); off: op by op "
+                                     "(the same tokens, more host time)", choices=("auto", "resident", "off"))
     device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
     backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
                                   "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))
@@ -199,7 +202,7 @@ class RuntimeOptions:
             raise StreamrtError(f"--gpu-experts must be >= 1, got {self.gpu_experts}")
         if self.stage_max is not None and self.stage_max < 0:
             raise StreamrtError(f"--stage-max must be >= 0 (guesses staged per layer), got {self.stage_max}")
-        if self.stage_depth < 1:
+        if self.stage_depth is not None and self.stage_depth < 1:
             raise StreamrtError(f"--stage-depth must be >= 1 (staged copies in flight), got {self.stage_depth}")
         for flag, value, hi in (("--window", self.window, MAX_WINDOW), ("--gpu-experts", self.gpu_experts, MAX_GPU_EXPERTS),
                                 ("--stage-max", self.stage_max, MAX_STAGE), ("--stage-depth", self.stage_depth, MAX_STAGE)):

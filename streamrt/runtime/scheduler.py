@@ -63,7 +63,7 @@ from streamrt.model.model import ResidentWeights
 from streamrt.runtime.aio import event_done, gather_all, new_event_loop, settled
 from streamrt.runtime.decode_graphs import DecodeGraphs
 from streamrt.runtime.segment_graphs import SegmentGraphs
-from streamrt.runtime.options import RuntimeOptions
+from streamrt.runtime.options import DEFAULT_STAGE_DEPTH, SEGMENT_STAGE_DEPTH, RuntimeOptions
 from streamrt.runtime.pool_reads import PoolReads
 from streamrt.runtime.predictor import Predictor
 from streamrt.runtime.stager import Stager
@@ -213,8 +213,8 @@ class StreamingRuntime:
         layers stream, or a trace wants per-layer spans. Once every routed expert sits in a
         device slot, nothing is left to fetch: whole steps replay (runtime/decode_graphs.py) and
         skip `serve`; the table of slot pointers is checked once here, and a slot refilled later
-        drops those graphs. Before that, with --cuda-graphs streamed, the stretches between
-        routers replay (runtime/segment_graphs.py) and `serve` answers each router as before."""
+        drops those graphs. Before that, under --cuda-graphs auto, the stretches between routers
+        replay (runtime/segment_graphs.py) and `serve` answers each router as before."""
         current, resident = self.model.decode_graphs, len(self.gpu) >= self.cfg.expert_files
         if isinstance(current, DecodeGraphs) or (current is not None and not resident):
             return  # the graphs in place still fit
@@ -224,7 +224,7 @@ class StreamingRuntime:
                 or self.tracer.enabled or self.stats.trace is not None):
             return
         if not resident:
-            if self.options.cuda_graphs == "streamed":
+            if self.options.cuda_graphs == "auto":
                 # slots and transient buffers start page-aligned: the layout decides the alignment
                 aligned = self.layout.file_bytes % 8 == 0 and all(off % 8 == 0 for off, _ in self.layout.sections)
                 self.model.decode_graphs = SegmentGraphs(self.model, tensor_core=aligned, stats=self.stats)
@@ -240,6 +240,18 @@ class StreamingRuntime:
             self.graphs_refused = str(e)
             return
         self.model.decode_graphs = DecodeGraphs(self.model, table, views, stats=self.stats)
+
+    @property
+    def stage_depth(self) -> int:
+        """Staged copies in flight at once: --stage-depth, else one while segment graphs replay and
+        two op by op. A replayed step leaves the host waiting on the GPU, free to issue every guess
+        it may; at two in flight, wrong guesses then took the link from the real misses
+        (profiling/RESULTS.md §22: 4x the guesses, 1.27x the time a token at a third of the slots)."""
+        if self.options.stage_depth is not None:
+            return self.options.stage_depth
+        graphs = self.model.decode_graphs if self.model is not None else None
+        replaying = isinstance(graphs, SegmentGraphs) and graphs.refused is None
+        return SEGMENT_STAGE_DEPTH if replaying else DEFAULT_STAGE_DEPTH
 
     @property
     def graphs_line(self) -> str | None:

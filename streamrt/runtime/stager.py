@@ -114,7 +114,7 @@ class Stager:
         resident leaves the queue; one whose mapping was pushed out of the window again, or
         with no slot to take (every slot pinned), is dropped. Returns how many were issued."""
         out = self.outstanding = [ev for ev in self.outstanding if not ev.query()]
-        depth, issued = self.rt.options.stage_depth, 0
+        depth, issued = self.rt.stage_depth, 0
         for layer in list(self.queue):
             queue, rest = self.queue[layer], []
             for i, key in enumerate(queue):
