@@ -319,6 +319,49 @@ def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_m
 
 
 
+
+def test_segment_graphs_first_step_in_lockstep_with_a_prefill(tree):
+    """serve's step on the runtime's "cuda" path (CPU tensors underneath): two decode rows and
+    another prompt's prefill go through one lockstep, so each router's answer is the merged
+    request's, cut to the decode rows. The decode step of a new shape is answered from the
+    segment table with those cut answers (the capture after it fails here, no CUDA): every
+    row's logits are those of running each forward alone."""
+    from streamrt.model.lockstep import lockstep
+    from streamrt.model.cache import ModelCache
+    from streamrt.runtime.options import RuntimeOptions
+    from streamrt.runtime.scheduler import StreamingRuntime
+    from streamrt.runtime.segment_graphs import SegmentGraphs
+    from streamrt.runtime.streams import CpuDevice
+
+    class CudaNamedCpu(CpuDevice):
+        kind = "cuda"
+
+    cfg = tree.config
+    model = load_model(tree, "cpu", backend=_NamedNvrtc())
+    direct = DirectExpertProvider(tree)
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, cfg.vocab_size - 1, (n,), generator=g) for n in (6, 10, 13)]
+    step = torch.randint(0, cfg.vocab_size - 1, (2, 1), generator=g)
+    with torch.no_grad():
+        alone = [model.new_cache() for _ in prompts]
+        want_prefill = model(prompts[2], alone[2], direct, last_only=True)
+        want_rows = []
+        for r in range(2):
+            model(prompts[r], alone[r], direct, last_only=True)
+            want_rows.append(model(step[r : r + 1], alone[r], direct))
+        opts = RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 3)  # --cuda-graphs auto
+        with StreamingRuntime(tree, model, opts, device=CudaNamedCpu(), workers=2) as rt:
+            rows = [model.new_cache() for _ in range(2)]
+            for r in range(2):
+                rt.run(model.forward_steps(prompts[r], rows[r], last_only=True))
+            batch, other = ModelCache.stack(rows), model.new_cache()
+            decoded, prefilled = rt.run(lockstep([model.forward_steps(step, batch),
+                                                  model.forward_steps(prompts[2], other, last_only=True)]), tokens=2)
+            assert isinstance(model.decode_graphs, SegmentGraphs) and model.decode_graphs.refused is not None
+    for r in range(2):
+        assert torch.equal(decoded[r : r + 1], want_rows[r]), f"decode row {r}"
+    assert torch.equal(prefilled, want_prefill)
+
 def test_stage_depth_is_one_while_segment_graphs_replay_unless_the_flag_says(tree):
     """--stage-depth unset: one staged copy in flight while segment graphs replay (the host waits
     on the GPU then, and deeper queues put wrong guesses ahead of real misses), two op by op or
