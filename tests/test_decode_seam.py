@@ -23,6 +23,7 @@ from streamrt.expert_weights import NVFP4Matrix, ExpertWeights, ResidentExperts
 from streamrt.loader import DirectExpertProvider, load_model
 from streamrt.model.cache import ModelCache
 from streamrt.model.model import run_sync
+from streamrt.runtime.streams import CpuDevice
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +228,12 @@ def test_segment_graphs_place_takes_every_routed_expert_and_checks_it(tree):
         seg._place(req, answer({2: views[(layer, 2)], 5: views[(layer, 5)], 9: shifted}))
 
 
+class _CudaNamedCpu(CpuDevice):
+    """The runtime's "cuda" branches (segment graphs installed), CPU tensors underneath."""
+
+    kind = "cuda"
+
+
 class _NamedNvrtc(TorchBackend):
     """The torch backend under the nvrtc name: SegmentGraphs' host side on the CPU (the torch
     backend takes table answers too, reading their ids on the host)."""
@@ -283,10 +290,6 @@ def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_m
     from streamrt.runtime.options import RuntimeOptions
     from streamrt.runtime.scheduler import StreamingRuntime
     from streamrt.runtime.segment_graphs import SegmentGraphs
-    from streamrt.runtime.streams import CpuDevice
-
-    class CudaNamedCpu(CpuDevice):  # the runtime's "cuda" branches, CPU tensors underneath
-        kind = "cuda"
 
     cfg = tree.config
     model = load_model(tree, "cpu", backend=_NamedNvrtc())
@@ -299,7 +302,7 @@ def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_m
         model(prompt, ref_cache, direct, last_only=True)
         want = [model(steps[t], ref_cache, direct) for t in range(steps.shape[0])]
         opts = RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 4)  # --cuda-graphs auto
-        with StreamingRuntime(tree, model, opts, device=CudaNamedCpu(), workers=2) as rt:
+        with StreamingRuntime(tree, model, opts, device=_CudaNamedCpu(), workers=2) as rt:
             cache = model.new_cache()
             rt.run(model.forward_steps(prompt, cache, last_only=True))
             assert model.decode_graphs is None  # prefill: no graphs
@@ -331,10 +334,6 @@ def test_segment_graphs_first_step_in_lockstep_with_a_prefill(tree):
     from streamrt.runtime.options import RuntimeOptions
     from streamrt.runtime.scheduler import StreamingRuntime
     from streamrt.runtime.segment_graphs import SegmentGraphs
-    from streamrt.runtime.streams import CpuDevice
-
-    class CudaNamedCpu(CpuDevice):
-        kind = "cuda"
 
     cfg = tree.config
     model = load_model(tree, "cpu", backend=_NamedNvrtc())
@@ -350,7 +349,7 @@ def test_segment_graphs_first_step_in_lockstep_with_a_prefill(tree):
             model(prompts[r], alone[r], direct, last_only=True)
             want_rows.append(model(step[r : r + 1], alone[r], direct))
         opts = RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 3)  # --cuda-graphs auto
-        with StreamingRuntime(tree, model, opts, device=CudaNamedCpu(), workers=2) as rt:
+        with StreamingRuntime(tree, model, opts, device=_CudaNamedCpu(), workers=2) as rt:
             rows = [model.new_cache() for _ in range(2)]
             for r in range(2):
                 rt.run(model.forward_steps(prompts[r], rows[r], last_only=True))
