@@ -11,8 +11,16 @@
 #        KDA_BASELINE (an older kda.py for bench_kda_prefill), MLA_BASELINE (an older torch_backend.py
 #        for bench_mla_prefill), DEEP_LENGTHS, DEEP_SLOTS, SLICE_LENGTHS,
 #        SLICE_SLOTS (bench_prefill rows)
+#   wheels: the image lacks pydantic (which `python -m streamrt` needs) and the serve packages;
+#   `bash profiling/device_wheels.sh` here puts them in .whl/, and a call that carries .whl
+#   installs them below
 set -uo pipefail
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # wheels carried for serve go after the tree
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # the tree first, the wheels after it
+python3 -c 'import pydantic' 2>/dev/null || echo "device_session: no pydantic: run profiling/device_wheels.sh and carry .whl"
 OUT=${OUT:-/tmp/streamrt-out}; mkdir -p "$OUT"
 L=/tmp/streamrt-logs; mkdir -p "$L"   # full logs stay on the machine; the device returns only a few files
 exec > >(tee -a "$OUT/session.log") 2>&1
