@@ -12,17 +12,17 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
   stream   (--stream-slots, default a third of the experts) B=1 with the experts in host RAM,
            op by op (--cuda-graphs resident) and as segment graphs (auto), --stream-repeats
            rows each, the modes interleaved, each row on a fresh runtime (same cold device
-           slots): ms/token against that row's link floor (its H2D bytes per token / the
-           measured rate from a page-locked file mapping, the runtime's source; staged guesses
-           that were wrong count as bytes), the main
-           thread's CPU time per token (the host's part), misses and staged guesses per token
+           slots): ms/token against that row's link floor (its H2D bytes per token over the
+           rate measured from a page-locked file mapping, the runtime's source; staged guesses
+           that were wrong count as bytes), the main thread's CPU time per token (the host's
+           part), misses and staged guesses per token
   graphs tcN (--tc-rows-also N) the graphs rows again with N-row expert FFN blocks, side by
            side with the default's, their logits against the op-by-op rows'
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
-runtime's counters; tok/s = B / s per step). GPU busy per step: the kernels' summed time under
-torch.profiler for --profile-steps steps of the B=1 graphs row and of the off row, as the union
-of the kernels' intervals (a programmatically launched kernel starts while its predecessor
-runs: summed times would count the overlap twice). Bit identity:
+runtime's counters; tok/s = B / s per step). GPU busy per step: the union of the kernels'
+intervals under torch.profiler for --profile-steps steps of the B=1 graphs row and of the off
+row (a programmatically launched kernel starts while its predecessor runs: summed times would
+count the overlap twice). Bit identity:
 every timed step's logits, graphs against off, at each B (the off rows at B > 1 run for it),
 and the first streaming row of each mode.
 Prints a table, the targets, and a markdown block for profiling/RESULTS.md.
