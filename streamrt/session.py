@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from streamrt.chat import ChatProfile
-from streamrt.checkpoint.dst import STATE_DIR
+from streamrt.checkpoint.dst import STATE_DIR, recorded_source
 from streamrt.errors import StreamrtError
 from streamrt.run_args import Sampling, prefill_chunk
 from streamrt.tokenizer import Tokenizer
@@ -43,7 +42,7 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
     if not tree:
         if (path / STATE_DIR).is_dir():
             raise StreamrtError(f"--model {model}: an unfinished conversion (no manifest.json yet); finish it: "
-                                f"streamrt convert {_convert_source(path)} {shlex.quote(model)}")
+                                f"streamrt convert {shlex.quote(recorded_source(path) or 'SRC')} {shlex.quote(model)}")
         if release:
             raise StreamrtError(
                 f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
@@ -51,15 +50,6 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
             )
         raise StreamrtError(f"--model {model}: no manifest.json (not a converted streamrt tree)")
     return path
-
-
-def _convert_source(dst: Path) -> str:
-    """The source a conversion into `dst` recorded (its state file), or SRC where it cannot say."""
-    try:
-        source = json.loads((dst / STATE_DIR / "state.json").read_text()).get("source")
-    except (OSError, ValueError, AttributeError):
-        return "SRC"
-    return shlex.quote(source) if isinstance(source, str) and source else "SRC"
 
 
 @dataclass

@@ -22,6 +22,7 @@ from streamrt.errors import CheckpointError
 
 STATE_DIR = ".convert"
 LOCK = "lock"  # STATE_DIR/lock, held (flock) for the whole run: one converter per DST
+STATE = "state.json"  # STATE_DIR/state.json: the source, its fingerprint and shards
 JOURNAL = "journal.jsonl"
 
 
@@ -61,7 +62,7 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict],
     changed: set[str] = set()
     rule = rule_name()
     if any(p.name != STATE_DIR for p in dst.iterdir()) or any(p.name != LOCK for p in state_dir.iterdir()):
-        state, manifest = state_dir / "state.json", dst / MANIFEST
+        state, manifest = state_dir / STATE, dst / MANIFEST
         theirs, their_rule, their_shards = None, None, None
         try:
             if state.is_file():
@@ -104,8 +105,17 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict],
         _hash_shards(src, shards)
     state_dir.mkdir(parents=True, exist_ok=True)
     state = {"source": str(src.resolve()), "fingerprint": fingerprint, "checksum": rule, "shards": shards}
-    write_bytes_atomic(state_dir / "state.json", json.dumps(state).encode())
+    write_bytes_atomic(state_dir / STATE, json.dumps(state).encode())
     return prior, changed
+
+
+def recorded_source(dst: Path) -> str | None:
+    """The source directory an unfinished conversion into `dst` recorded; None where it cannot say."""
+    try:
+        source = json.loads((dst / STATE_DIR / STATE).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) and source else None
 
 
 def _hash_shards(src: Path, shards: dict[str, dict]) -> None:
