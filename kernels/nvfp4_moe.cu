@@ -896,3 +896,4 @@ SRT_TC16_ENTRY(srt_nvfp4_gateup_r16_dt, srt_nvfp4_down_r16_dt, const GateUpTable
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, srt_nvfp4_gateup_tc2x2_dt, srt_nvfp4_down_tc2x2_dt, 2, 2)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, srt_nvfp4_gateup_tc3x2_dt, srt_nvfp4_down_tc3x2_dt, 3, 2)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, srt_nvfp4_gateup_tc4x1_dt, srt_nvfp4_down_tc4x1_dt, 4, 1)
+SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x1, srt_nvfp4_down_tc2x1, srt_nvfp4_gateup_tc2x1_dt, srt_nvfp4_down_tc2x1_dt, 2, 1)

@@ -18,6 +18,7 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
            part), misses and staged guesses per token
   graphs tcN (--tc-rows-also N) the graphs rows again with N-row expert FFN blocks, side by
            side with the default's, their logits against the op-by-op rows'
+  graphs one-shape (--one-shape-also) the same with the few-row FFN block shape at every B
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
 runtime's counters; tok/s = B / s per step). GPU busy per step: the union of the kernels'
 intervals under torch.profiler for --profile-steps steps of the B=1 graphs row and of the off
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows of one expert a tensor-core FFN block takes (16: one weight decode per 16 rows)")
     ap.add_argument("--tc-rows-also", type=int, default=None, choices=(8, 16),
                     help="the graphs rows again with this many rows a tensor-core FFN block, in the same run")
+    ap.add_argument("--one-shape-also", action="store_true",
+                    help="the graphs rows again with the few-row expert FFN block shape at every batch size "
+                         "(tc_shape_batch = tc_shape), side by side with the default")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -138,11 +142,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_cpu_s_per_step'] * 1e3:.2f} ms/step, {r['graph_steps']} graph steps{busy}", flush=True)
 
     T = args.warmup + args.tokens
-    runs = [("off", "off", args.tc_rows), ("auto", "graphs", args.tc_rows)]
+    batch_shape = backend.tc_shape_batch
+    runs = [("off", "off", args.tc_rows, batch_shape), ("auto", "graphs", args.tc_rows, batch_shape)]
     if args.tc_rows_also is not None:
-        runs.append(("auto", f"graphs tc{args.tc_rows_also}", args.tc_rows_also))
-    for graphs, label, tc_rows in runs:
-        backend.tc_rows = tc_rows
+        runs.append(("auto", f"graphs tc{args.tc_rows_also}", args.tc_rows_also, batch_shape))
+    if args.one_shape_also:
+        runs.append(("auto", "graphs one-shape", args.tc_rows, backend.tc_shape))
+    for graphs, label, tc_rows, shape in runs:
+        backend.tc_rows, backend.tc_shape_batch = tc_rows, shape
         with resident(graphs) as rt:
             for i in range(args.repeats):
                 record(f"{label} B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 record(f"{label} B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
             if rt.graphs_line is not None:
                 print(f"  {label}: {rt.graphs_line}", flush=True)
-    backend.tc_rows = args.tc_rows
+    backend.tc_rows, backend.tc_shape_batch = args.tc_rows, batch_shape
     if args.torch:
         tmodel = load_model(tree, device.torch_device, dtype=torch.bfloat16)
         with resident("off", tmodel) as rt:
@@ -175,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     identical = {f"B={B}": same(f"off B={B}" if B > 1 else "off B=1 #1", f"graphs B={B}" if B > 1 else "graphs B=1 #1")
                  for B in batches}
     identical["B=1 repeats"] = all(same("graphs B=1 #1", f"graphs B=1 #{i + 1}") for i in range(args.repeats))
-    also = f"graphs tc{args.tc_rows_also}" if args.tc_rows_also is not None else None
-    if also:
+    also = [label for _, label, *_ in runs[2:]]
+    for label in also:
         for B in batches:
-            identical[f"{also} B={B} vs op by op"] = same(f"off B={B}" if B > 1 else "off B=1 #1",
-                                                          f"{also} B={B}" if B > 1 else f"{also} B=1 #1")
+            identical[f"{label} B={B} vs op by op"] = same(f"off B={B}" if B > 1 else "off B=1 #1",
+                                                           f"{label} B={B}" if B > 1 else f"{label} B=1 #1")
     g1 = [rows[f"graphs B=1 #{i + 1}"]["s_per_step"] for i in range(args.repeats)]
     o1 = [rows[f"off B=1 #{i + 1}"]["s_per_step"] for i in range(args.repeats)]
     g_med, o_med = statistics.median(g1), statistics.median(o1)
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if busy_g:  # --profile-steps 0: not measured
         checks["graphs B=1: s/token <= 1.3 x GPU busy (graph step)"] = (g_med * 1e3 / busy_g, 1.3, "le")
     if Bmax > 1:
-        for label in ("graphs", also) if also else ("graphs",):
+        for label in ("graphs", *also):
             b1 = statistics.median(rows[f"{label} B=1 #{i + 1}"]["tok_s"] for i in range(args.repeats))
             checks[f"{label} B={Bmax}: tok/s >= 8x B=1"] = (rows[f"{label} B={Bmax}"]["tok_s"] / b1, 8.0, "ge")
     if "torch B=1" in rows:

@@ -197,8 +197,9 @@ def test_16_row_blocks_launch_shape_phases_and_fallbacks():
     assert dn_smem == 16 * 8 * words_dn + 7 * 2 * 2 * (32 * 64 + 32 * 8)
     assert gu_smem + 34 * 16 * 4 <= 227 * 1024 and dn_smem + 34 * 16 * 4 <= 227 * 1024
     assert gu_ints[-2:] == [16, 14] and dn_ints[-3:] == [3072 // (16 * 8), 16, 12]  # cap, column blocks a phase
-    for T in (4, 8):  # a block of 8 rows holds every row of one expert already
-        assert [n for n, *_ in _ffn_launches(nv, T, 4, 6, 3584, 3072)][:2] == ["srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2"]
+    for T, kernel in ((4, "tc2x2"), (8, "tc2x1")):  # a block of 8 rows holds every row of one expert already
+        assert [n for n, *_ in _ffn_launches(nv, T, 4, 6, 3584, 3072)][:2] == [f"srt_nvfp4_gateup_{kernel}",
+                                                                               f"srt_nvfp4_down_{kernel}"]
     nv.tc_phase_blocks = 4
     *_, gu_ints = _ffn_launches(nv, 12, 2, 3, 640, 896)[0]
     assert gu_ints[-2:] == [12, 4]  # forced: 4 column blocks a phase, cap min(16, T)
@@ -214,7 +215,35 @@ def test_16_row_blocks_launch_shape_phases_and_fallbacks():
         assert "r16" not in _ffn_launches(nv, 16, 4, 6, 3584, 3072)[0][0], shape
     nv.tc_shape = nvm.TC_SHAPE
     nv.tc_rows = 8
-    assert _ffn_launches(nv, 16, 4, 6, 3584, 3072)[0][0] == "srt_nvfp4_gateup_tc2x2"
+    assert _ffn_launches(nv, 16, 4, 6, 3584, 3072)[0][0] == "srt_nvfp4_gateup_tc2x1"
+
+
+def test_blocks_of_eight_rows_take_sixteen_warps():
+    """A tensor-core block that takes up to 8 rows of an expert (min(8, T)) runs 16 warps of
+    gate+up and 14 of down, each with a ring of two one-block stages (the 2x1 kernels): the
+    rows' staged activation leaves room for one block an SM, so the block holds twice the warps;
+    up to 7 rows keep 8 and 7 warps with two-block stages (2x2). deep-k3.1-pro's expert shape:
+    gate+up over 3584 columns, down over 3072; a staged row is 2 x 2,256 words (2,240 and a pad
+    of 16), a stage 32 x 64 bytes of weights and 32 x 8 of scales."""
+    nv = _backend([])
+    stage = 32 * 64 + 32 * 8
+    for T, warps, ring, kernel in ((1, (8, 7), 2 * 2 * stage, "tc2x2"), (7, (8, 7), 2 * 2 * stage, "tc2x2"),
+                                   (8, (16, 14), 2 * 1 * stage, "tc2x1"), (16, (16, 14), 2 * 1 * stage, "tc2x1")):
+        cap = min(8, T)
+        (gu, gu_grid, gu_block, gu_smem, gu_ints), (dn, dn_grid, dn_block, dn_smem, dn_ints), _ = \
+            _ffn_launches(nv, T, 4, 6, 3584, 3072)
+        assert (gu, dn) == (f"srt_nvfp4_gateup_{kernel}", f"srt_nvfp4_down_{kernel}")
+        assert gu_block == (warps[0] * 32,) and dn_block == (warps[1] * 32,)
+        assert gu_grid[0] == -(-3072 // (16 * warps[0])) and dn_grid[0] == -(-3584 // (32 * warps[1]))
+        assert gu_smem == cap * 8 * 2256 + warps[0] * ring
+        assert dn_smem == cap * 8 * (96 * 20 + 16) + warps[1] * ring
+        assert gu_smem + 32 * 8 * 4 <= 227 * 1024 and dn_smem + 32 * 8 * 4 <= 227 * 1024
+        assert gu_ints[-1] == cap  # the most rows of one expert a block takes
+        assert dn_ints[-2:] == [gu_grid[0], cap]  # a down block waits for its group's gate+up blocks
+    nv.tc_shape_batch = (16, 14, 3, 1)  # no kernels for three one-block stages: said, naming the setting
+    with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
+        _ffn_launches(nv, 8, 4, 6, 3584, 3072)
+    assert _ffn_launches(nv, 7, 4, 6, 3584, 3072)[0][0] == "srt_nvfp4_gateup_tc2x2"  # 7 rows: not the batch shape
 
 
 # ---- dense GEMV: which kernel, grid, K split and shared memory a call gets -------------------

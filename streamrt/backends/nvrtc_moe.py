@@ -1,7 +1,7 @@
 """The nvrtc backend's MoE ops: the router and the routed NVFP4 expert FFN.
 
 `MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
-and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `tc_rows`, `tc_phase_blocks`, `pdl`,
+and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `tc_shape_batch`, `tc_rows`, `tc_phase_blocks`, `pdl`,
 `pair_ready`, `grouped_prefill` the backend sets; `prefill_rows` is its own). Decode runs the
 NVFP4 kernels over (row, expert) pairs, a tensor-core block taking up to `TC_TOKENS` pairs of
 one expert (one weight read for them; each row's bits its own: batch-invariant), or with
@@ -44,7 +44,15 @@ from streamrt.ops import route, sigmoid
 # warps make 16 x 16 = 256 blocks at the slice layer (16 experts, T=1), which fit the 264
 # two-per-SM slots of an H200 in one wave.
 TC_SHAPE = (8, 7, 2, 2)
-TC_PIPES = ((2, 2), (3, 2), (4, 1))
+# Once a block takes TC_BATCH_ROWS rows of an expert, their staged activation leaves shared
+# memory for one block an SM: 16 warps sharing it (a one-stage ring each) keep four warps a
+# scheduler to hide the decode's latencies, where 8 keep two. H200, deep-k3.1-pro's expert
+# shape, 16 of 24 experts a row (RESULTS.md §23): at T=16 0.86-0.89x the time of TC_SHAPE, and
+# B=16 decode 0.92x; at T=4 1.03x, at T=1 1.45x (TC_SHAPE's two blocks an SM keep more bytes in
+# flight).
+TC_SHAPE_BATCH = (16, 14, 2, 1)
+TC_BATCH_ROWS = 8
+TC_PIPES = ((2, 2), (3, 2), (4, 1), (2, 1))
 TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
 # "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
 NVFP4_IMPLS = ("tc", "cuda_core")
@@ -335,10 +343,12 @@ class MoeOps:
         the CUDA-core kernels take one pair per block and leave `ready` alone."""
         hp, yp = ptr(h), ptr(y)
         if tc:
-            tg, td, st, kbs = self.tc_shape  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-            if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
-                raise ValueError(f"tc_shape {self.tc_shape}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
             phases = self._tc16_phases(I, Dl, T)
+            batch = phases is None and min(TC_TOKENS, T) >= TC_BATCH_ROWS
+            setting = "tc_shape_batch" if batch else "tc_shape"
+            tg, td, st, kbs = getattr(self, setting)  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+            if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
+                raise ValueError(f"{setting} {(tg, td, st, kbs)}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
             if phases is not None:  # 16-row blocks: phases of column blocks, one more argument each
                 kernel, cap, (kbp_gu, kbp_dn) = "r16", min(TC_ROWS16, T), phases
                 gu_in, dn_in, gu_extra, dn_extra = kbp_gu * 128, kbp_dn * 128, [i32(kbp_gu)], [i32(kbp_dn)]
