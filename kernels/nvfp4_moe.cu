@@ -324,23 +324,28 @@ SRT_DEV f32x4 ld_cg4(const f32x4* p) {
   return v;
 }
 
+// Eight elements (a, b) of a row, scaled by `up`, as the B operand holds them: fp16 pairs
+// (0, 2), (1, 3), (4, 6), (5, 7) (the order e2m1x8_h2 decodes), hi in hh and lo in ll.
+SRT_DEV void stage_words(f32x4 a, f32x4 b, float up, u32x4& hh, u32x4& ll) {
+  const float lo[4] = {a.x * up, a.y * up, b.x * up, b.y * up};
+  const float hi[4] = {a.z * up, a.w * up, b.z * up, b.w * up};
+  u32 h[4], l[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    h[j] = f2h2(lo[j], hi[j]);
+    float ah, bh;
+    h2_to_f32(h[j], ah, bh);
+    l[j] = f2h2(lo[j] - ah, hi[j] - bh);
+  }
+  hh = u32x4{h[0], h[1], h[2], h[3]};
+  ll = u32x4{l[0], l[1], l[2], l[3]};
+}
+
 // One item (chunk ch, word w) of the staged activation: elements ch*32 + w*8 + 0..7 (a, b),
 // scaled by `up`, -> 4 u32 of xh and of xl at [ch][w*4 .. w*4+3].
 SRT_DEV void stage_item(u32* xh, u32* xl, int it, f32x4 a, f32x4 b, float up) {
-  // pairs (0, 2), (1, 3), (4, 6), (5, 7) of the word's 8 elements: the order e2m1x8_h2 decodes
-  const float lo[4] = {a.x * up, a.y * up, b.x * up, b.y * up};
-  const float hi[4] = {a.z * up, a.w * up, b.z * up, b.w * up};
-  u32 hh[4], ll[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    hh[j] = f2h2(lo[j], hi[j]);
-    float ah, bh;
-    h2_to_f32(hh[j], ah, bh);
-    ll[j] = f2h2(lo[j] - ah, hi[j] - bh);
-  }
   const int off = (it >> 2) * MMA_XSTRIDE + (it & 3) * 4;
-  *(u32x4*)(xh + off) = u32x4{hh[0], hh[1], hh[2], hh[3]};
-  *(u32x4*)(xl + off) = u32x4{ll[0], ll[1], ll[2], ll[3]};
+  stage_words(a, b, up, *(u32x4*)(xh + off), *(u32x4*)(xl + off));
 }
 
 SRT_DEV float absmax4(f32x4 v) { return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))); }
@@ -375,6 +380,15 @@ SRT_DEV void load_items_max(const float* __restrict__ x, const int* idx, int in,
   }
 }
 
+// A row's prescale from its max|x| m: up = 2^s puts m in [2^14, 2^15), unscale = 2^(14 - s).
+SRT_DEV void prescale_of(float m, float& up, float& unscale) {
+  int e = 0;
+  if (m > 0.0f) frexpf(m, &e);  // m < 2^e
+  const int s = max(-100, min(100, 15 - e));
+  up = ldexpf(1.0f, s);
+  unscale = ldexpf(1.0f, 14 - s);
+}
+
 // Every row's max over the block from the threads' running maxima m (per warp, then across the
 // warps; red: 32 * R floats), and its prescale: up[j] = 2^s_j puts max|x_j| in [2^14, 2^15),
 // unscale[j] = 2^(14 - s_j). Every thread gets every row's (nt: the block's threads).
@@ -391,11 +405,7 @@ SRT_DEV void row_prescales(float m[R], float* red, float up[R], float unscale[R]
   for (int j = 0; j < R; ++j) {
     float mj = red[j * 32];
     for (int v = 1; v < nw; ++v) mj = fmaxf(mj, red[j * 32 + v]);
-    int e = 0;
-    if (mj > 0.0f) frexpf(mj, &e);  // mj < 2^e
-    const int s = max(-100, min(100, 15 - e));
-    up[j] = ldexpf(1.0f, s);
-    unscale[j] = ldexpf(1.0f, 14 - s);
+    prescale_of(mj, up[j], unscale[j]);
   }
 }
 
@@ -443,6 +453,14 @@ SRT_DEV int group_size(const u64* key, int p, int np, int cap) {
   int n = 1;
   while (n < cap && p + n < np && key[p + n] == e) ++n;
   return n;
+}
+
+// The entry that leads p's group when the expert's run is cut into groups of `cap`.
+SRT_DEV int group_lead(const u64* key, int p, int cap) {
+  const u64 e = key[p];
+  int first = p;
+  while (first > 0 && key[first - 1] == e) --first;
+  return p - (p - first) % cap;
 }
 
 #ifndef TC_WBYTES  // one 128-column block of 32 rows: weights
@@ -785,14 +803,16 @@ SRT_DEV void wait_count(const int* flag, int target) {
 }
 
 // grid (ceil(Dl / (32 * warps)), pairs), block warps*32, smem cap * 8 * tc_xwords(I) + warps * S *
-// KBS * (TC_WBYTES + TC_SBYTES); the groups are gate+up's (the same table order). With `ready`,
-// a block starts on its group once ready[dst[its first pair]] reaches `target` (every gate+up
-// block of the group is done) instead of waiting for the whole gate+up grid: the down work of
-// the first experts fills the slots the gate+up grid's last wave leaves free. ROWS = TC_ROWS16:
-// gate+up's groups of up to 16, h staged kbp column blocks at a time.
+// KBS * (TC_WBYTES + TC_SBYTES); the groups are cut as gate+up's are (the same table order),
+// gate+up's of up to cap_gu pairs (a multiple of cap: each of its groups holds whole down groups).
+// With `ready`, a block starts on its group once ready[dst[the first pair of the gate+up group
+// holding it]] reaches `target` (every gate+up block of that group is done) instead of waiting
+// for the whole gate+up grid: the down work of the first experts fills the slots the gate+up
+// grid's last wave leaves free. ROWS = TC_ROWS16: groups of up to 16, h staged kbp column blocks
+// at a time.
 template <int S, int KBS, int ROWS, class Tab>
 SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
-                     const int* ready, int target, int cap, int kbp, u8* smem, float* red, float* sc) {
+                     const int* ready, int target, int cap, int cap_gu, int kbp, u8* smem, float* red, float* sc) {
   constexpr bool PHASED = ROWS > TC_TOKENS;
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.packed, p, gridDim.y, cap);
@@ -808,7 +828,7 @@ SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restr
   pdl_launch_dependents();
   if (PHASED || r0 < Dl)
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
-  if (ready != nullptr) wait_count(ready + tab.dst[p], target);
+  if (ready != nullptr) wait_count(ready + tab.dst[group_lead(tab.packed, p, cap_gu)], target);
   else pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
   float unscale[TC_TOKENS];
   float acc[2][ROWS / 4][4];
@@ -848,10 +868,10 @@ SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restr
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(256, 1)                                                            \
       DN_NAME(DN_TAB, const float* __restrict__ h, float* __restrict__ y, int Dl, int I, const int* ready,        \
-              int target, int cap, int kbp) {                                                                    \
+              int target, int cap, int cap_gu, int kbp) {                                                        \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                    \
     __shared__ float red[32 * TC_ROWS16], sc[2 * TC_ROWS16];                                                     \
-    down_tc<2, 2, TC_ROWS16>(DN_ARG, h, y, Dl, I, ready, target, cap, kbp, (u8*)smem_##DN_NAME, red, sc);        \
+    down_tc<2, 2, TC_ROWS16>(DN_ARG, h, y, Dl, I, ready, target, cap, cap_gu, kbp, (u8*)smem_##DN_NAME, red, sc); \
   }
 
 SRT_TC16_ENTRY(srt_nvfp4_gateup_r16, srt_nvfp4_down_r16, const __grid_constant__ GateUpTable tab,
@@ -872,10 +892,10 @@ SRT_TC16_ENTRY(srt_nvfp4_gateup_r16_dt, srt_nvfp4_down_r16_dt, const GateUpTable
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_NAME(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,    \
-              int I, const int* ready, int target, int cap) {                                                      \
+              int I, const int* ready, int target, int cap, int cap_gu) {                                          \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
     __shared__ float red[32 * TC_TOKENS];                                                                          \
-    down_tc<S, KBS, TC_TOKENS>(tab, h, y, Dl, I, ready, target, cap, 0, (u8*)smem_##DN_NAME, red, nullptr);       \
+    down_tc<S, KBS, TC_TOKENS>(tab, h, y, Dl, I, ready, target, cap, cap_gu, 0, (u8*)smem_##DN_NAME, red, nullptr); \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       GU_DT(const GateUpTableDt* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, \
@@ -887,13 +907,268 @@ SRT_TC16_ENTRY(srt_nvfp4_gateup_r16_dt, srt_nvfp4_down_r16_dt, const GateUpTable
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_DT(const DownTableDt* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,   \
-            const int* ready, int target, int cap) {                                                               \
+            const int* ready, int target, int cap, int cap_gu) {                                                   \
     extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
     __shared__ float red[32 * TC_TOKENS];                                                                          \
-    down_tc<S, KBS, TC_TOKENS>(*tab, h, y, Dl, I, ready, target, cap, 0, (u8*)smem_##DN_DT, red, nullptr);        \
+    down_tc<S, KBS, TC_TOKENS>(*tab, h, y, Dl, I, ready, target, cap, cap_gu, 0, (u8*)smem_##DN_DT, red, nullptr); \
   }
 
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, srt_nvfp4_gateup_tc2x2_dt, srt_nvfp4_down_tc2x2_dt, 2, 2)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, srt_nvfp4_gateup_tc3x2_dt, srt_nvfp4_down_tc3x2_dt, 3, 2)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, srt_nvfp4_gateup_tc4x1_dt, srt_nvfp4_down_tc4x1_dt, 4, 1)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x1, srt_nvfp4_down_tc2x1, srt_nvfp4_gateup_tc2x1_dt, srt_nvfp4_down_tc2x1_dt, 2, 1)
+
+// ---- batch gate+up blocks: each row of z staged once per call, in global memory ----
+//
+// The blocks above stage their rows' activation in shared memory, each block its own copy:
+// 8 rows of 3584 columns take 144 KB, so one block fits an SM and its warps wait at the
+// staging and the phases' barriers. Here srt_moe_stage_rows stages every row of z once per call
+// (the same prescale and hi/lo words, so the same bits), and a block of up to TC_ROWS16 pairs of
+// one expert reads its B operand from there through L1, which its warps share. Shared memory
+// holds only the weight rings, no barrier stops the warps, and 16 rows share one decode of the
+// weights. The two tiles of a warp share each B load.
+// A staged row is `in` u32 words: per 128-column block kb, per word wi, hi then lo, per chunk c
+// of the block 4 words: [kb][wi][hi, lo][c][4]. So the 8 lanes that read one row's hi and lo of
+// word wi read 128 contiguous bytes (a quarter of a warp's load, one row). Row R is zeros: the B
+// of the group rows past n.
+
+// grid R + 1, block 256. Row r < R of x [R, in] (fp32, in % 128 == 0) -> xs + r * in (its
+// prescaled hi / lo words) and unscale[r] (2^(14 - s), as stage_rows_f16's); row R -> zeros.
+extern "C" __global__ void __launch_bounds__(256) srt_moe_stage_rows(const float* __restrict__ x, int R, int in,
+                                                                   u32* __restrict__ xs, float* __restrict__ unscale) {
+  __shared__ float red[32];
+  pdl_launch_dependents();  // the gate+up blocks may queue their first weight stages now
+  pdl_wait();               // x is the kernel before's output
+  const int r = blockIdx.x, n4 = in >> 2;
+  u32x4* dst = (u32x4*)(xs + (long long)r * in);
+  if (r == R) {
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) dst[i] = u32x4{0u, 0u, 0u, 0u};
+    return;
+  }
+  const f32x4* x4 = (const f32x4*)(x + (long long)r * in);
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) m = fmaxf(m, absmax4(x4[i]));
+  float up, un;
+  prescale_of(block_max(m, red), up, un);
+  if (threadIdx.x == 0) unscale[r] = un;
+  for (int it = threadIdx.x; it < in >> 3; it += blockDim.x) {  // item: chunk ch = it / 4, word it % 4
+    const int ch = it >> 2, wi = it & 3, q = (ch >> 2) * 32 + wi * 8 + (ch & 3);  // in u32x4
+    stage_words(x4[2 * it], x4[2 * it + 1], up, dst[q], dst[q + 4]);
+  }
+}
+
+// 16 bytes through the read-only path (L1): the staged rows, written by the kernel before.
+SRT_DEV u32x4 ld_nc16(const u32x4* p) {
+  const uint4 v = __ldg((const uint4*)p);
+  return u32x4{v.x, v.y, v.z, v.w};
+}
+
+// tc_rows with B from the staged rows xs (rows[j]: group row j's staged row, zero_row past n):
+// the same mma into the same accumulators in the same order, so the same bits.
+template <int S, int KBS, int SETS>
+SRT_DEV void tc_rows_staged(const TcRows& R, const u32* __restrict__ xs, const int* rows, int n, int zero_row, int in,
+                            const u8* wring, const u8* sring, float acc[2][4][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int nst = (R.nkb + KBS - 1) / KBS;
+  const u32 wbuf = smem_addr(wring), sbuf = smem_addr(sring);
+  const u32x4* bsrc[SETS];  // B column g: row 4s + g/2 of the group, hi (g even) or lo
+#pragma unroll
+  for (int s = 0; s < SETS; ++s) {
+    const int j = 4 * s + (g >> 1);
+    bsrc[s] = (const u32x4*)(xs + (long long)(j < n ? rows[j] : zero_row) * in) + (g & 1) * 4 + c;
+  }
+  float part[2][SETS][2][4];  // [tile][set][first / second mma of a word][fragment]
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) part[t][s][i >> 2][i & 3] = 0.0f;
+  for (int st = 0; st < nst; ++st) {
+    tc_issue<S, KBS>(st + S - 1, R, wbuf, sbuf);
+    cp_async_wait<S - 1>();
+    __syncwarp();
+    const u8* wst = wring + (st % S) * KBS * TC_WBYTES;
+    const u8* sst = sring + (st % S) * KBS * TC_SBYTES;
+#pragma unroll
+    for (int u = 0; u < KBS; ++u) {
+      const int kb = st * KBS + u;
+      if (kb >= R.nkb) break;  // warp-uniform
+      const u32* w[4];  // slot q's 16 bytes of this lane's chunk, read a word at a time (fewer live registers)
+      u32 sc[4][2];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        w[q] = (const u32*)(wst + (q * 8 + g) * (KBS * 64) + (tc_swizzle<KBS>(u * 4 + c, g) << 4));
+        const u32 h = e4m3x2_h2(*(const u16*)(sst + ((q * 8 + g) * KBS + u) * 8 + 2 * c));
+        sc[q][0] = __byte_perm(h, 0u, 0x1010);
+        sc[q][1] = __byte_perm(h, 0u, 0x3232);
+      }
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+        u32 a[4][4];  // slot q's word wi, decoded and scaled
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          e2m1x8_h2(w[q][wi], a[q]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[q][e] = hmul2(a[q][e], sc[q][wi >> 1]);
+        }
+#pragma unroll
+        for (int s = 0; s < SETS; ++s) {
+          const u32x4 b = ld_nc16(bsrc[s] + kb * 32 + wi * 8);
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            mma16816(part[t][s][0], a[2 * t][0], a[2 * t + 1][0], a[2 * t][1], a[2 * t + 1][1], b.x, b.y);
+            mma16816(part[t][s][1], a[2 * t][2], a[2 * t + 1][2], a[2 * t][3], a[2 * t + 1][3], b.z, b.w);
+          }
+        }
+      }
+    }
+    __syncwarp();  // every lane has read ring slot st % S before a later tc_issue refills it
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][s][i] = part[t][s][0][i] + part[t][s][1][i];
+}
+
+// grid (ceil(I / (16 * warps)), pairs), block warps*32, smem warps * S * KBS * (TC_WBYTES +
+// TC_SBYTES). xs / unscale: srt_moe_stage_rows' rows of z (zero_row: its zero row). A block takes
+// the group of up to cap <= TC_ROWS16 pairs its entry leads and, with `ready`, counts itself
+// done in ready[dst[its first pair]] (gateup_tc's contract).
+template <int S, int KBS, class Tab>
+SRT_DEV void gateup_staged(const Tab& tab, const u32* __restrict__ xs, const float* __restrict__ unscale, int zero_row,
+                           float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin,
+                           int* ready, int cap, u8* smem) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
+  if (n == 0) return;
+  const u8* wring = smem + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+  const u8* sring = wring + S * KBS * TC_WBYTES;
+  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
+  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
+  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
+  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
+                    scales_aligned16(gs, us, Dl >> 4)};
+  if (r0 < I)  // weights do not depend on z: start the pipeline before the staged rows are ready
+    for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  pdl_wait();  // xs is the staging kernel's output
+  pdl_launch_dependents();  // after pdl_wait(): the down blocks read `ready` (gateup_tc)
+  if (r0 < I) {
+    const int* rows = &tab.row[p];
+    float acc[2][4][4];
+    if (n > 12) tc_rows_staged<S, KBS, 4>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    else if (n > 8) tc_rows_staged<S, KBS, 3>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    else if (n > 4) tc_rows_staged<S, KBS, 2>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    else tc_rows_staged<S, KBS, 1>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
+    const float* gg = (const float*)tab.gate_global[p];
+    const float* ug = (const float*)tab.up_global[p];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int j = 4 * s + c;
+      if (j >= n) break;
+      const float u = unscale[rows[j]];
+      const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
+      const float* ut = acc[1][s];
+      float* hp = h + (long long)tab.dst[p + j] * I;
+      if (r0 + g < I)
+        hp[r0 + g] = situ((gt[0] + gt[1]) * u * gg[ra], (ut[0] + ut[1]) * u * ug[ra], beta, beta_inf, lbeta, has_lin);
+      if (r0 + g + 8 < I)
+        hp[r0 + g + 8] = situ((gt[2] + gt[3]) * u * gg[rc], (ut[2] + ut[3]) * u * ug[rc], beta, beta_inf, lbeta, has_lin);
+    }
+  }
+  if (ready != nullptr) {
+    __syncthreads();  // every warp's rows of h are written
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(&ready[tab.dst[p]], 1);
+    }
+  }
+}
+
+// grid (ceil(Dl / (32 * warps)), pairs), block warps*32, smem warps * S * KBS * (TC_WBYTES +
+// TC_SBYTES). hs / unscale: srt_moe_stage_rows' rows of h (one per pair: dst; zero_row its zero
+// row), staged after the whole gate+up grid. The groups are gate+up's (up to cap pairs).
+template <int S, int KBS, class Tab>
+SRT_DEV void down_staged(const Tab& tab, const u32* __restrict__ hs, const float* __restrict__ unscale, int zero_row,
+                         float* __restrict__ y, int Dl, int I, int cap, u8* smem) {
+  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int n = group_size(tab.packed, p, gridDim.y, cap);
+  if (n == 0) return;
+  const u8* wring = smem + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+  const u8* sring = wring + S * KBS * TC_WBYTES;
+  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
+  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
+  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
+                    scales_aligned16(ds, ds, I >> 4)};
+  if (r0 < Dl)
+    for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
+  pdl_wait();  // hs is the staging kernel's output
+  pdl_launch_dependents();
+  if (r0 >= Dl) return;
+  const int* rows = &tab.dst[p];
+  float acc[2][4][4];
+  if (n > 12) tc_rows_staged<S, KBS, 4>(R, hs, rows, n, zero_row, I, wring, sring, acc);
+  else if (n > 8) tc_rows_staged<S, KBS, 3>(R, hs, rows, n, zero_row, I, wring, sring, acc);
+  else if (n > 4) tc_rows_staged<S, KBS, 2>(R, hs, rows, n, zero_row, I, wring, sring, acc);
+  else tc_rows_staged<S, KBS, 1>(R, hs, rows, n, zero_row, I, wring, sring, acc);
+  const float* dg = (const float*)tab.global[p];
+  const int c = lane & 3;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int j = 4 * s + c;
+    if (j >= n) break;
+    const float u = unscale[rows[j]];
+    float* yp = y + (long long)rows[j] * Dl;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // slot q: tile q / 2, its rows g (q even) or g + 8
+      const int row = r0 + g + 8 * q;
+      const float* d = acc[q >> 1][s] + 2 * (q & 1);
+      if (row < Dl) yp[row] = (d[0] + d[1]) * u * dg[row];
+    }
+  }
+}
+
+#ifndef TC_STAGED_THREADS  // the most threads a staged gate+up block has (their registers: 65536 / it)
+#error "TC_STAGED_THREADS is passed by the host (-DTC_STAGED_THREADS=..., streamrt/backends/kernel_defines.py)"
+#endif
+#ifndef TC_STAGED_DOWN_THREADS  // ... and a staged down block (four row slots a warp: more addresses live)
+#error "TC_STAGED_DOWN_THREADS is passed by the host (-DTC_STAGED_DOWN_THREADS=..., streamrt/backends/kernel_defines.py)"
+#endif
+
+#define SRT_TCS_ENTRY(GU_NAME, GU_DT, DN_NAME, DN_DT, S, KBS)                                                                      \
+  extern "C" __global__ void __launch_bounds__(TC_STAGED_THREADS, 1)                                              \
+      GU_NAME(const __grid_constant__ GateUpTable tab, const u32* __restrict__ xs, const float* __restrict__ unscale, \
+              int zero_row, float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin, \
+              int* ready, int cap) {                                                                               \
+    extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
+    gateup_staged<S, KBS>(tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,       \
+                          (u8*)smem_##GU_NAME);                                                                    \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(TC_STAGED_THREADS, 1)                                              \
+      GU_DT(const GateUpTableDt* __restrict__ tab, const u32* __restrict__ xs, const float* __restrict__ unscale,   \
+            int zero_row, float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin,   \
+            int* ready, int cap) {                                                                                 \
+    extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
+    gateup_staged<S, KBS>(*tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,      \
+                          (u8*)smem_##GU_DT);                                                                      \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(TC_STAGED_DOWN_THREADS, 1)                                         \
+      DN_NAME(const __grid_constant__ DownTable tab, const u32* __restrict__ hs, const float* __restrict__ unscale, \
+              int zero_row, float* __restrict__ y, int Dl, int I, int cap) {                                       \
+    extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
+    down_staged<S, KBS>(tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_NAME);                           \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(TC_STAGED_DOWN_THREADS, 1)                                         \
+      DN_DT(const DownTableDt* __restrict__ tab, const u32* __restrict__ hs, const float* __restrict__ unscale,     \
+            int zero_row, float* __restrict__ y, int Dl, int I, int cap) {                                         \
+    extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
+    down_staged<S, KBS>(*tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_DT);                            \
+  }
+
+SRT_TCS_ENTRY(srt_nvfp4_gateup_st2x1, srt_nvfp4_gateup_st2x1_dt, srt_nvfp4_down_st2x1, srt_nvfp4_down_st2x1_dt, 2, 1)
+SRT_TCS_ENTRY(srt_nvfp4_gateup_st4x1, srt_nvfp4_gateup_st4x1_dt, srt_nvfp4_down_st4x1, srt_nvfp4_down_st4x1_dt, 4, 1)
+SRT_TCS_ENTRY(srt_nvfp4_gateup_st6x1, srt_nvfp4_gateup_st6x1_dt, srt_nvfp4_down_st6x1, srt_nvfp4_down_st6x1_dt, 6, 1)

@@ -6,7 +6,7 @@ call is one launch of T x 16 pairs whose blocks take up to 8 (or 16) rows of one
 T = 1, 4, 16 rows each through 16 experts drawn uniformly, and T = 16 drawn with weight exp(-e/6)
 (the synthesised routers favour some experts: the popular ones get 16 rows). For each shape
 (tc_shape = tc_shape_batch = (gate+up warps, down warps, stages, blocks a stage), and 8- or 16-row
-blocks) the time of one call (CUDA-graph replay of 20 calls, best of two medians of five) and the
+blocks, and gate+up from rows staged once per call (tc_staged_shape) or not) the time of one call (CUDA-graph replay of 20 calls, best of two medians of five) and the
 distinct experts' bytes over it; every shape's output bits against the first shape's.
 
     python profiling/bench_ffn_shapes.py [--kernel-dir OLD_KERNELS] [--save out.pt]
@@ -34,14 +34,18 @@ from streamrt.backends.nvrtc import NvrtcBackend  # noqa: E402
 from streamrt.expert_weights import ExpertWeights, ResidentExperts  # noqa: E402
 
 DL, INTER, K, E = 3584, 3072, 16, 24
-SHAPES = [((8, 7, 2, 2), 8), ((8, 7, 2, 2), 16), ((16, 14, 2, 1), 8), ((16, 16, 2, 1), 8), ((12, 12, 2, 1), 8),
-          ((16, 8, 2, 1), 8)]
+# (tc_shape = tc_shape_batch, rows a block stages itself, tc_staged_shape: gate+up from staged rows or None)
+SHAPES = [((16, 14, 2, 1), 8, None), ((16, 14, 2, 1), 8, (12, 8, 2, 1)), ((16, 14, 2, 1), 8, (12, 4, 2, 1)),
+          ((16, 14, 2, 1), 8, (6, 4, 2, 1)), ((16, 14, 2, 1), 8, (6, 8, 2, 1)), ((16, 14, 2, 1), 8, (12, 4, 4, 1)),
+          ((16, 14, 2, 1), 8, (6, 4, 4, 1)), ((16, 14, 2, 1), 8, (8, 4, 2, 1))]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel-dir", type=Path, default=None, help="compile the kernels from this copy of kernels/")
     ap.add_argument("--save", type=Path, default=None, help="write each row's output of the first shape here")
+    ap.add_argument("--rows", type=lambda v: [int(t) for t in v.split(",")], default=[1, 4, 16],
+                    help="T of the uniform cases (the skewed case has 16)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ffn_shapes: needs a CUDA GPU", file=sys.stderr)
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         table.place(0, e, ew)
     table.upload()
     popular = torch.exp(-torch.arange(E, dtype=torch.float) / 6)
-    cases = [(f"T={T} uniform", torch.stack([torch.randperm(E)[:K] for _ in range(T)])) for T in (1, 4, 16)]
+    cases = [(f"T={T} uniform", torch.stack([torch.randperm(E)[:K] for _ in range(T)])) for T in args.rows]
     cases.append(("T=16 skewed", torch.stack([torch.multinomial(popular, K) for _ in range(16)])))
     saved = {}
     for name, ids in cases:
@@ -72,15 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         distinct = len(set(ids.flatten().tolist()))
         most = int(torch.bincount(ids.flatten(), minlength=E).max())
         print(f"{name}: {distinct} experts, at most {most} rows of one", flush=True)
-        for shape, rows in SHAPES:
+        for shape, rows, staged in SHAPES:
             nv = NvrtcBackend(dev)
             nv.tc_shape = nv.tc_shape_batch = shape
-            nv.tc_rows = rows
+            nv.tc_rows, nv.tc_staged_shape = rows, staged
             out = nv.expert_ffn(z, ids, w, resident, 4.0, 25.0)
             saved.setdefault(name, out.cpu())
             same = torch.equal(out.cpu(), saved[name])
             t = min(graph_time(lambda: nv.expert_ffn(z, ids, w, resident, 4.0, 25.0), 20, 5) for _ in range(2))
-            print(f"    {shape} {rows}-row: {t * 1e6:7.1f} us ({distinct * per_expert / t / 1e9:5.0f} GB/s)"
+            label = f"{shape} {rows}-row" + (f", gate+up staged {staged}" if staged else "")
+            print(f"    {label}: {t * 1e6:7.1f} us ({distinct * per_expert / t / 1e9:5.0f} GB/s)"
                   f"{'' if same else '  BITS DIFFER from the first shape'}", flush=True)
     if args.save is not None:
         torch.save(saved, args.save)

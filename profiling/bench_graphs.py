@@ -19,6 +19,7 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
   graphs tcN (--tc-rows-also N) the graphs rows again with N-row expert FFN blocks, side by
            side with the default's, their logits against the op-by-op rows'
   graphs one-shape (--one-shape-also) the same with the few-row FFN block shape at every B
+  graphs unstaged (--unstaged-also) the same with every FFN block staging its own rows
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
 runtime's counters; tok/s = B / s per step). GPU busy per step: the union of the kernels'
 intervals under torch.profiler for --profile-steps steps of the B=1 graphs row and of the off
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-shape-also", action="store_true",
                     help="the graphs rows again with the few-row expert FFN block shape at every batch size "
                          "(tc_shape_batch = tc_shape), side by side with the default")
+    ap.add_argument("--staged-shape", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
+                    help="tc_staged_shape of the default rows: gate+up warps,down warps,stages,blocks a stage")
+    ap.add_argument("--unstaged-also", action="store_true",
+                    help="the graphs rows again with every expert-FFN block staging its own rows "
+                         "(tc_staged_shape = None), side by side with the default")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = torch.randint(0, cfg.vocab_size - 256, (N, Bmax), generator=g)
     backend = NvrtcBackend(device.torch_device)
     backend.tc_rows = args.tc_rows
+    if args.staged_shape is not None:
+        backend.tc_staged_shape = args.staged_shape
     model = load_model(tree, device.torch_device, dtype=torch.bfloat16, backend=backend)
     rows: dict[str, dict] = {}
 
@@ -142,14 +150,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_cpu_s_per_step'] * 1e3:.2f} ms/step, {r['graph_steps']} graph steps{busy}", flush=True)
 
     T = args.warmup + args.tokens
-    batch_shape = backend.tc_shape_batch
-    runs = [("off", "off", args.tc_rows, batch_shape), ("auto", "graphs", args.tc_rows, batch_shape)]
+    batch_shape, staged = backend.tc_shape_batch, backend.tc_staged_shape
+    runs = [("off", "off", args.tc_rows, batch_shape, staged), ("auto", "graphs", args.tc_rows, batch_shape, staged)]
     if args.tc_rows_also is not None:
-        runs.append(("auto", f"graphs tc{args.tc_rows_also}", args.tc_rows_also, batch_shape))
+        runs.append(("auto", f"graphs tc{args.tc_rows_also}", args.tc_rows_also, batch_shape, staged))
     if args.one_shape_also:
-        runs.append(("auto", "graphs one-shape", args.tc_rows, backend.tc_shape))
-    for graphs, label, tc_rows, shape in runs:
-        backend.tc_rows, backend.tc_shape_batch = tc_rows, shape
+        runs.append(("auto", "graphs one-shape", args.tc_rows, backend.tc_shape, None))
+    if args.unstaged_also:
+        runs.append(("auto", "graphs unstaged", args.tc_rows, batch_shape, None))
+    for graphs, label, tc_rows, shape, staged_shape in runs:
+        backend.tc_rows, backend.tc_shape_batch, backend.tc_staged_shape = tc_rows, shape, staged_shape
         with resident(graphs) as rt:
             for i in range(args.repeats):
                 record(f"{label} B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 record(f"{label} B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
             if rt.graphs_line is not None:
                 print(f"  {label}: {rt.graphs_line}", flush=True)
-    backend.tc_rows, backend.tc_shape_batch = args.tc_rows, batch_shape
+    backend.tc_rows, backend.tc_shape_batch, backend.tc_staged_shape = args.tc_rows, batch_shape, staged
     if args.torch:
         tmodel = load_model(tree, device.torch_device, dtype=torch.bfloat16)
         with resident("off", tmodel) as rt:

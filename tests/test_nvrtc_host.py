@@ -183,9 +183,10 @@ def test_16_row_blocks_launch_shape_phases_and_fallbacks():
     """tc_rows = 16: a call of more than 8 rows takes the 16-row kernels, groups of up to
     min(16, T) pairs, each matrix's activation in the fewest phases of column blocks whose
     staged rows (16 x 2 x tc_xwords(phase) words) and ring fit the block's shared memory; 8 rows
-    or fewer, more than 8 warps or another pipeline shape keep the 8-row kernels."""
+    or fewer, more than 8 warps or another pipeline shape keep the 8-row kernels. (With the staged
+    gate+up off: it comes first, test_staged_gate_up_from_eight_rows.)"""
     nv = _backend([])
-    nv.tc_rows = 16
+    nv.tc_rows, nv.tc_staged_shape = 16, None
     launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)  # deep-k3.1-pro's shape; 64 pairs over 6 experts: ~11 rows each
     names = [n for n, *_ in launches]
     assert names == ["srt_nvfp4_gateup_r16", "srt_nvfp4_down_r16", "srt_moe_combine"], names
@@ -196,7 +197,7 @@ def test_16_row_blocks_launch_shape_phases_and_fallbacks():
     assert gu_smem == 16 * 8 * words_gu + 8 * 2 * 2 * (32 * 64 + 32 * 8)
     assert dn_smem == 16 * 8 * words_dn + 7 * 2 * 2 * (32 * 64 + 32 * 8)
     assert gu_smem + 34 * 16 * 4 <= 227 * 1024 and dn_smem + 34 * 16 * 4 <= 227 * 1024
-    assert gu_ints[-2:] == [16, 14] and dn_ints[-3:] == [3072 // (16 * 8), 16, 12]  # cap, column blocks a phase
+    assert gu_ints[-2:] == [16, 14] and dn_ints[-4:] == [3072 // (16 * 8), 16, 16, 12]  # caps, column blocks a phase
     for T, kernel in ((4, "tc2x2"), (8, "tc2x1")):  # a block of 8 rows holds every row of one expert already
         assert [n for n, *_ in _ffn_launches(nv, T, 4, 6, 3584, 3072)][:2] == [f"srt_nvfp4_gateup_{kernel}",
                                                                                f"srt_nvfp4_down_{kernel}"]
@@ -224,8 +225,10 @@ def test_blocks_of_eight_rows_take_sixteen_warps():
     rows' staged activation leaves room for one block an SM, so the block holds twice the warps;
     up to 7 rows keep 8 and 7 warps with two-block stages (2x2). deep-k3.1-pro's expert shape:
     gate+up over 3584 columns, down over 3072; a staged row is 2 x 2,256 words (2,240 and a pad
-    of 16), a stage 32 x 64 bytes of weights and 32 x 8 of scales."""
+    of 16), a stage 32 x 64 bytes of weights and 32 x 8 of scales. (With the staged gate+up off:
+    test_staged_gate_up_from_eight_rows.)"""
     nv = _backend([])
+    nv.tc_staged_shape = None
     stage = 32 * 64 + 32 * 8
     for T, warps, ring, kernel in ((1, (8, 7), 2 * 2 * stage, "tc2x2"), (7, (8, 7), 2 * 2 * stage, "tc2x2"),
                                    (8, (16, 14), 2 * 1 * stage, "tc2x1"), (16, (16, 14), 2 * 1 * stage, "tc2x1")):
@@ -239,11 +242,50 @@ def test_blocks_of_eight_rows_take_sixteen_warps():
         assert dn_smem == cap * 8 * (96 * 20 + 16) + warps[1] * ring
         assert gu_smem + 32 * 8 * 4 <= 227 * 1024 and dn_smem + 32 * 8 * 4 <= 227 * 1024
         assert gu_ints[-1] == cap  # the most rows of one expert a block takes
-        assert dn_ints[-2:] == [gu_grid[0], cap]  # a down block waits for its group's gate+up blocks
+        assert dn_ints[-3:] == [gu_grid[0], cap, cap]  # a down block waits for its group's gate+up blocks
     nv.tc_shape_batch = (16, 14, 3, 1)  # no kernels for three one-block stages: said, naming the setting
     with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
         _ffn_launches(nv, 8, 4, 6, 3584, 3072)
     assert _ffn_launches(nv, 7, 4, 6, 3584, 3072)[0][0] == "srt_nvfp4_gateup_tc2x2"  # 7 rows: not the batch shape
+
+
+def test_staged_rows_from_eight_rows():
+    """From 8 rows on (the default tc_staged_shape (12, 8, 2, 1)): z's rows staged once per call
+    (srt_moe_stage_rows: a block a row and one for the zero row T), gate+up over them in blocks of
+    12 warps of 16 rows with a ring of two one-block stages and nothing else in shared memory,
+    groups of up to 16 pairs; then h's rows (all P) staged the same way and down over them in
+    blocks of 8 warps of 32 rows, gate+up's groups. With down warps 0, down keeps tc_shape_batch's
+    blocks of up to 8 pairs that wait on the gate+up group of 16 holding them. Up to 7 rows: no
+    staging. A bad shape is said, naming the setting."""
+    nv = _backend([])
+    stage = 32 * 64 + 32 * 8
+    for T in (8, 16):
+        P = T * 4
+        launches = _ffn_launches(nv, T, 4, 6, 3584, 3072)
+        assert [n for n, *_ in launches] == ["srt_moe_stage_rows", "srt_nvfp4_gateup_st2x1", "srt_moe_stage_rows",
+                                             "srt_nvfp4_down_st2x1", "srt_moe_combine"]
+        (_, z_grid, z_block, _, z_ints), (_, gu_grid, gu_block, gu_smem, gu_ints), (_, h_grid, _, _, h_ints), \
+            (_, dn_grid, dn_block, dn_smem, dn_ints), _ = launches
+        assert z_grid == (T + 1,) and z_block == (256,) and z_ints == [T, 3584]
+        assert h_grid == (P + 1,) and h_ints == [P, 3072]
+        assert gu_grid == (3072 // (16 * 12), P) and gu_block == (12 * 32,) and gu_smem == 12 * 2 * stage
+        assert gu_ints[:3] == [T, 3072, 3584] and gu_ints[-1] == 16  # the zero row, I, Dl ... the group cap
+        assert dn_grid == (3584 // (32 * 8), P) and dn_block == (8 * 32,) and dn_smem == 8 * 2 * stage
+        assert dn_ints == [P, 3584, 3072, 16]  # the zero row of h, Dl, I, the group cap
+    nv.tc_staged_shape = (12, 0, 4, 1)
+    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)
+    assert [n for n, *_ in launches] == ["srt_moe_stage_rows", "srt_nvfp4_gateup_st4x1", "srt_nvfp4_down_tc2x1",
+                                         "srt_moe_combine"]
+    (_, dn_grid, dn_block, dn_smem, dn_ints) = launches[2]
+    assert dn_grid == (-(-3584 // (32 * 14)), 64) and dn_block == (14 * 32,)
+    assert dn_smem == 8 * 8 * (96 * 20 + 16) + 14 * 2 * stage
+    assert dn_ints[-3:] == [3072 // (16 * 12), 8, 16]  # gate+up blocks a group, down's cap, gate+up's cap
+    assert [n for n, *_ in _ffn_launches(nv, 7, 4, 6, 3584, 3072)][:2] == ["srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2"]
+    for bad in ((13, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1)):
+        nv.tc_staged_shape = bad
+        with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "
+                                             r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\)"):
+            _ffn_launches(nv, 8, 4, 6, 3584, 3072)
 
 
 # ---- dense GEMV: which kernel, grid, K split and shared memory a call gets -------------------

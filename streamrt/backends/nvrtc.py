@@ -53,12 +53,12 @@ from streamrt.backends.kernel_defines import (
     TOPK_THREADS,
 )
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, block_threads, f32, i32, i64, inplace_buf, ptr, situ_args
-from streamrt.backends.nvrtc_moe import NVFP4_IMPLS, TC_PIPES, TC_SHAPE, TC_SHAPE_BATCH, MoeOps, tc_smem
+from streamrt.backends.nvrtc_moe import NVFP4_IMPLS, TC_PIPES, TC_SHAPE, TC_SHAPE_BATCH, TC_STAGED_SHAPE, MoeOps, tc_smem
 from streamrt.backends.torch_backend import TorchBackend
 
 # what tests and benchmarks import from here (defined in the modules above)
 __all__ = ["NvrtcBackend", "CudaError", "GEMV_VARIANTS", "gemv_plan", "gemv_tc_split", "MOE_MAXP", "NVFP4_IMPLS",
-           "TC_PIPES", "TC_SHAPE", "TC_SHAPE_BATCH", "tc_smem"]
+           "TC_PIPES", "TC_SHAPE", "TC_SHAPE_BATCH", "TC_STAGED_SHAPE", "tc_smem"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class NvrtcBackend(MoeOps):
             raise ValueError(f"nvfp4_impl must be one of {NVFP4_IMPLS}, got {self.nvfp4_impl!r}")
         self.tc_shape = TC_SHAPE  # (warps gate+up, warps down, stages, blocks per stage)
         self.tc_shape_batch = TC_SHAPE_BATCH  # ... once a block takes TC_BATCH_ROWS rows or more
+        self.tc_staged_shape = TC_STAGED_SHAPE  # ... and gate+up from rows staged once per call (None: off)
         # Rows of one expert a tensor-core block takes: 8, or 16 (a batch's rows share one decode
         # of the weights; the activation staged in phases of `tc_phase_blocks` column blocks,
         # None: the fewest phases that fit). The same bits either way.

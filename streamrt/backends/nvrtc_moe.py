@@ -1,11 +1,12 @@
 """The nvrtc backend's MoE ops: the router and the routed NVFP4 expert FFN.
 
 `MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
-and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `tc_shape_batch`, `tc_rows`, `tc_phase_blocks`, `pdl`,
-`pair_ready`, `grouped_prefill` the backend sets; `prefill_rows` is its own). Decode runs the
-NVFP4 kernels over (row, expert) pairs, a tensor-core block taking up to `TC_TOKENS` pairs of
-one expert (one weight read for them; each row's bits its own: batch-invariant), or with
-`tc_rows = 16` up to `TC_ROWS16` once a call has more than TC_TOKENS rows; the prefill view
+and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `tc_shape_batch`, `tc_staged_shape`, `tc_rows`,
+`tc_phase_blocks`, `pdl`, `pair_ready`, `grouped_prefill` the backend sets; `prefill_rows` is its
+own). Decode runs the NVFP4 kernels over (row, expert) pairs, a tensor-core block taking up to
+`TC_TOKENS` pairs of one expert (one weight read for them; each row's bits its own:
+batch-invariant); from `TC_BATCH_ROWS` rows on, up to `TC_ROWS16` from rows staged once per call
+(`tc_staged_shape`), or with `tc_rows = 16` staged by each block in phases; the prefill view
 (`for_prefill`) runs grouped GEMMs per expert (`nvfp4_gemm.py`).
 Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables, or in a
 CUDA graph up to `MOE_MAXP_DT` in tables built on the GPU (`expert_pointers.py`); the kernels:
@@ -30,6 +31,8 @@ from streamrt.backends.kernel_defines import (
     ROUTER_THREADS,
     TC_ROWS16,
     TC_SBYTES,
+    TC_STAGED_DOWN_THREADS,
+    TC_STAGED_THREADS,
     TC_TOKENS,
     TC_WBYTES,
     TC_XSTRIDE,
@@ -52,6 +55,14 @@ TC_SHAPE = (8, 7, 2, 2)
 # flight).
 TC_SHAPE_BATCH = (16, 14, 2, 1)
 TC_BATCH_ROWS = 8
+# From TC_BATCH_ROWS rows on, gate+up reads its activation from rows staged once per call
+# (srt_moe_stage_rows) instead of a copy in each block: a block takes up to TC_ROWS16 rows of an
+# expert (one decode of its weights for them), its shared memory holds only the weight rings.
+# (gate+up warps, down warps, stages, blocks per stage). Down warps 0: the down kernel keeps
+# TC_SHAPE_BATCH's blocks of 8 that stage their own rows of h; else h's rows are staged too, once
+# the gate+up grid is done, and down blocks take gate+up's groups.
+TC_STAGED_SHAPE = (12, 8, 2, 1)
+TC_STAGED_PIPES = ((2, 1), (4, 1), (6, 1))
 TC_PIPES = ((2, 2), (3, 2), (4, 1), (2, 1))
 TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
 # "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
@@ -204,6 +215,7 @@ class MoeOps:
                                      rows=self.prefill_rows)
             self._combine(y, w, out, T, k, Dl, None)
             return out
+        staged = self._staged_rows(z) if self._takes_staged(T) else None
         id_rows = experts.host_ids.tolist()
         pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
         # by expert within each group, as srt_moe_tables orders them (a batch's pairs of one expert
@@ -230,7 +242,8 @@ class MoeOps:
                     h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
                 for c0 in range(0, len(group), MOE_MAXP):
                     chunk = group[c0 : c0 + MOE_MAXP]
-                    self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, T, pdl_gateup=not late_group)
+                    self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, T, staged,
+                                         pdl_gateup=not late_group)
         except BaseException:
             if ready is not None:  # the sum that zeroes the counts will not run (queued after any launch made)
                 ready.zero_()
@@ -254,6 +267,7 @@ class MoeOps:
         if P == 0:
             return out.zero_()
         chunks = math.ceil(P / MOE_MAXP_DT)
+        staged = self._staged_rows(z) if self._takes_staged(T) else None  # before the tables: see below
         gtab = self._empty(chunks, gate_up_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
         dtab = self._empty(chunks, down_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
         self._k("nvfp4_moe", "srt_moe_tables")(
@@ -267,7 +281,7 @@ class MoeOps:
             g, d = ptr(gtab[c]), ptr(dtab[c])
             # the gate+up kernel reads its table before pdl_wait(), and the table is the kernel
             # before's output here: a plain launch (the down kernel and the sum stay programmatic)
-            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, T, pdl_gateup=False, suffix="_dt")
+            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup=False, suffix="_dt")
         self._combine(y, w, out, T, k, Dl, ready)
         return out
 
@@ -328,20 +342,41 @@ class MoeOps:
             pdl=self.pdl,  # only y is the kernel before's output: read after pdl_wait()
         )
 
-    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, T, pdl_gateup) -> None:
+    def _takes_staged(self, T: int) -> bool:
+        """Whether a T-row call's gate+up reads rows staged once per call (TC_STAGED_SHAPE)."""
+        return self.nvfp4_impl == "tc" and self.tc_staged_shape is not None and T >= TC_BATCH_ROWS
+
+    def _staged_rows(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """z [T, Dl] as the staged gate+up blocks read it (srt_moe_stage_rows): per row its
+        prescaled fp16 hi / lo words [T + 1, Dl] (row T zeros) and its unscale [T + 1]. A
+        programmatic launch: z is read after pdl_wait(). Where Dl % 128 != 0 (the CUDA-core
+        kernels) the launch is skipped and the buffers go unused."""
+        T, Dl = z.shape
+        xs = self._empty(T + 1, Dl, dtype=torch.int32)
+        unscale = self._empty(T + 1, dtype=torch.float32)
+        if Dl % 128 == 0:
+            self._k("nvfp4_moe", "srt_moe_stage_rows")(
+                (T + 1,), (256,), [ptr(z), i32(T), i32(Dl), ptr(xs), ptr(unscale)], pdl=self.pdl)
+        return xs, unscale
+
+    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, T, staged, pdl_gateup) -> None:
         """gate+up+SiTU into h and down into y for up to 64 pairs, their tables by value."""
         gtab, dtab = (t.tobytes() for t in tables(chunk, ptrs))
         # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
         tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs)
-        self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, T, pdl_gateup)
+        self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup)
 
-    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, T, pdl_gateup, suffix="") -> None:
+    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup, suffix="") -> None:
         """The gate+up and down kernels for np_ pairs of a T-row call: tables by value (the
         struct bytes), or `suffix="_dt"` and pointers to tables in device memory. A tensor-core
         block takes up to min(TC_TOKENS, T) pairs of one expert (an expert has at most one pair
-        per row; min(TC_ROWS16, T) in the 16-row blocks, `_tc16_phases`) and counts into `ready`;
-        the CUDA-core kernels take one pair per block and leave `ready` alone."""
+        per row; min(TC_ROWS16, T) in the 16-row blocks, `_tc16_phases`; TC_ROWS16 in the staged
+        gate+up blocks, given `staged` = `_staged_rows(z)`) and counts into `ready`; the
+        CUDA-core kernels take one pair per block and leave `ready` alone."""
         hp, yp = ptr(h), ptr(y)
+        if tc and staged is not None:
+            self._launch_staged(gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix)
+            return
         if tc:
             phases = self._tc16_phases(I, Dl, T)
             batch = phases is None and min(TC_TOKENS, T) >= TC_BATCH_ROWS
@@ -364,7 +399,7 @@ class MoeOps:
                 pdl=self.pdl and pdl_gateup)
             self._k("nvfp4_moe", f"srt_nvfp4_down_{kernel}{suffix}")(
                 (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-                [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), *dn_extra],
+                [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), i32(cap), *dn_extra],
                 smem=tc_smem(dn_in, td, st, kbs, cap), pdl=self.pdl)
             return
         self._k("nvfp4_moe", f"srt_nvfp4_gateup{suffix}")(
@@ -372,6 +407,41 @@ class MoeOps:
             [gtab, ptr(z), hp, i32(I), i32(Dl), *act], smem=Dl * 4)
         self._k("nvfp4_moe", f"srt_nvfp4_down{suffix}")(
             (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, i32(Dl), i32(I)], smem=I * 4)
+
+    def _launch_staged(self, gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix) -> None:
+        """_launch_pairs' staged gate+up (groups of up to TC_ROWS16 pairs, `tc_staged_shape`),
+        then either h's rows staged (all of them: on the host tables each chunk of pairs stages
+        them again, as it has written its own) and the staged down kernel over gate+up's groups,
+        or (down warps 0) the down kernel of `tc_shape_batch`: groups of up to TC_TOKENS, each
+        inside one gate+up group (TC_ROWS16 is a multiple of TC_TOKENS), whose blocks wait on it."""
+        gw, dw, st, kbs = self.tc_staged_shape
+        if not (1 <= gw <= TC_STAGED_THREADS // 32 and 0 <= dw <= TC_STAGED_DOWN_THREADS // 32
+                and (st, kbs) in TC_STAGED_PIPES):
+            raise ValueError(f"tc_staged_shape {self.tc_staged_shape}: gate+up warps 1..{TC_STAGED_THREADS // 32}, "
+                             f"down warps 0..{TC_STAGED_DOWN_THREADS // 32}, (stages, blocks) one of {TC_STAGED_PIPES}")
+        _, td, st_d, kbs_d = self.tc_shape_batch
+        if dw == 0 and not (1 <= td <= 16 and (st_d, kbs_d) in TC_PIPES):
+            raise ValueError(f"tc_shape_batch {self.tc_shape_batch}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+        xs, unscale = staged
+        cap, cap_gu = min(TC_TOKENS, T), TC_ROWS16
+        gu_blocks = math.ceil(I / (16 * gw))
+        if dw:
+            ready = None  # the down kernel reads h staged after the whole gate+up grid
+        self._k("nvfp4_moe", f"srt_nvfp4_gateup_st{st}x{kbs}{suffix}")(
+            (gu_blocks, np_), (gw * 32,),
+            [gtab, ptr(xs), ptr(unscale), i32(T), ptr(h), i32(I), i32(Dl), *act, ptr(ready), i32(cap_gu)],
+            smem=gw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl and pdl_gateup)
+        if dw:
+            hs, h_unscale = self._staged_rows(h)  # every row of h (P): the zero row is P
+            self._k("nvfp4_moe", f"srt_nvfp4_down_st{st}x{kbs}{suffix}")(
+                (math.ceil(Dl / (32 * dw)), np_), (dw * 32,),
+                [dtab, ptr(hs), ptr(h_unscale), i32(h.shape[0]), ptr(y), i32(Dl), i32(I), i32(cap_gu)],
+                smem=dw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl)
+            return
+        self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st_d}x{kbs_d}{suffix}")(
+            (math.ceil(Dl / (32 * td)), np_), (td * 32,),
+            [dtab, ptr(h), ptr(y), i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), i32(cap_gu)],
+            smem=tc_smem(I, td, st_d, kbs_d, cap), pdl=self.pdl)
 
     def _tc16_phases(self, I: int, Dl: int, T: int) -> tuple[int, int] | None:
         """Column blocks per phase of the 16-row gate+up and down blocks (a group takes up to
