@@ -918,15 +918,15 @@ SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, srt_nvfp4_gateup_tc3x
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, srt_nvfp4_gateup_tc4x1_dt, srt_nvfp4_down_tc4x1_dt, 4, 1)
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x1, srt_nvfp4_down_tc2x1, srt_nvfp4_gateup_tc2x1_dt, srt_nvfp4_down_tc2x1_dt, 2, 1)
 
-// ---- batch gate+up blocks: each row of z staged once per call, in global memory ----
+// ---- batch blocks: each row of z, then of h, staged once per call, in global memory ----
 //
 // The blocks above stage their rows' activation in shared memory, each block its own copy:
 // 8 rows of 3584 columns take 144 KB, so one block fits an SM and its warps wait at the
-// staging and the phases' barriers. Here srt_moe_stage_rows stages every row of z once per call
-// (the same prescale and hi/lo words, so the same bits), and a block of up to TC_ROWS16 pairs of
-// one expert reads its B operand from there through L1, which its warps share. Shared memory
-// holds only the weight rings, no barrier stops the warps, and 16 rows share one decode of the
-// weights. The two tiles of a warp share each B load.
+// staging and the phases' barriers. Here srt_moe_stage_rows stages every row of z (and, after
+// the gate+up grid, of h) once per call (the same prescale and hi/lo words, so the same bits),
+// and a block of up to TC_ROWS16 pairs of one expert reads its B operand from there through L1,
+// which its warps share. Shared memory holds only the weight rings, no barrier stops the warps,
+// and 16 rows share one decode of the weights. The two tiles of a warp share each B load.
 // A staged row is `in` u32 words: per 128-column block kb, per word wi, hi then lo, per chunk c
 // of the block 4 words: [kb][wi][hi, lo][c][4]. So the 8 lanes that read one row's hi and lo of
 // word wi read 128 contiguous bytes (a quarter of a warp's load, one row). Row R is zeros: the B

@@ -825,6 +825,7 @@ def test_expert_ffn_16_row_blocks_without_pdl_or_pair_counts(gen, pdl, pair_read
     [(16, 16, 24, 3584, 3072, (12, 8, 4, 1)),  # deep-k3.1-pro at B=16: ~11 rows an expert
      (16, 16, 24, 3584, 3072, (12, 0, 4, 1)),  # ... down blocks of 8 that stage their own rows of h
      (16, 16, 24, 3584, 3072, (6, 4, 2, 1)),  # ... two blocks an SM
+     (16, 16, 24, 3584, 3072, (12, 4, 2, 1)),  # ... the default
      (9, 16, 16, 3584, 3072, (12, 8, 2, 1)),  # 9 rows an expert: three sets
      (20, 6, 8, 256, 384, (5, 3, 6, 1)),  # up to 20 rows an expert: groups of 16 and 4; partial last blocks
      (20, 6, 8, 256, 384, (5, 0, 6, 1)),

@@ -250,11 +250,11 @@ def test_blocks_of_eight_rows_take_sixteen_warps():
 
 
 def test_staged_rows_from_eight_rows():
-    """From 8 rows on (the default tc_staged_shape (12, 8, 2, 1)): z's rows staged once per call
+    """From 8 rows on (the default tc_staged_shape (12, 4, 2, 1)): z's rows staged once per call
     (srt_moe_stage_rows: a block a row and one for the zero row T), gate+up over them in blocks of
     12 warps of 16 rows with a ring of two one-block stages and nothing else in shared memory,
     groups of up to 16 pairs; then h's rows (all P) staged the same way and down over them in
-    blocks of 8 warps of 32 rows, gate+up's groups. With down warps 0, down keeps tc_shape_batch's
+    blocks of 4 warps of 32 rows, gate+up's groups. With down warps 0, down keeps tc_shape_batch's
     blocks of up to 8 pairs that wait on the gate+up group of 16 holding them. Up to 7 rows: no
     staging. A bad shape is said, naming the setting."""
     nv = _backend([])
@@ -270,7 +270,7 @@ def test_staged_rows_from_eight_rows():
         assert h_grid == (P + 1,) and h_ints == [P, 3072]
         assert gu_grid == (3072 // (16 * 12), P) and gu_block == (12 * 32,) and gu_smem == 12 * 2 * stage
         assert gu_ints[:3] == [T, 3072, 3584] and gu_ints[-1] == 16  # the zero row, I, Dl ... the group cap
-        assert dn_grid == (3584 // (32 * 8), P) and dn_block == (8 * 32,) and dn_smem == 8 * 2 * stage
+        assert dn_grid == (3584 // (32 * 4), P) and dn_block == (4 * 32,) and dn_smem == 4 * 2 * stage
         assert dn_ints == [P, 3584, 3072, 16]  # the zero row of h, Dl, I, the group cap
     nv.tc_staged_shape = (12, 0, 4, 1)
     launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)

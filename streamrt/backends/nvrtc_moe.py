@@ -60,8 +60,10 @@ TC_BATCH_ROWS = 8
 # expert (one decode of its weights for them), its shared memory holds only the weight rings.
 # (gate+up warps, down warps, stages, blocks per stage). Down warps 0: the down kernel keeps
 # TC_SHAPE_BATCH's blocks of 8 that stage their own rows of h; else h's rows are staged too, once
-# the gate+up grid is done, and down blocks take gate+up's groups.
-TC_STAGED_SHAPE = (12, 8, 2, 1)
+# the gate+up grid is done, and down blocks take gate+up's groups. H200, deep-k3.1-pro's expert
+# shape, T=16 x 16 of 24 experts (RESULTS.md §24): 0.72-0.75x the time of TC_SHAPE_BATCH's
+# blocks; 8 gate+up warps take 1.15x the time of 12, 4 or 8 down warps the same; B=16 decode 0.81x.
+TC_STAGED_SHAPE = (12, 4, 2, 1)
 TC_STAGED_PIPES = ((2, 1), (4, 1), (6, 1))
 TC_PIPES = ((2, 2), (3, 2), (4, 1), (2, 1))
 TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
