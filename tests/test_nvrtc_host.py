@@ -281,6 +281,10 @@ def test_staged_rows_from_eight_rows():
     assert dn_smem == 8 * 8 * (96 * 20 + 16) + 14 * 2 * stage
     assert dn_ints[-3:] == [3072 // (16 * 12), 8, 16]  # gate+up blocks a group, down's cap, gate+up's cap
     assert [n for n, *_ in _ffn_launches(nv, 7, 4, 6, 3584, 3072)][:2] == ["srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2"]
+    nv.tc_shape_batch = (16, 14, 3, 1)  # the 8-row down blocks' shape, checked as the unstaged path checks it
+    with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
+        _ffn_launches(nv, 8, 4, 6, 3584, 3072)
+    nv.tc_shape_batch = nvm.TC_SHAPE_BATCH
     for bad in ((13, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1)):
         nv.tc_staged_shape = bad
         with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "

@@ -382,10 +382,8 @@ class MoeOps:
         if tc:
             phases = self._tc16_phases(I, Dl, T)
             batch = phases is None and min(TC_TOKENS, T) >= TC_BATCH_ROWS
-            setting = "tc_shape_batch" if batch else "tc_shape"
-            tg, td, st, kbs = getattr(self, setting)  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-            if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
-                raise ValueError(f"{setting} {(tg, td, st, kbs)}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+            # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+            tg, td, st, kbs = self._tc_shape("tc_shape_batch" if batch else "tc_shape")
             if phases is not None:  # 16-row blocks: phases of column blocks, one more argument each
                 kernel, cap, (kbp_gu, kbp_dn) = "r16", min(TC_ROWS16, T), phases
                 gu_in, dn_in, gu_extra, dn_extra = kbp_gu * 128, kbp_dn * 128, [i32(kbp_gu)], [i32(kbp_dn)]
@@ -410,6 +408,14 @@ class MoeOps:
         self._k("nvfp4_moe", f"srt_nvfp4_down{suffix}")(
             (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, i32(Dl), i32(I)], smem=I * 4)
 
+    def _tc_shape(self, setting: str) -> tuple[int, int, int, int]:
+        """The backend's `tc_shape` or `tc_shape_batch` (gate+up warps, down warps, stages, blocks
+        per stage), checked against the kernels there are (TC_PIPES)."""
+        tg, td, st, kbs = getattr(self, setting)
+        if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
+            raise ValueError(f"{setting} {(tg, td, st, kbs)}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+        return tg, td, st, kbs
+
     def _launch_staged(self, gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix) -> None:
         """_launch_pairs' staged gate+up (groups of up to TC_ROWS16 pairs, `tc_staged_shape`),
         then either h's rows staged (all of them: on the host tables each chunk of pairs stages
@@ -421,9 +427,7 @@ class MoeOps:
                 and (st, kbs) in TC_STAGED_PIPES):
             raise ValueError(f"tc_staged_shape {self.tc_staged_shape}: gate+up warps 1..{TC_STAGED_THREADS // 32}, "
                              f"down warps 0..{TC_STAGED_DOWN_THREADS // 32}, (stages, blocks) one of {TC_STAGED_PIPES}")
-        _, td, st_d, kbs_d = self.tc_shape_batch
-        if dw == 0 and not (1 <= td <= 16 and (st_d, kbs_d) in TC_PIPES):
-            raise ValueError(f"tc_shape_batch {self.tc_shape_batch}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
+        _, td, st_d, kbs_d = self._tc_shape("tc_shape_batch") if dw == 0 else self.tc_shape_batch
         xs, unscale = staged
         cap, cap_gu = min(TC_TOKENS, T), TC_ROWS16
         gu_blocks = math.ceil(I / (16 * gw))
