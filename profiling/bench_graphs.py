@@ -20,6 +20,7 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
            side with the default's, their logits against the op-by-op rows'
   graphs one-shape (--one-shape-also) the same with the few-row FFN block shape at every B
   graphs unstaged (--unstaged-also) the same with every FFN block staging its own rows
+  graphs gemvN (--gemv-rows-also N) the same with dense GEMV blocks of N rows of x
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
 runtime's counters; tok/s = B / s per step). GPU busy per step: the union of the kernels'
 intervals under torch.profiler for --profile-steps steps of the B=1 graphs row and of the off
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unstaged-also", action="store_true",
                     help="the graphs rows again with every expert-FFN block staging its own rows "
                          "(tc_staged_shape = None), side by side with the default")
+    ap.add_argument("--gemv-rows", type=int, default=None, choices=(8, 16),
+                    help="gemv_tc_rows of the default rows: rows of x a dense tensor-core GEMV block takes")
+    ap.add_argument("--gemv-rows-also", type=int, default=None, choices=(8, 16),
+                    help="also the graphs rows with this gemv_tc_rows, side by side with the default")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     backend.tc_rows = args.tc_rows
     if args.staged_shape is not None:
         backend.tc_staged_shape = args.staged_shape
+    if args.gemv_rows is not None:
+        backend.gemv_tc_rows = args.gemv_rows
     model = load_model(tree, device.torch_device, dtype=torch.bfloat16, backend=backend)
     rows: dict[str, dict] = {}
 
@@ -150,16 +157,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_cpu_s_per_step'] * 1e3:.2f} ms/step, {r['graph_steps']} graph steps{busy}", flush=True)
 
     T = args.warmup + args.tokens
-    batch_shape, staged = backend.tc_shape_batch, backend.tc_staged_shape
-    runs = [("off", "off", args.tc_rows, batch_shape, staged), ("auto", "graphs", args.tc_rows, batch_shape, staged)]
+    batch_shape, staged, gemv_rows = backend.tc_shape_batch, backend.tc_staged_shape, backend.gemv_tc_rows
+    runs = [("off", "off", args.tc_rows, batch_shape, staged, gemv_rows),
+            ("auto", "graphs", args.tc_rows, batch_shape, staged, gemv_rows)]
     if args.tc_rows_also is not None:
-        runs.append(("auto", f"graphs tc{args.tc_rows_also}", args.tc_rows_also, batch_shape, staged))
+        runs.append(("auto", f"graphs tc{args.tc_rows_also}", args.tc_rows_also, batch_shape, staged, gemv_rows))
     if args.one_shape_also:
-        runs.append(("auto", "graphs one-shape", args.tc_rows, backend.tc_shape, None))
+        runs.append(("auto", "graphs one-shape", args.tc_rows, backend.tc_shape, None, gemv_rows))
     if args.unstaged_also:
-        runs.append(("auto", "graphs unstaged", args.tc_rows, batch_shape, None))
-    for graphs, label, tc_rows, shape, staged_shape in runs:
+        runs.append(("auto", "graphs unstaged", args.tc_rows, batch_shape, None, gemv_rows))
+    if args.gemv_rows_also is not None:
+        runs.append(("auto", f"graphs gemv{args.gemv_rows_also}", args.tc_rows, batch_shape, staged, args.gemv_rows_also))
+    for graphs, label, tc_rows, shape, staged_shape, gemv_rows_run in runs:
         backend.tc_rows, backend.tc_shape_batch, backend.tc_staged_shape = tc_rows, shape, staged_shape
+        backend.gemv_tc_rows = gemv_rows_run
         with resident(graphs) as rt:
             for i in range(args.repeats):
                 record(f"{label} B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
@@ -169,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             if rt.graphs_line is not None:
                 print(f"  {label}: {rt.graphs_line}", flush=True)
     backend.tc_rows, backend.tc_shape_batch, backend.tc_staged_shape = args.tc_rows, batch_shape, staged
+    backend.gemv_tc_rows = gemv_rows
     if args.torch:
         tmodel = load_model(tree, device.torch_device, dtype=torch.bfloat16)
         with resident("off", tmodel) as rt:

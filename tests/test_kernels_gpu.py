@@ -286,6 +286,42 @@ def test_linear_tensor_core_shapes_and_range(gen, xdt):
     assert torch.equal(NV.linear(x, w), x[:, :1000].float()), "x * 1 is not exact: the bf16 pieces lose bits"
 
 
+@pytest.mark.skipif(NV is None, reason="kernel property")
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_linear_16_row_blocks_give_the_8_row_bits(gen, xdt):
+    """gemv_tc_rows = 16 (a block reads W once for 16 rows of x): each row's bits are those of
+    the 8-row blocks and of that row alone, at 9 to 37 rows (tails of 1-7 rows in a group of
+    16, a second group of 8 that is partly empty), several matrices of one launch with N not a
+    multiple of 32, residual addends in the epilogue, every K split; outputs against float64."""
+    K = 1160  # not a multiple of the 128-column stage
+    ws = [randn(gen, n, K, scale=K**-0.5, dtype=torch.bfloat16) for n in (203, 64, 1000, 8)]
+    xl = randn(gen, 37, K, dtype=xdt)
+    adds = (randn(gen, 37, 64, scale=3.0), randn(gen, 37, 64, scale=30.0))
+    try:
+        for ks in (None, 1, 2, 8):
+            NV.gemv_tc_ks = ks
+            for T in (9, 12, 16, 21, 24, 37):
+                x = xl[:T]
+                NV.gemv_tc_rows = 16
+                got = NV.linears(x, ws)
+                got_add = NV.linear(x, ws[1], (adds[0][:T], adds[1][:T]))
+                NV.gemv_tc_rows = 8
+                want = NV.linears(x, ws)
+                want_add = NV.linear(x, ws[1], (adds[0][:T], adds[1][:T]))
+                info = f"T={T} x {xdt} K split {ks} (seed {gen.initial_seed()})"
+                for i, w in enumerate(ws):
+                    assert torch.isfinite(got[i]).all(), f"{info}: matrix {i} left rows unwritten"
+                    assert rel(got[i], x.double() @ w.double().T) < TOL, f"{info}: matrix {i} against float64"
+                    assert torch.equal(got[i], want[i]), f"{info}: matrix {i} differs from the 8-row blocks"
+                assert torch.equal(got_add, want_add), f"{info}: with addends, differs from the 8-row blocks"
+            NV.gemv_tc_rows = 16
+            alone = NV.linears(xl[36:37], ws)
+            every = NV.linears(xl, ws)
+            assert all(torch.equal(a[0], e[36]) for a, e in zip(alone, every)), f"K split {ks}: row 36 of 37 differs alone"
+    finally:
+        NV.gemv_tc_ks, NV.gemv_tc_rows = None, 8
+
+
 # ---- norms / activations ------------------------------------------------------------------------
 
 
