@@ -285,10 +285,21 @@ def test_staged_rows_from_eight_rows():
     with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
         _ffn_launches(nv, 8, 4, 6, 3584, 3072)
     nv.tc_shape_batch = nvm.TC_SHAPE_BATCH
-    for bad in ((13, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1)):
+    # more than 12 gate+up warps: one tile a warp (8 gate and 8 up rows), half the ring
+    nv.tc_staged_shape = (16, 4, 2, 1)
+    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)
+    assert [n for n, *_ in launches][1] == "srt_nvfp4_gateup_st2x1t1"
+    (_, gu_grid, gu_block, gu_smem, _) = launches[1]
+    assert gu_grid == (3072 // (8 * 16), 64) and gu_block == (16 * 32,) and gu_smem == 16 * 2 * stage // 2
+    nv.tc_staged_shape = (14, 0, 4, 1)  # ... whose blocks the 8-row down blocks count
+    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)
+    assert [n for n, *_ in launches][1:3] == ["srt_nvfp4_gateup_st4x1t1", "srt_nvfp4_down_tc2x1"]
+    assert launches[2][4][-3] == -(-3072 // (8 * 14))
+    for bad in ((17, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1), (16, 4, 6, 1)):
         nv.tc_staged_shape = bad
-        with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "
-                                             r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\)"):
+        with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..16, "
+                                             r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\) "
+                                             r"\(\(\(2, 1\), \(4, 1\)\) past 12 gate\+up warps\)"):
             _ffn_launches(nv, 8, 4, 6, 3584, 3072)
 
 
