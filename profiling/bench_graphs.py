@@ -20,7 +20,9 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
            side with the default's, their logits against the op-by-op rows'
   graphs one-shape (--one-shape-also) the same with the few-row FFN block shape at every B
   graphs unstaged (--unstaged-also) the same with every FFN block staging its own rows
-  graphs gemvN (--gemv-rows-also N) the same with dense GEMV blocks of N rows of x
+  graphs NAME (--also NAME=SETTINGS, repeatable) the same with other backend settings, e.g.
+           --also gemv16=gemv:16 --also t1=gemv:16/staged:16,4,2,1 (keys: gemv, gemv_tc_rows;
+           staged, tc_staged_shape or none; tc_rows)
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
 runtime's counters; tok/s = B / s per step). GPU busy per step: the union of the kernels'
 intervals under torch.profiler for --profile-steps steps of the B=1 graphs row and of the off
@@ -89,6 +91,28 @@ def decode_row(rt, model, prompts, steps, warmup: int, *, profile_steps: int = 0
             "logits": [lg.float().cpu() for lg in logits]}
 
 
+def also_spec(v: str) -> tuple[str, dict]:
+    """"NAME=key:value/key:value" (--also) -> (NAME, {setting: value})."""
+    name, _, spec = v.partition("=")
+    kv = {}
+    for item in filter(None, spec.split("/")):
+        key, _, val = item.partition(":")
+        try:
+            if key in ("gemv", "tc_rows") and int(val) in (8, 16):
+                kv[key] = int(val)
+            elif key == "staged":
+                kv[key] = None if val == "none" else tuple(int(t) for t in val.split(","))
+                if kv[key] is not None and len(kv[key]) != 4:
+                    raise ValueError
+            else:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--also {v!r}: {item!r} is not gemv:8|16, tc_rows:8|16 or staged:a,b,c,d|none") from None
+    if not name or not kv:
+        raise argparse.ArgumentTypeError(f"--also {v!r}: want NAME=key:value[/key:value]")
+    return name, kv
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/streamrt-bench"))
@@ -115,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(tc_staged_shape = None), side by side with the default")
     ap.add_argument("--gemv-rows", type=int, default=None, choices=(8, 16),
                     help="gemv_tc_rows of the default rows: rows of x a dense tensor-core GEMV block takes")
-    ap.add_argument("--gemv-rows-also", type=int, default=None, choices=(8, 16),
-                    help="also the graphs rows with this gemv_tc_rows, side by side with the default")
+    ap.add_argument("--also", type=also_spec, action="append", default=[], metavar="NAME=SETTINGS",
+                    help="the graphs rows again with other settings, side by side with the default: "
+                         "key:value pairs joined by '/', keys gemv (8|16), staged (4 ints or none), tc_rows (8|16)")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -166,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(("auto", "graphs one-shape", args.tc_rows, backend.tc_shape, None, gemv_rows))
     if args.unstaged_also:
         runs.append(("auto", "graphs unstaged", args.tc_rows, batch_shape, None, gemv_rows))
-    if args.gemv_rows_also is not None:
-        runs.append(("auto", f"graphs gemv{args.gemv_rows_also}", args.tc_rows, batch_shape, staged, args.gemv_rows_also))
+    for name, kv in args.also:
+        runs.append(("auto", f"graphs {name}", kv.get("tc_rows", args.tc_rows), batch_shape, kv.get("staged", staged),
+                     kv.get("gemv", gemv_rows)))
     for graphs, label, tc_rows, shape, staged_shape, gemv_rows_run in runs:
         backend.tc_rows, backend.tc_shape_batch, backend.tc_staged_shape = tc_rows, shape, staged_shape
         backend.gemv_tc_rows = gemv_rows_run
