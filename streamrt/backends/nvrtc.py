@@ -15,7 +15,8 @@ hold these kernels to). The router and expert FFN: `nvrtc_moe.py`; the GEMV vari
 
 Prefill: `linear` with more than `rowwise_max` rows runs one GEMM through torch, bf16 weights
 as three bf16 tensor-core GEMMs with fp32 accuracy (`bf16x3.py`); up to `rowwise_max` rows it
-runs the GEMV kernel 8 rows at a time, so a row's result is bit-identical alone or in a batch.
+runs the GEMV kernel 8 rows at a time (16 with `gemv_tc_rows = 16`: one read of the weights for
+them), so a row's result is bit-identical alone or in a batch.
 The prefill view (`for_prefill`) runs the routed experts as grouped GEMMs (`nvfp4_gemm.py`) once
 a chunk gives each expert enough rows, else the decode kernels.
 """
