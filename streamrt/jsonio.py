@@ -50,6 +50,15 @@ def json_depth(data: bytes, limit: int | None = None) -> int:
             return depth
 
 
+def loads_text(text: str, max_depth: int = DEFAULT_MAX_DEPTH):
+    """json.loads for JSON inside a message (a tool call's arguments, a value the model wrote):
+    ValueError when it is not JSON or nests deeper than `max_depth` (checked on the text before
+    json.loads recurses, so never a RecursionError)."""
+    if json_depth(text.encode("utf-8", "surrogatepass"), max_depth) > max_depth:
+        raise ValueError(f"JSON nested more than {max_depth} levels deep")
+    return json.loads(text)
+
+
 def _reject_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
 

@@ -63,6 +63,8 @@ def load_weights(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], *, dtyp
 
     dtype: cast floating tensors (not FP32_TENSORS, which stay fp32); None keeps them.
     """
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in sd:  # the tree stores the table once
+        sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}
     check_state_dict(model, sd, source)
     cast = {}
     for k, v in sd.items():
@@ -71,6 +73,8 @@ def load_weights(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], *, dtyp
             v = v.float() if keep32 else (v.to(dtype) if dtype is not None else v)
         cast[k] = v
     model.load_state_dict(cast, strict=True, assign=True)  # A_log padding checked by a post-hook
+    if model.config.tie_word_embeddings:  # assign=True gave each name its own parameter: one again
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -226,6 +227,11 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
                                   "the file is corrupt")
         ranks[token] = rank
         seen[rank] = n
+    # byte-level BPE: every text is made of single bytes, and tiktoken panics on one it has no rank for
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} of the 256 single bytes have no token (the first: 0x{missing[0]:02x}); "
+                              "the file is corrupt or truncated")
     return ranks
 
 
@@ -285,12 +291,14 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_id: 
     names: dict[str, int] = {}
     if root is not None and (root / TOKENIZER_CONFIG).is_file():
         names = _special_names_from_config(root / TOKENIZER_CONFIG)
-    if root is not None and (root / TIKTOKEN_MODEL).is_file():
+    # lexists: a directory or a dangling link in tiktoken.model's place is an error, not bytes
+    if root is not None and os.path.lexists(root / TIKTOKEN_MODEL):
         tok: Tokenizer = TiktokenTokenizer(root / TIKTOKEN_MODEL, vocab_size, names)
     else:
         tok = ByteTokenizer(vocab_size, names)
     if eos_token_id is not None and eos_token_id != tok.eos_id:
+        where = f"{root / 'config.json'}: " if root is not None else ""
         raise ConfigError(
-            f"eos_token_id {eos_token_id} is not <|end_of_msg|> (expected {tok.eos_id} for vocab_size {vocab_size})"
+            f"{where}eos_token_id {eos_token_id} is not <|end_of_msg|> (expected {tok.eos_id} for vocab_size {vocab_size})"
         )
     return tok

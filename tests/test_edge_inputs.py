@@ -479,3 +479,128 @@ def test_convert_refuses_an_empty_path(capsys, tmp_path, monkeypatch, src, dst, 
     monkeypatch.chdir(tmp_path)
     _one_line_error(capsys, ["convert", src, dst], f"convert: {name} is empty")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- bad input found by fuzzing the command line (session 29) ---------------------------
+
+
+def _tiny_config(tmp_path: Path, **text) -> Path:
+    """tiny-k3.1-pro's config.json with `text` set in its text_config."""
+    from importlib import resources
+
+    cfg = json.loads(resources.files("streamrt").joinpath("configs", "tiny-k3.1-pro.json").read_bytes())
+    cfg.setdefault("text_config", cfg).update(text)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_tiktoken_model_without_every_single_byte_is_refused(tmp_path):
+    """tiktoken panics (a BaseException) on a byte it has no rank for: refused when read."""
+    from streamrt.tokenizer import load_tokenizer, read_bpe_ranks
+
+    lines = [f"{__import__('base64').b64encode(bytes([b])).decode()} {b}" for b in range(256)]
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    assert len(read_bpe_ranks(tmp_path / "tiktoken.model")) == 256
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines[:100] + lines[101:]) + "\n")
+    e = expect_project_error("byte 0x64 missing", load_tokenizer, tmp_path, 1024)
+    assert "1 of the 256 single bytes have no token (the first: 0x64)" in str(e)
+    (tmp_path / "tiktoken.model").unlink()
+    (tmp_path / "tiktoken.model").mkdir()  # a directory in its place: an error, not the byte tokenizer
+    assert "unreadable" in str(expect_project_error("a directory", load_tokenizer, tmp_path, 1024))
+
+
+def test_deeply_nested_json_inside_a_message_is_not_a_recursion_error():
+    """Tool-call arguments (a JSON string inside the messages) nested past json's recursion:
+    arguments that are not JSON are rendered verbatim; a typed value is refused; a declared
+    tool block is not parsed."""
+    from streamrt.chat.reply import _json_or_none
+    from streamrt.chat.tools import call_parts, typed_value
+
+    deep = "[" * 100_000 + "]" * 100_000
+    name, parsed, raw = call_parts({"function": {"name": "f", "arguments": deep}}, "messages[1]")
+    assert (name, parsed, raw) == ("f", None, deep)
+    with pytest.raises(ValueError, match="not JSON"):
+        typed_value("array", deep)
+    assert _json_or_none(deep) is None
+    assert call_parts({"function": {"name": "f", "arguments": '{"a": [[1]]}'}}, "m")[1] == {"a": [[1]]}
+
+
+def test_deep_conversion_state_files_are_not_ours(tmp_path):
+    """A DST whose state, manifest or journal nests past json's recursion is not a previous
+    conversion (refused in one line), and `run`'s hint names no source."""
+    from streamrt.checkpoint.dst import prepare_dst, recorded_source
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (dst / ".convert").mkdir(parents=True)
+    (dst / ".convert" / "state.json").write_text("[" * 100_000)
+    assert recorded_source(dst) is None
+    with pytest.raises(CheckpointError, match="is not a previous partial conversion"):
+        prepare_dst(src, dst, "fp", {})
+    (dst / ".convert" / "state.json").unlink()
+    (dst / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="is not a previous partial conversion"):
+        prepare_dst(src, dst, "fp", {})
+    (dst / ".convert" / "state.json").write_text(json.dumps({"source": "a\nb"}))
+    assert recorded_source(dst) is None  # a newline would split the one-line hint
+
+
+def test_convert_journal_that_is_a_directory_is_one_line(capsys, tmp_path):
+    rel, out = tmp_path / "rel", tmp_path / "out"
+    assert main(["synth", "--config", "tiny-k3.1-pro", "--out", str(rel)]) == 0
+    (out / ".convert" / "journal.jsonl").mkdir(parents=True)
+    (out / ".convert" / "state.json").write_text("{}")  # an unfinished conversion of another source
+    _one_line_error(capsys, ["convert", "--no-progress", str(rel), str(out)], "is not a previous partial conversion")
+    shutil.rmtree(out)
+    assert main(["convert", "--no-progress", str(rel), str(out)]) == 0
+    (out / ".convert" / "journal.jsonl").mkdir(parents=True)  # a finished conversion: a re-run opens its journal
+    capsys.readouterr()
+    _one_line_error(capsys, ["convert", "--no-progress", str(rel), str(out)], "journal.jsonl: cannot open the conversion journal")
+
+
+def test_synth_out_below_a_file_is_one_line(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3.1-pro", "--out", str(tmp_path / "afile" / "x")],
+                    "cannot create --out: Not a directory")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ({"num_expert_group": 32, "topk_group": 1}, "topk_group: 1 groups of 1 experts hold fewer than the 4 experts"),
+    ({"dsa_config": {"dsa_layers": [], "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}},
+     "dsa_layers: empty; K3.1 Pro has the indexer"),
+])
+def test_config_that_cannot_route_or_index_is_refused_when_read(tmp_path, text, fragment):
+    from streamrt.config import load_config
+
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(_tiny_config(tmp_path, **text))
+
+
+def test_manifest_key_with_a_control_character_is_refused(tree, capsys):
+    m = _manifest(tree)
+    m["files"]["a\nb"] = {"size": 1, "blake2b": "0" * 16}
+    _put(tree, m)
+    _one_line_error(capsys, ["verify", str(tree)], "files key 'a\\nb' is not a path inside the tree")
+
+
+def test_tied_embeddings_load_one_table(tmp_path):
+    """tie_word_embeddings: the tree stores no lm_head; the loaded model's head is the
+    embedding table itself."""
+    from streamrt.checkpoint.synth import synth
+    from streamrt.loader import load_model
+
+    cfg = _tiny_config(tmp_path, tie_word_embeddings=True)
+    synth(str(cfg), tmp_path / "t", fmt="streamrt", progress=False)
+    model = load_model(tmp_path / "t", dtype=None)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_model_without_moe_layers_needs_no_expert_slots(tmp_path):
+    from streamrt.config import load_config
+    from streamrt.runtime.options import RuntimeOptions
+    from streamrt.runtime.streams import make_device
+
+    cfg = load_config(_tiny_config(tmp_path, first_k_dense_replace=9))
+    assert cfg.expert_files == 0
+    assert RuntimeOptions(device="cpu").resolve(cfg, 4096, make_device("cpu")).gpu_experts == 0

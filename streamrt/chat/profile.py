@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamrt.chat.xtml import THINKING_EFFORTS, ChatFormatError
+from streamrt.errors import clip
 from streamrt.jsonio import load_json
 from streamrt.tokenizer import TOKENIZER_CONFIG, TOKENIZER_CONFIG_MAX_BYTES
 
@@ -38,7 +39,8 @@ class ChatProfile:
             raise ChatFormatError(f"{path}: {PROFILE_KEY} must be an object")
         unknown = sorted(set(spec) - {"thinking_effort", "multi_turn"})
         if unknown:
-            raise ChatFormatError(f"{path}: {PROFILE_KEY}.{unknown[0]} is not a known key (thinking_effort, multi_turn)")
+            key = unknown[0] if unknown[0].isprintable() else repr(unknown[0])  # a newline would break the one-line error
+            raise ChatFormatError(f"{path}: {PROFILE_KEY}.{clip(key, 60)} is not a known key (thinking_effort, multi_turn)")
         effort = spec.get("thinking_effort", cls.thinking_effort)
         if effort is not None and effort not in THINKING_EFFORTS:
             raise ChatFormatError(f"{path}: {PROFILE_KEY}.thinking_effort {effort!r} is not null or one of {', '.join(THINKING_EFFORTS)}")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -11,6 +10,7 @@ from streamrt.chat.events import (ContentText, EndOfMessage, Event, MessageStart
                                   ThinkText, ToolCall)
 from streamrt.chat.parser import ChatParser
 from streamrt.chat.xtml import DYNAMIC_TOOLS_HEAD, TOOL_DECLARE_HEAD, TOOL_DECLARE_TAIL
+from streamrt.jsonio import loads_text
 from streamrt.tokenizer import Tokenizer
 
 
@@ -94,6 +94,6 @@ def parse_conversation(tok: Tokenizer, ids: Iterable[int]) -> tuple[list[dict], 
 
 def _json_or_none(text: str) -> Any:
     try:
-        return json.loads(text)
+        return loads_text(text)
     except ValueError:
         return None

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from streamrt.chat.xtml import ROLES, ChatFormatError
+from streamrt.jsonio import loads_text
 
 
 def arg_type(value: Any) -> str:
@@ -45,7 +46,7 @@ def call_parts(call: Any, where: str) -> tuple[str, dict | None, str | None]:
         if not args.strip():
             return name, {}, None
         try:
-            parsed = json.loads(args)
+            parsed = loads_text(args)
         except ValueError:
             return name, None, args  # rendered verbatim in a json block, as the reference does
         if not isinstance(parsed, dict):
@@ -126,8 +127,8 @@ def typed_value(kind: str, raw: str) -> Any:
     if kind == "string":
         return raw
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
+        value = loads_text(raw)
+    except ValueError as exc:
         raise ValueError(f"value {raw[:40]!r} is not JSON ({exc.__class__.__name__})") from None
     ok = {
         "number": isinstance(value, (int, float)) and not isinstance(value, bool),

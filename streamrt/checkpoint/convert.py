@@ -52,7 +52,7 @@ from streamrt.checkpoint.names import TensorSpec, expert_prefix, expert_relpath,
 from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint, shard_fingerprints
 from streamrt.checkpoint.safetensors_io import build_header
 from streamrt.errors import CheckpointError
-from streamrt.tokenizer import TIKTOKEN_MODEL, TOKENIZER_CONFIG, check_tokenizer_config, read_bpe_ranks
+from streamrt.tokenizer import TOKENIZER_CONFIG, check_tokenizer_config, load_tokenizer
 
 PIECE_BYTES = 4 << 20  # dense bytes per pread/hash/pwrite step: the buffer stays in the CPU cache
 COMMIT_BACKLOG = 4  # finished-but-uncommitted files allowed per worker (4 x 16 x 18.6 MB ~ 1.2 GB dirty)
@@ -193,8 +193,9 @@ def convert(
     verify_source: bool = False,
     on_written: Callable[[int], None] | None = None,
 ) -> dict:
-    """Convert; returns a summary dict. Raises CheckpointError / ConfigError on bad input,
-    before DST is touched.
+    """Convert; returns a summary dict. Raises CheckpointError / ConfigError on bad input: the
+    config, headers, dtypes and shapes before DST is touched; bad tensor data (a NaN scale) once
+    it is read, with the files converted so far kept in DST for a re-run to resume.
 
     `commit_threads`: committer threads (fsync, rename, journal); default `workers`, 0 commits
     inside the writing job. `verify_source`: hash every source shard's bytes, so a re-run also
@@ -215,10 +216,9 @@ def convert(
     check_paths(src, dst)
     rt = open_release(src)  # config gating + headers + every tensor's dtype/shape
     # the tokenizer files are copied as they are: refuse now what run would refuse after the conversion
-    if (src / TOKENIZER_CONFIG).is_file():
+    if os.path.lexists(src / TOKENIZER_CONFIG):  # lexists: a directory or a dangling link there is refused
         check_tokenizer_config(src / TOKENIZER_CONFIG)
-    if (src / TIKTOKEN_MODEL).is_file():
-        read_bpe_ranks(src / TIKTOKEN_MODEL)
+    load_tokenizer(src, rt.config.vocab_size, rt.config.eos_token_id)
     if rt.skipped and log:
         log(f"convert: skipping {len(rt.skipped)} tensors outside the language model (vision tower, projector): "
             f"{rt.skipped_bytes / 2**20:,.1f} MiB")
@@ -245,7 +245,12 @@ def convert(
             _make_dirs(dst, tasks)
             run = Conversion(rt, dst, tasks, prior, workers=workers, commit_threads=commit_threads,
                              check_resumed=check_resumed, progress=progress, on_written=on_written)
-            run.execute()
+            try:
+                run.execute()
+            except CheckpointError as e:
+                if "resume" in str(e):  # a disk-full error says so already
+                    raise
+                raise CheckpointError(f"{e}; the files converted so far stay in {dst}: a re-run resumes") from None
             source = {"path": str(src.resolve()), "fingerprint": fingerprint, "shards": shards}
             return run.finish(src, source, log)
     except CheckpointError:
@@ -304,7 +309,11 @@ class Conversion:
     # -- the run -----------------------------------------------------------------------
 
     def execute(self) -> None:
-        journal = open(self.dst / STATE_DIR / JOURNAL, "a")
+        path = self.dst / STATE_DIR / JOURNAL
+        try:
+            journal = open(path, "a")
+        except OSError as e:  # a directory in its place, no permission
+            raise CheckpointError(f"{path}: cannot open the conversion journal: {e.strerror or e}") from None
         committer = ThreadPoolExecutor(self.commit_threads, thread_name_prefix="srt-commit") if self.commit_threads else None
         self.journal, self.committer = journal, committer
         t0 = time.perf_counter()

@@ -19,6 +19,7 @@ from pathlib import Path
 from streamrt.fileio import LEGACY_RULE, file_digest, remove_stale_tmp, rule_name, write_bytes_atomic
 from streamrt.checkpoint.manifest import MANIFEST, manifest_rule
 from streamrt.errors import CheckpointError
+from streamrt.jsonio import loads_text
 
 STATE_DIR = ".convert"
 LOCK = "lock"  # STATE_DIR/lock, held (flock) for the whole run: one converter per DST
@@ -66,11 +67,11 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict],
         theirs, their_rule, their_shards = None, None, None
         try:
             if state.is_file():
-                st = json.loads(state.read_text())
+                st = loads_text(state.read_text())
                 theirs, their_rule = st.get("fingerprint"), st.get("checksum", LEGACY_RULE)  # older runs: no key
                 their_shards = st.get("shards")
             elif manifest.is_file():
-                m = json.loads(manifest.read_text())
+                m = loads_text(manifest.read_text())
                 src_rec = m.get("source") or {}
                 theirs, their_rule, their_shards = src_rec.get("fingerprint"), manifest_rule(m), src_rec.get("shards")
                 files = m.get("files")  # only well-formed entries: anything else is redone, never trusted
@@ -91,7 +92,7 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict],
         if journal.is_file():
             for line in journal.read_text(errors="replace").splitlines():
                 try:  # a kill -9 can leave the last line torn: skip it, that file is redone
-                    e = json.loads(line)
+                    e = loads_text(line)
                     prior[e["path"]] = {"size": int(e["size"]), "blake2b": str(e["blake2b"])}
                 except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: a size of 1e400
                     continue
@@ -112,10 +113,10 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict],
 def recorded_source(dst: Path) -> str | None:
     """The source directory an unfinished conversion into `dst` recorded; None where it cannot say."""
     try:
-        source = json.loads((dst / STATE_DIR / STATE).read_text()).get("source")
+        source = loads_text((dst / STATE_DIR / STATE).read_text()).get("source")
     except (OSError, ValueError, AttributeError):
         return None
-    return source if isinstance(source, str) and source else None
+    return source if isinstance(source, str) and source and source.isprintable() else None
 
 
 def _hash_shards(src: Path, shards: dict[str, dict]) -> None:

@@ -275,13 +275,19 @@ def _show(v, limit: int = 40) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
+# kimi-k3.1-pro's manifest: about 50 MB (82,432 expert files, ~500k tensor names, at the tiny
+# tree's bytes per entry). The cap bounds what a corrupt one costs: parsed, small JSON values
+# take up to ~20x their bytes.
+MANIFEST_MAX_BYTES = 256 << 20
+
+
 def read_manifest(root: Path) -> dict:
     """The tree's manifest.json, decoded and type-checked: one CheckpointError naming the file
     and field for anything malformed (bit flips, wrong types, deep nesting)."""
     f = root / MANIFEST
     if not f.is_file():
         raise CheckpointError(f"{f}: missing: not a converted streamrt tree (run `streamrt convert` first)")
-    m = load_json(f, what="manifest", expect=dict, max_bytes=1 << 30, max_depth=16)
+    m = load_json(f, what="manifest", expect=dict, max_bytes=MANIFEST_MAX_BYTES, max_depth=16)
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{f}: not a streamrt manifest (format {_show(m.get('format'))})")
     version = m.get("format_version")
@@ -308,7 +314,7 @@ def read_manifest(root: Path) -> dict:
             raise CheckpointError(f"{f}: files[{rel[:200]!r}].size is {_show(size)}, not a byte count")
         if not isinstance(digest, str) or len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
             raise CheckpointError(f"{f}: files[{rel[:200]!r}].blake2b is {_show(digest)}, not 16 hex digits")
-        if not rel or rel.startswith("/") or ".." in rel.split("/") or "\0" in rel:
+        if not rel or rel.startswith("/") or ".." in rel.split("/") or any(ord(ch) < 32 for ch in rel):  # \n: one-line errors
             raise CheckpointError(f"{f}: files key {rel[:200]!r} is not a path inside the tree")
     if not all(isinstance(n, str) for n in m["tensor_names"]):
         raise CheckpointError(f"{f}: field 'tensor_names' holds a non-string")

@@ -422,7 +422,10 @@ def synth(
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
     _check_space(out, nbytes)  # before any directory is made: a refusal leaves nothing behind
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a directory belongs, no permission, a name too long
+        raise CheckpointError(f"{out}: cannot create --out: {e.strerror or e}") from None
     gen = Generator(cfg, seed, skew, device)
     if workers is None:
         workers = min(6, os.cpu_count() or 1) if gen.device.type == "cuda" else max(1, min(4, (os.cpu_count() or 2) // 2))

@@ -36,7 +36,7 @@ def config_from_dict(
     mixers = _token_mixers(la, n_layers)
     ffns = _ffn_schedule(t, n_layers)
     block = t.int("attn_res_block_size")
-    experts = _expert_geometry(t, ffns["num_experts"])
+    experts = _expert_geometry(t, ffns["num_experts"], ffns["experts_per_token"])
     vocab = _vocabulary(t)
     implemented = _implemented_choices(t)
     q_lora = t.int("q_lora_rank", max_value=MAX_DIM)
@@ -130,14 +130,18 @@ def _ffn_schedule(t: Fields, n_layers: int) -> dict[str, Any]:
 # ---- experts, vocabulary, implemented choices, indexer ----------------------------------
 
 
-def _expert_geometry(t: Fields, n_exp: int) -> dict[str, int]:
-    """Expert groups (they must divide the experts) and expert sizes (multiples of the MXFP4 block)."""
+def _expert_geometry(t: Fields, n_exp: int, topk: int) -> dict[str, int]:
+    """Expert groups (they must divide the experts, and the groups kept must hold the experts a
+    token takes) and expert sizes (multiples of the MXFP4 block)."""
     n_group = t.int("num_expert_group", 1)
     topk_group = t.int("topk_group", 1)
     if n_exp % n_group:
         raise t.err("num_expert_group", f"{n_group} does not divide num_experts {n_exp}")
     if topk_group > n_group:
         raise t.err("topk_group", f"{topk_group} exceeds num_expert_group {n_group}")
+    if topk_group * (n_exp // n_group) < topk:
+        raise t.err("topk_group", f"{topk_group} groups of {n_exp // n_group} experts hold fewer than the "
+                                  f"{topk} experts a token takes (num_experts_per_token)")
     routed_hidden = t.int("routed_expert_hidden_size", max_value=MAX_DIM)
     moe_inter = t.int("moe_intermediate_size", max_value=MAX_DIM)
     for key, v in (("routed_expert_hidden_size", routed_hidden), ("moe_intermediate_size", moe_inter)):
@@ -175,6 +179,8 @@ def _implemented_choices(t: Fields) -> dict[str, Any]:
 def _indexer(d: Fields, mla: tuple[int, ...], n_layers: int) -> IndexerConfig:
     """K3.1 Pro's `dsa_config`: the Lightning Indexer, on full-attention layers only."""
     dsa = d.int_list("dsa_layers")
+    if not dsa:  # a K3.1 Pro without indexer layers is neither K3.1 Pro nor K3 (which has no dsa_config)
+        raise d.err("dsa_layers", "empty; K3.1 Pro has the indexer on some full-attention layers")
     _check_one_based(d, "dsa_layers", dsa, n_layers)
     not_full = sorted(set(dsa) - set(i + 1 for i in mla))
     if not_full:

@@ -264,7 +264,7 @@ class RuntimeOptions:
             window = min(window, cap)
         window = min(window, cfg.expert_files) if self.window is None else window
 
-        per_layer = min(cfg.num_experts, batch * cfg.experts_per_token)
+        per_layer = min(cfg.num_experts, batch * cfg.experts_per_token) if cfg.expert_files else 0  # no MoE layer
         if self.gpu_experts is not None:
             slots = self.gpu_experts
         elif self.gpu_mem is not None:  # the card's budget: the placement plan's slots (issue 22)
