@@ -200,6 +200,9 @@ class TiktokenTokenizer(Tokenizer):
         return self._bytes.get(int(token_id), b"")
 
 
+UTF8_BYTES = tuple(b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5)
+
+
 def read_bpe_ranks(path: Path) -> dict[bytes, int]:
     """`tiktoken.model` lines: base64 token, rank. Read directly, because tiktoken's loader
     caches by path in a temp dir and would serve a stale file after the tree changes."""
@@ -227,11 +230,12 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
                                   "the file is corrupt")
         ranks[token] = rank
         seen[rank] = n
-    # byte-level BPE: every text is made of single bytes, and tiktoken panics on one it has no rank for
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    # byte-level BPE: tiktoken panics on a byte of the text it has no rank for. Every byte UTF-8
+    # text can hold needs one (not 0xc0, 0xc1, 0xf5-0xff, which no UTF-8 text holds).
+    missing = [b for b in UTF8_BYTES if bytes([b]) not in ranks]
     if missing:
-        raise CheckpointError(f"{path}: {len(missing)} of the 256 single bytes have no token (the first: 0x{missing[0]:02x}); "
-                              "the file is corrupt or truncated")
+        raise CheckpointError(f"{path}: {len(missing)} of the {len(UTF8_BYTES)} bytes UTF-8 text holds have no token "
+                              f"(the first: 0x{missing[0]:02x}); the file is corrupt or truncated")
     return ranks
 
 

@@ -504,7 +504,9 @@ def test_tiktoken_model_without_every_single_byte_is_refused(tmp_path):
     assert len(read_bpe_ranks(tmp_path / "tiktoken.model")) == 256
     (tmp_path / "tiktoken.model").write_text("\n".join(lines[:100] + lines[101:]) + "\n")
     e = expect_project_error("byte 0x64 missing", load_tokenizer, tmp_path, 1024)
-    assert "1 of the 256 single bytes have no token (the first: 0x64)" in str(e)
+    assert "1 of the 243 bytes UTF-8 text holds have no token (the first: 0x64)" in str(e)
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines[:0xF5]) + "\n")  # no 0xf5-0xff: never in UTF-8 text
+    assert len(read_bpe_ranks(tmp_path / "tiktoken.model")) == 0xF5
     (tmp_path / "tiktoken.model").unlink()
     (tmp_path / "tiktoken.model").mkdir()  # a directory in its place: an error, not the byte tokenizer
     assert "unreadable" in str(expect_project_error("a directory", load_tokenizer, tmp_path, 1024))
