@@ -167,6 +167,51 @@ def test_more_tool_calls_than_the_context_are_refused_before_rendering(tok):
     assert "65 tool calls" in e.value.message
 
 
+@pytest.mark.parametrize("as_string", [False, True])
+def test_more_call_arguments_than_the_context_stop_the_rendering(tok, as_string):
+    """One call of 360k tiny arguments (3.5 MB, under the body limit) rendered 5.4M segments on
+    the server's one loop (seconds, every other client stalled) before the context check: the
+    rendering now stops past max_context segments (each at least one token)."""
+    from streamrt.chat.render import ConversationTooLong, render
+    from streamrt.serve import schemas as S
+    from streamrt.serve.errors import ApiError
+    from streamrt.serve.routes import ServerState, render_chat
+
+    args = {format(i, "x"): 0 for i in range(360_000)}
+    call = {"id": "1", "function": {"name": "f", "arguments": json.dumps(args) if as_string else args}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=2048, metrics=None)
+    req = S.ChatRequest.model_validate({"model": "m", "messages": messages})
+    with pytest.raises(ApiError) as e:
+        render_chat(state, req)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "context_length_exceeded")
+    assert "more than 2048 tokens" in e.value.message  # raised by the bound, at segment 2049
+    with pytest.raises(ConversationTooLong):
+        render(messages, max_segments=2048)
+    small = [{"role": "user", "content": "x"}]
+    assert render(small, max_segments=len(render(small))) == render(small)  # exactly at the bound: fine
+
+
+def test_a_body_that_stops_coming_is_a_408(monkeypatch):
+    """A client that declares 100 bytes and sends 8 held its connection (and what it sent) for
+    ever: the body must be in within BODY_SECONDS."""
+    from streamrt.serve import routes
+    from streamrt.serve.errors import ApiError
+
+    class Stalled:
+        headers = {"content-length": "100"}
+
+        async def stream(self):
+            yield b'{"model"'
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(routes, "BODY_SECONDS", 0.05)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(routes.read_body(Stalled(), 4 << 20))
+    assert (e.value.status, e.value.code) == (408, "request_timeout")
+    assert "(8 bytes came)" in e.value.message
+
+
 def test_a_generated_lone_surrogate_in_call_arguments_is_a_valid_reply(tok):
     """A model that escapes a lone surrogate in a typed argument (`["\\ud800"]`) made the call's
     arguments a str no UTF-8 body can carry: a 500 (or a stream cut mid-way) for that reply."""

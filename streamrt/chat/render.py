@@ -31,6 +31,25 @@ class Segment:
     special: bool = False
 
 
+class ConversationTooLong(ChatFormatError):
+    """More segments than `render`'s max_segments: each is at least one token, so the prompt
+    cannot fit a context of that many tokens."""
+
+
+class _Segments(list):
+    """render's output, refusing its (max + 1)-th segment: a request of 360k tiny tool-call
+    arguments is refused after max of them, not after seconds of rendering them all."""
+
+    def __init__(self, max_segments: int):
+        super().__init__()
+        self.max = max_segments
+
+    def append(self, segment: Segment) -> None:
+        if len(self) >= self.max:
+            raise ConversationTooLong(f"the conversation renders to more than {self.max} tokens")
+        super().append(segment)
+
+
 def _text(out: list[Segment], text: Any) -> None:
     text = str(text)
     if text:
@@ -153,13 +172,15 @@ def render(
     thinking_effort: str | None = None,
     tool_choice: str | None = None,
     response_format: Any = None,
+    max_segments: int | None = None,
 ) -> list[Segment]:
     """The XTML segments of a conversation, ending with the generation prompt.
 
     thinking_effort defaults to none here, as in the reference's segment builder; its
     `apply_chat_template` passes "max" unless told otherwise, which callers get from
-    `ChatProfile` (what the model's tree says it was trained with)."""
-    out: list[Segment] = []
+    `ChatProfile` (what the model's tree says it was trained with). `max_segments`: raise
+    ConversationTooLong past that many (a bound on the tokens, checked while rendering)."""
+    out: list[Segment] = [] if max_segments is None else _Segments(max_segments)
     if tools:
         if not isinstance(tools, list):
             raise ChatFormatError("tools must be a list")

@@ -21,6 +21,7 @@ from streamrt.runtime.options import add_runtime_flags
 from streamrt.session import resolve_model_dir
 
 DEFAULT_PORT = 8000
+MIN_CONNECTIONS = 256  # uvicorn's limit_concurrency at the least: clients, health checks, metrics scrapes
 MAX_THREADS = 1024  # like verify's --workers; a count torch cannot start kills the process with a signal
 
 
@@ -168,8 +169,11 @@ async def _serve(runner, args, sockets: list[socket.socket], max_batch: int, max
 
     state = build_state(runner, max_batch=max_batch, max_queue=max_queue, model_id=args.served_model_name,
                         max_context=context, api_key=args.api_key, prefill_chunk=chunk)
-    # no host or port here: uvicorn listens on `sockets`, bound by serve_command
-    config = uvicorn.Config(create_app(state), log_level=args.log_level, lifespan="off", timeout_graceful_shutdown=2)
+    # no host or port here: uvicorn listens on `sockets`, bound by serve_command. Past
+    # `limit_concurrency` open connections uvicorn answers 503 at once: more requests than the
+    # engine can batch and queue only wait, and each may buffer a body of up to max_body bytes.
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, lifespan="off", timeout_graceful_shutdown=2,
+                            limit_concurrency=max(MIN_CONNECTIONS, 2 * (max_batch + max_queue)))
     server = uvicorn.Server(config)
     engine = asyncio.ensure_future(state.engine.run())
     ready = asyncio.ensure_future(_announce(server, state, max_batch, max_queue))

@@ -23,12 +23,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from streamrt.chat import ChatFormatError, encode_chat
+from streamrt.chat.render import ConversationTooLong
 from streamrt.serve import schemas as S
 from streamrt.serve.engine import EngineError, Job, QueueFull
 from streamrt.serve.errors import ApiError, error_body, from_validation
 from streamrt.serve.replies import ChatReply, TextReply, prior_calls
 
 RETRY_AFTER_S = 1
+BODY_SECONDS = 30  # a body not in by then is a 408: a client that stops mid-body holds nothing longer
 MIN_BODY_BYTES = 4 << 20
 BODY_BYTES_PER_TOKEN = 32  # generous: JSON-escaped CJK text is under 10 bytes a token
 
@@ -62,13 +64,17 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large()
     chunks, n = [], 0
     try:
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:  # chunked, or a Content-Length that lied
-                raise too_large()
-            chunks.append(chunk)
+        async with asyncio.timeout(BODY_SECONDS):
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:  # chunked, or a Content-Length that lied
+                    raise too_large()
+                chunks.append(chunk)
     except ClientDisconnect:  # gone before its body was in: not a server error
         raise ApiError(499, "client disconnected before sending the whole body", code="client_disconnected") from None
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {BODY_SECONDS} s ({n} bytes came)",
+                       code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -208,7 +214,11 @@ def render_chat(state: ServerState, req: S.ChatRequest) -> tuple[list[int], Chat
     try:
         ids = encode_chat(state.tokenizer, messages, tools, thinking=req.thinking,
                           tool_choice=choice if tools else None,
-                          response_format=S.dump(req.response_format) if req.response_format else None)
+                          response_format=S.dump(req.response_format) if req.response_format else None,
+                          max_segments=state.max_context)
+    except ConversationTooLong as exc:
+        raise ApiError(400, f"{exc}, past this model's maximum context length of {state.max_context} tokens",
+                       param="messages", code="context_length_exceeded") from None
     except ChatFormatError as exc:
         m = re.match(r"message (\d+)", str(exc))
         raise ApiError(400, str(exc), param=f"messages[{m.group(1)}]" if m else "messages") from None
