@@ -188,8 +188,12 @@ def is_tmp(name: str) -> bool:
     return name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX)
 
 
-def disk_full_error(path: Path, e: OSError) -> CheckpointError:
-    return CheckpointError(
+class DiskFull(CheckpointError):
+    """A write that ran out of space; its message says how to resume."""
+
+
+def disk_full_error(path: Path, e: OSError) -> DiskFull:
+    return DiskFull(
         f"{path}: disk full ({os.strerror(e.errno)}); the partial file was removed, nothing is half written. "
         "Free space and re-run the same command to resume"
     )

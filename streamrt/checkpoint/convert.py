@@ -46,7 +46,7 @@ from typing import Callable
 from streamrt import fp4
 from streamrt.checkpoint.dst import JOURNAL, STATE_DIR, DstLock, check_paths, prepare_dst
 from streamrt.checkpoint.expert_file import HEADER_BYTES, ExpertLayout, parse_header, write_expert_file
-from streamrt.fileio import AtomicWriter, RangeWriter, file_digest, fsync_dir
+from streamrt.fileio import AtomicWriter, DiskFull, RangeWriter, file_digest, fsync_dir
 from streamrt.checkpoint.manifest import dense_files, write_manifest
 from streamrt.checkpoint.names import TensorSpec, expert_prefix, expert_relpath, is_expert_tensor, strip_prefix
 from streamrt.checkpoint.release import ReleaseTree, open_release, release_fingerprint, shard_fingerprints
@@ -247,10 +247,10 @@ def convert(
                              check_resumed=check_resumed, progress=progress, on_written=on_written)
             try:
                 run.execute()
-            except CheckpointError as e:
-                if "resume" in str(e):  # a disk-full error says so already
-                    raise
-                raise CheckpointError(f"{e}; the files converted so far stay in {dst}: a re-run resumes") from None
+            except DiskFull:  # says how to resume already
+                raise
+            except CheckpointError as e:  # bad source data, found once read
+                raise CheckpointError(f"{e}; the files converted so far stay in {dst}: once the source is fixed, a re-run resumes") from None
             source = {"path": str(src.resolve()), "fingerprint": fingerprint, "shards": shards}
             return run.finish(src, source, log)
     except CheckpointError:
