@@ -83,6 +83,10 @@ class StreamDecoder:
         return out
 
 
+class MissingSpecial(ConfigError):
+    """A special token the chat format is built from was renamed (tokenizer_config.json)."""
+
+
 class Tokenizer:
     """Shared special-token table and decoding; subclasses supply ordinary-token bytes."""
 
@@ -104,7 +108,7 @@ class Tokenizer:
         self._name_of = {i: n for n, i in self._id_of.items()}
         for name in STRUCTURAL:
             if name not in self._id_of:
-                raise ConfigError(f"tokenizer has no structural special {name}")
+                raise MissingSpecial(f"tokenizer has no structural special {name}")
         self.eos_id = self._id_of["<|end_of_msg|>"]
         self.stop_ids = frozenset(self._id_of[n] for n in STOP_NAMES if n in self._id_of)
 
@@ -295,11 +299,14 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_id: 
     names: dict[str, int] = {}
     if root is not None and (root / TOKENIZER_CONFIG).is_file():
         names = _special_names_from_config(root / TOKENIZER_CONFIG)
-    # lexists: a directory or a dangling link in tiktoken.model's place is an error, not bytes
-    if root is not None and os.path.lexists(root / TIKTOKEN_MODEL):
-        tok: Tokenizer = TiktokenTokenizer(root / TIKTOKEN_MODEL, vocab_size, names)
-    else:
-        tok = ByteTokenizer(vocab_size, names)
+    try:
+        # lexists: a directory or a dangling link in tiktoken.model's place is an error, not bytes
+        if root is not None and os.path.lexists(root / TIKTOKEN_MODEL):
+            tok: Tokenizer = TiktokenTokenizer(root / TIKTOKEN_MODEL, vocab_size, names)
+        else:
+            tok = ByteTokenizer(vocab_size, names)
+    except MissingSpecial as e:  # only tokenizer_config.json's added tokens rename one
+        raise MissingSpecial(f"{root / TOKENIZER_CONFIG}: {e} (added_tokens_decoder renames it)") from None
     if eos_token_id is not None and eos_token_id != tok.eos_id:
         where = f"{root / 'config.json'}: " if root is not None else ""
         raise ConfigError(

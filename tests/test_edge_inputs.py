@@ -606,3 +606,14 @@ def test_a_model_without_moe_layers_needs_no_expert_slots(tmp_path):
     cfg = load_config(_tiny_config(tmp_path, first_k_dense_replace=9))
     assert cfg.expert_files == 0
     assert RuntimeOptions(device="cpu").resolve(cfg, 4096, make_device("cpu")).gpu_experts == 0
+
+
+def test_a_renamed_structural_special_names_the_tokenizer_config(tmp_path):
+    """added_tokens_decoder may rename a special; renaming one the chat format is built from
+    (<|open|>: 163587) is refused naming the file, by convert (which loads the tokenizer as
+    run does) and by run."""
+    from streamrt.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"163587": {"content": "ZZ"}}}))
+    e = expect_project_error("<|open|> renamed", load_tokenizer, tmp_path, 1024)
+    assert str(e).startswith(f"{tmp_path / 'tokenizer_config.json'}: tokenizer has no structural special <|open|>")
