@@ -277,6 +277,10 @@ def check_tokenizer_config(path: Path) -> None:
     `streamrt_chat` block (ChatProfile's rules). For `verify` and `convert`, which must refuse
     a broken edit that `run` would refuse."""
     read_tokenizer_config(path)
+    try:
+        Tokenizer(2 * NUM_SPECIALS, _special_names_from_config(path))  # the specials' table alone
+    except MissingSpecial as e:
+        raise MissingSpecial(f"{path}: {e} (added_tokens_decoder renames it)") from None
     # imported here: streamrt.chat imports this module
     from streamrt.chat.profile import ChatProfile
 

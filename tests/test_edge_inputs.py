@@ -610,10 +610,12 @@ def test_a_model_without_moe_layers_needs_no_expert_slots(tmp_path):
 
 def test_a_renamed_structural_special_names_the_tokenizer_config(tmp_path):
     """added_tokens_decoder may rename a special; renaming one the chat format is built from
-    (<|open|>: 163587) is refused naming the file, by convert (which loads the tokenizer as
-    run does) and by run."""
-    from streamrt.tokenizer import load_tokenizer
+    (<|open|>: 163587) is refused naming the file: by run and convert (which loads the
+    tokenizer as run does), and by verify (check_tokenizer_config)."""
+    from streamrt.tokenizer import check_tokenizer_config, load_tokenizer
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"163587": {"content": "ZZ"}}}))
     e = expect_project_error("<|open|> renamed", load_tokenizer, tmp_path, 1024)
     assert str(e).startswith(f"{tmp_path / 'tokenizer_config.json'}: tokenizer has no structural special <|open|>")
+    e = expect_project_error("verify's check", check_tokenizer_config, tmp_path / "tokenizer_config.json")
+    assert "no structural special <|open|> (added_tokens_decoder renames it)" in str(e)
