@@ -52,11 +52,30 @@ def json_depth(data: bytes, limit: int | None = None) -> int:
 
 def loads_text(text: str, max_depth: int = DEFAULT_MAX_DEPTH):
     """json.loads for JSON inside a message (a tool call's arguments, a value the model wrote):
-    ValueError when it is not JSON or nests deeper than `max_depth` (checked on the text before
-    json.loads recurses, so never a RecursionError)."""
+    ValueError when it is not standard JSON (NaN, Infinity, a number past float's range, which
+    strict clients cannot parse when we send it on) or nests deeper than `max_depth` (checked on
+    the text before json.loads recurses, so never a RecursionError)."""
     if json_depth(text.encode("utf-8", "surrogatepass"), max_depth) > max_depth:
         raise ValueError(f"JSON nested more than {max_depth} levels deep")
-    return json.loads(text)
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def dumps_text(value) -> str:
+    """json.dumps keeping non-ASCII as is, unless a string holds a lone surrogate (a model may
+    escape one: `"\\ud800"`), which no UTF-8 output can carry: then everything escaped."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value)
+    return text
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:20]} is past float's range")
+    return value
 
 
 def _reject_constant(name: str):

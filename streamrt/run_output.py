@@ -4,12 +4,12 @@ one-line stats report on stderr."""
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict
 from typing import TextIO
 
 from streamrt.chat import Reply, ResponseText, ThinkText, ToolCall
+from streamrt.jsonio import dumps_text
 from streamrt.run_args import Sampling
 from streamrt.session import GenStats
 
@@ -53,7 +53,7 @@ class StreamPrinter:
             if not self.at_line_start:
                 self._write("\n")
             call = {"name": e.name, "index": e.index, "arguments": e.arguments}
-            self._write(json.dumps({"tool_call": call}, ensure_ascii=False) + "\n")
+            self._write(dumps_text({"tool_call": call}) + "\n")
 
     def finish(self) -> None:
         self._end_think()
@@ -63,7 +63,7 @@ class StreamPrinter:
 
 
 def reply_json(name: str, reply: Reply, stats: GenStats) -> str:
-    return json.dumps(
+    return dumps_text(
         {
             "model": name,
             "thinking": reply.thinking,
@@ -72,8 +72,7 @@ def reply_json(name: str, reply: Reply, stats: GenStats) -> str:
             "parse_errors": reply.errors,
             "finish_reason": "tool_calls" if reply.tool_calls else ("length" if reply.truncated else stats.stop),
             "stats": {**asdict(stats), "decode_tok_s": stats.decode_rate},
-        },
-        ensure_ascii=False,
+        }
     )
 
 

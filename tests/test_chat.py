@@ -216,6 +216,49 @@ def test_mismatched_close_and_stray_specials_are_reported_not_raised():
     assert sum("outside the vocabulary" in m for m in errs) == 2
 
 
+def _call(index: str, typ: str, value: str) -> list[int]:
+    """After the generation prompt: </think>, then one call with one argument."""
+    return _ids(f'<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="{index}"<|sep|>'
+                f'<|open|>argument key="x" type="{typ}"<|sep|>{value}<|close|>argument<|sep|><|close|>call<|sep|>'
+                '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+
+
+def test_model_output_found_by_fuzzing_is_a_parse_error_or_a_valid_call():
+    """A Unicode-digit index ('²': isdigit, not int) reset the parser and lost every later call;
+    NaN / Infinity / 1e999 arguments went out as JSON strict clients cannot parse; an escaped
+    lone surrogate made arguments no UTF-8 output could carry (run --json, the terminal, a
+    re-rendered turn)."""
+    events = _feed(_call("²", "number", "1"))
+    assert "tool call with tool='f' index='²'" in _errors(events)
+    assert not any("internal parser error" in m for m in _errors(events))
+    assert events[-1] == EndOfMessage("assistant")  # the parser's state survived
+    for value in ("NaN", "[-Infinity]", "1e999"):
+        events = _feed(_call("1", "array" if value.startswith("[") else "number", value))
+        assert not any(isinstance(e, ToolCall) for e in events), value
+        assert any("argument 'x' of tool call 'f'" in m for m in _errors(events)), value
+    events = _feed(_call("1", "array", '["\\ud800"]'))
+    (call,) = [e for e in events if isinstance(e, ToolCall)]
+    assert call.arguments == {"x": ["\ud800"]}
+    reply = Reply()
+    for e in events:
+        reply.add(e)
+    message = reply.to_message()
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"x": ["\\ud800"]}'  # escaped: UTF-8 safe
+    again = encode_chat(TOK, [{"role": "user", "content": "q"}, message])  # the next turn's prompt
+    assert TOK.decode(again).count('["\\ud800"]') == 1  # the model's own text, round trip
+
+
+def test_opens_past_the_format_depth_are_refused_so_errors_stay_short():
+    """Unclosed opens then bad closes: each error named the whole open path (quadratic: 100k
+    tokens took 16 s and 834 MB of messages). Opens past the format's depth are refused."""
+    O, C, S = SP["<|open|>"], SP["<|close|>"], SP["<|sep|>"]
+    a, b = TOK.encode("a"), TOK.encode("b")
+    events = _feed(([O] + a + [S]) * 5000 + ([C] + b + [S]) * 5000)
+    errs = _errors(events)
+    assert sum("nested deeper than 16 frames" in m for m in errs) == 5000 - 14  # message, think, then 14 <a>
+    assert max(len(m) for m in errs) < 300
+
+
 def _ids(text):
     """Text with literal marker names turned into their special ids (test helper only)."""
     out = []

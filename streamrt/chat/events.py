@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from streamrt.jsonio import dumps_text
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ToolCall:
         return {
             "id": call_id or f"call_{self.index}",
             "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+            "function": {"name": self.name, "arguments": dumps_text(self.arguments)},
         }
 
 

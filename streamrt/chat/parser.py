@@ -19,6 +19,7 @@ _CHILDREN = {None: {"message"}, "message": {"think", "response", "tools"}, "tool
 _OPEN_TAG = re.compile(r'\A([A-Za-z_][\w-]*)((?:\s+[\w-]+="[^"]*")*)\s*\Z')
 _ATTR = re.compile(r'([\w-]+)="([^"]*)"')
 _MAX_TAG_BYTES = 4096
+_MAX_DEPTH = 16  # the format nests 4 frames; a deeper open is refused, so each step's work stays bounded
 
 
 @dataclass
@@ -157,7 +158,7 @@ class ChatParser:
             f.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         elif tag == "call":
             name, index = attrs.get("tool"), attrs.get("index", "")
-            if not name or not index.isdigit():
+            if not name or not (index.isascii() and index.isdigit()):  # '²' is a digit to isdigit, not to int
                 ev.append(ParseError(f"tool call with tool={name!r} index={index!r}"))
                 f.ok = False
         elif tag == "argument":
@@ -173,6 +174,9 @@ class ChatParser:
             ev.append(ParseError(f"malformed open tag {text!r}"))
             if self._stack and self._stack[-1].tag in ("tools", "call", "argument", "json"):
                 self._stack[-1].ok = False  # a call with a lost argument must not be emitted
+            return
+        if len(self._stack) >= _MAX_DEPTH:
+            ev.append(ParseError(f"<{m.group(1)}> nested deeper than {_MAX_DEPTH} frames; ignored"))
             return
         attrs = {k: unescape_attr(v) for k, v in _ATTR.findall(m.group(2))}
         self._closed_message = False

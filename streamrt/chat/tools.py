@@ -4,11 +4,10 @@ calls' order and named (as the reference encoder does)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from streamrt.chat.xtml import ROLES, ChatFormatError
-from streamrt.jsonio import loads_text
+from streamrt.jsonio import dumps_text, loads_text
 
 
 def arg_type(value: Any) -> str:
@@ -28,7 +27,7 @@ def arg_type(value: Any) -> str:
 
 
 def arg_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return value if isinstance(value, str) else dumps_text(value)
 
 
 def call_parts(call: Any, where: str) -> tuple[str, dict | None, str | None]:

@@ -17,10 +17,10 @@ when one was required keeps finish_reason "stop" and is counted in
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from streamrt.chat import ChatParser, EndOfMessage, ParseError, ResponseText, ThinkText, ToolCall
+from streamrt.jsonio import dumps_text
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class ChatReply:
                     continue
                 n = len(self.calls)
                 call = {"index": n, "id": f"functions.{e.name}:{self.call_base + n}", "name": e.name,
-                        "arguments": arguments_json(e.arguments)}
+                        "arguments": dumps_text(e.arguments)}
                 self.calls.append(call)
                 out.append(Piece("call", call=call))
             elif isinstance(e, ParseError):
@@ -150,17 +150,6 @@ class TextReply:
 
     def finish_reason(self, reason: str) -> str:
         return "stop" if self.stopped else reason
-
-
-def arguments_json(arguments) -> str:
-    """A call's arguments as the JSON string OpenAI sends: non-ASCII kept as is, except when the
-    model escaped a lone surrogate (`"\\ud800"`), which no UTF-8 body can carry unescaped."""
-    text = json.dumps(arguments, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(arguments)
-    return text
 
 
 def prior_calls(messages: list[dict]) -> int:
