@@ -276,11 +276,7 @@ def check_tokenizer_config(path: Path) -> None:
     """Everything streamrt reads from a tree's `tokenizer_config.json` (`path`): the added tokens and the
     `streamrt_chat` block (ChatProfile's rules). For `verify` and `convert`, which must refuse
     a broken edit that `run` would refuse."""
-    read_tokenizer_config(path)
-    try:
-        Tokenizer(2 * NUM_SPECIALS, _special_names_from_config(path))  # the specials' table alone
-    except MissingSpecial as e:
-        raise MissingSpecial(f"{path}: {e} (added_tokens_decoder renames it)") from None
+    _special_names_from_config(path)
     # imported here: streamrt.chat imports this module
     from streamrt.chat.profile import ChatProfile
 
@@ -288,12 +284,17 @@ def check_tokenizer_config(path: Path) -> None:
 
 
 def _special_names_from_config(path: Path) -> dict[str, int]:
-    """Names of added tokens in `tokenizer_config.json`, as K3 ids (ids outside the block are ignored)."""
+    """Names of added tokens in `tokenizer_config.json`, as K3 ids (ids outside the block are
+    ignored); refused, naming the file, where one renames a special the chat format is built from."""
     out = {}
     for key, entry in read_tokenizer_config(path).get("added_tokens_decoder", {}).items():
         k3 = int(key)
         if K3_SPECIAL_BASE <= k3 < K3_SPECIAL_BASE + NUM_SPECIALS:
             out[entry["content"]] = k3
+    try:
+        Tokenizer(2 * NUM_SPECIALS, out)  # the specials' table alone
+    except MissingSpecial as e:
+        raise MissingSpecial(f"{path}: {e} (added_tokens_decoder renames it)") from None
     return out
 
 
@@ -303,14 +304,11 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_id: 
     names: dict[str, int] = {}
     if root is not None and (root / TOKENIZER_CONFIG).is_file():
         names = _special_names_from_config(root / TOKENIZER_CONFIG)
-    try:
-        # lexists: a directory or a dangling link in tiktoken.model's place is an error, not bytes
-        if root is not None and os.path.lexists(root / TIKTOKEN_MODEL):
-            tok: Tokenizer = TiktokenTokenizer(root / TIKTOKEN_MODEL, vocab_size, names)
-        else:
-            tok = ByteTokenizer(vocab_size, names)
-    except MissingSpecial as e:  # only tokenizer_config.json's added tokens rename one
-        raise MissingSpecial(f"{root / TOKENIZER_CONFIG}: {e} (added_tokens_decoder renames it)") from None
+    # lexists: a directory or a dangling link in tiktoken.model's place is an error, not bytes
+    if root is not None and os.path.lexists(root / TIKTOKEN_MODEL):
+        tok: Tokenizer = TiktokenTokenizer(root / TIKTOKEN_MODEL, vocab_size, names)
+    else:
+        tok = ByteTokenizer(vocab_size, names)
     if eos_token_id is not None and eos_token_id != tok.eos_id:
         where = f"{root / 'config.json'}: " if root is not None else ""
         raise ConfigError(
