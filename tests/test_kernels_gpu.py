@@ -762,6 +762,27 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
             assert torch.equal(alone[0], out[t]), f"expert_ffn row {t} differs alone vs in the batch"
 
 
+def _resident(experts, ids, E, Dl, device) -> ResidentExperts:
+    """The CUDA-graph path's experts: every expert of layer 0 in a device pointer table."""
+    table = ExpertTable([0], E, Dl, device)
+    for e, ew in experts.items():
+        table.place(0, e, ew)
+    table.upload()
+    return ResidentExperts(experts, table.layer(0), table.inter, ids.to(DEV), 0)
+
+
+def _launched(nv, call) -> list[str]:
+    """The kernels `call()` launches on backend nv, by name, in order."""
+    launched = []
+    real_k = nv._k
+    nv._k = lambda program, name: launched.append(name) or real_k(program, name)
+    try:
+        call()
+    finally:
+        del nv._k
+    return launched
+
+
 @pytest.mark.parametrize("T,k", [(20, 8), (70, 16)])
 @pytest.mark.parametrize("impl", ["tc", "cuda_core"])
 def test_expert_ffn_device_table_gives_the_host_bits(gen, T, k, impl):
@@ -771,11 +792,7 @@ def test_expert_ffn_device_table_gives_the_host_bits(gen, T, k, impl):
     same bits. T=20 x 8: one device table for three host ones; T=70 x 16: two device tables."""
     E, Dl, I = 24, 128, 256
     experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
-    table = ExpertTable([0], E, Dl, z.device)
-    for e, ew in experts.items():
-        table.place(0, e, ew)
-    table.upload()
-    resident = ResidentExperts(experts, table.layer(0), table.inter, ids.to(DEV), 0)
+    resident = _resident(experts, ids, E, Dl, z.device)
     ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     nv = NV_IMPLS[impl]
@@ -817,21 +834,11 @@ def test_expert_ffn_16_row_blocks_give_the_8_row_bits(gen, T, k, E, Dl, I, phase
                     lambda: NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
         if out is None:
             return
-        launched = []
-        real_k = NV16._k
-        NV16._k = lambda program, name: launched.append(name) or real_k(program, name)
-        try:
-            NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-        finally:
-            del NV16._k
+        launched = _launched(NV16, lambda: NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
         assert "srt_nvfp4_gateup_r16" in launched and "srt_nvfp4_down_r16" in launched, launched
         eight = NV8.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
         assert torch.equal(out, eight), "16-row blocks differ from the 8-row blocks"
-        table = ExpertTable([0], E, Dl, z.device)
-        for e, ew in experts.items():
-            table.place(0, e, ew)
-        table.upload()
-        resident = ResidentExperts(experts, table.layer(0), table.inter, ids.to(DEV), 0)
+        resident = _resident(experts, ids, E, Dl, z.device)
         assert torch.equal(NV16.expert_ffn(z, resident.ids, weights, resident, 4.0, 25.0), out), "device table"
     finally:
         if NV16 is not None:
@@ -891,23 +898,13 @@ def test_expert_ffn_staged_rows_give_the_8_row_bits(gen, T, k, E, Dl, I, shape):
                     lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
         if out is None:
             return
-        launched = []
-        real_k = nv._k
-        nv._k = lambda program, name: launched.append(name) or real_k(program, name)
-        try:
-            nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-        finally:
-            del nv._k
+        launched = _launched(nv, lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
         st = f"st{shape[2]}x{shape[3]}"
         gu = f"srt_nvfp4_gateup_{st}" + ("t1" if shape[0] > 12 else "")
         assert launched[0] == "srt_moe_stage_rows" and gu in launched, launched
         assert (f"srt_nvfp4_down_{st}" in launched) == (shape[1] > 0), launched
         assert torch.equal(out, NV8.expert_ffn(z, ids, weights, experts, 4.0, 25.0)), "staged differs from 8-row blocks"
-        table = ExpertTable([0], E, Dl, z.device)
-        for e, ew in experts.items():
-            table.place(0, e, ew)
-        table.upload()
-        resident = ResidentExperts(experts, table.layer(0), table.inter, ids.to(DEV), 0)
+        resident = _resident(experts, ids, E, Dl, z.device)
         assert torch.equal(nv.expert_ffn(z, resident.ids, weights, resident, 4.0, 25.0), out), "device table"
         saved = nv.pdl, nv.pair_ready
         try:
