@@ -91,19 +91,23 @@ def decode_row(rt, model, prompts, steps, warmup: int, *, profile_steps: int = 0
             "logits": [lg.float().cpu() for lg in logits]}
 
 
+ALSO_KEYS = {"gemv": "gemv_tc_rows", "tc_rows": "tc_rows", "staged": "tc_staged_shape"}  # --also key -> backend setting
+
+
 def also_spec(v: str) -> tuple[str, dict]:
-    """"NAME=key:value/key:value" (--also) -> (NAME, {setting: value})."""
+    """"NAME=key:value/key:value" (--also) -> (NAME, {backend setting: value})."""
     name, _, spec = v.partition("=")
     kv = {}
     for item in filter(None, spec.split("/")):
         key, _, val = item.partition(":")
         try:
             if key in ("gemv", "tc_rows") and int(val) in (8, 16):
-                kv[key] = int(val)
+                kv[ALSO_KEYS[key]] = int(val)
             elif key == "staged":
-                kv[key] = None if val == "none" else tuple(int(t) for t in val.split(","))
-                if kv[key] is not None and len(kv[key]) != 4:
+                shape = None if val == "none" else tuple(int(t) for t in val.split(","))
+                if shape is not None and len(shape) != 4:
                     raise ValueError
+                kv[ALSO_KEYS[key]] = shape
             else:
                 raise ValueError
         except ValueError:
@@ -182,21 +186,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_cpu_s_per_step'] * 1e3:.2f} ms/step, {r['graph_steps']} graph steps{busy}", flush=True)
 
     T = args.warmup + args.tokens
-    batch_shape, staged, gemv_rows = backend.tc_shape_batch, backend.tc_staged_shape, backend.gemv_tc_rows
-    runs = [("off", "off", args.tc_rows, batch_shape, staged, gemv_rows),
-            ("auto", "graphs", args.tc_rows, batch_shape, staged, gemv_rows)]
+    # each run: (--cuda-graphs, label, the backend settings in which it differs from the default rows)
+    runs = [("off", "off", {}), ("auto", "graphs", {})]
     if args.tc_rows_also is not None:
-        runs.append(("auto", f"graphs tc{args.tc_rows_also}", args.tc_rows_also, batch_shape, staged, gemv_rows))
+        runs.append(("auto", f"graphs tc{args.tc_rows_also}", {"tc_rows": args.tc_rows_also}))
     if args.one_shape_also:
-        runs.append(("auto", "graphs one-shape", args.tc_rows, backend.tc_shape, None, gemv_rows))
+        runs.append(("auto", "graphs one-shape", {"tc_shape_batch": backend.tc_shape, "tc_staged_shape": None}))
     if args.unstaged_also:
-        runs.append(("auto", "graphs unstaged", args.tc_rows, batch_shape, None, gemv_rows))
-    for name, kv in args.also:
-        runs.append(("auto", f"graphs {name}", kv.get("tc_rows", args.tc_rows), batch_shape, kv.get("staged", staged),
-                     kv.get("gemv", gemv_rows)))
-    for graphs, label, tc_rows, shape, staged_shape, gemv_rows_run in runs:
-        backend.tc_rows, backend.tc_shape_batch, backend.tc_staged_shape = tc_rows, shape, staged_shape
-        backend.gemv_tc_rows = gemv_rows_run
+        runs.append(("auto", "graphs unstaged", {"tc_staged_shape": None}))
+    runs += [("auto", f"graphs {name}", kv) for name, kv in args.also]
+    default = {k: getattr(backend, k) for k in ("tc_shape_batch", *ALSO_KEYS.values())}
+    for graphs, label, settings in runs:
+        for k, v in {**default, **settings}.items():
+            setattr(backend, k, v)
         with resident(graphs) as rt:
             for i in range(args.repeats):
                 record(f"{label} B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
@@ -205,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                 record(f"{label} B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
             if rt.graphs_line is not None:
                 print(f"  {label}: {rt.graphs_line}", flush=True)
-    backend.tc_rows, backend.tc_shape_batch, backend.tc_staged_shape = args.tc_rows, batch_shape, staged
-    backend.gemv_tc_rows = gemv_rows
+    for k, v in default.items():
+        setattr(backend, k, v)
     if args.torch:
         tmodel = load_model(tree, device.torch_device, dtype=torch.bfloat16)
         with resident("off", tmodel) as rt:
