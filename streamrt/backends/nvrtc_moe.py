@@ -379,10 +379,10 @@ class MoeOps:
         per row; min(TC_ROWS16, T) in the 16-row blocks, `_tc16_phases`; TC_ROWS16 in the staged
         gate+up blocks, given `staged` = `_staged_rows(z)`) and counts into `ready`; the
         CUDA-core kernels take one pair per block and leave `ready` alone."""
-        hp, yp = ptr(h), ptr(y)
         if tc and staged is not None:
             self._launch_staged(gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix)
             return
+        hp, yp = ptr(h), ptr(y)
         if tc:
             phases = self._tc16_phases(I, Dl, T)
             batch = phases is None and min(TC_TOKENS, T) >= TC_BATCH_ROWS
