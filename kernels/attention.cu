@@ -17,8 +17,8 @@ SRT_DEV float ldc(const void* p, long long i, int bf16) { return ldw(p, i, bf16)
 
 // Query row b = blockIdx.z, all heads; each row reads only its own slices, in the same order
 // whatever the number of rows (batch-invariant). Positions pos_j = select[b, j] (or j when
-// select is null), j < m. q_lat [B, H, R], q_rot [B, H, Dr], c [B, n, R], kr [B, n, Dr] (fp32 or
-// bf16: cache_bf16). Split s covers j in [64 s, 64 s + 64); for each head h of the block:
+// select is null), j < m. q_lat [B, H, R], q_rot [B, H, Dr] at b * rot_rs + h * rot_hs (a view of
+// q_b_proj's output), c [B, n, R], kr [B, n, Dr] (fp32 or bf16: cache_bf16). Split s covers j in [64 s, 64 s + 64); for each head h of the block:
 //   score_j = (q_lat[h] . c[pos_j] + q_rot[h] . kr[pos_j]) * scale
 //   m_s = max_j score_j;  p_j = exp(score_j - m_s);  l_s = sum_j p_j;  acc_s = sum_j p_j c[pos_j]
 // part_acc [B, S, H, R], part_ml [B, S, H, 2]. grid (S, ceil(H / MLA_HG), B), block MLA_THREADS,
@@ -27,15 +27,15 @@ SRT_DEV float ldc(const void* p, long long i, int bf16) { return ldw(p, i, bf16)
 extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     srt_mla_partial(const float* __restrict__ q_lat, const float* __restrict__ q_rot, const void* __restrict__ c,
                     const void* __restrict__ kr, int n, int cache_bf16, const long long* __restrict__ select, int m,
-                    const int* __restrict__ m_dev, int H, int R, int Dr, float scale, float* __restrict__ part_acc,
-                    float* __restrict__ part_ml) {
+                    const int* __restrict__ m_dev, int H, int R, int Dr, long long rot_rs, long long rot_hs, float scale,
+                    float* __restrict__ part_acc, float* __restrict__ part_ml) {
   pdl_begin();
   extern __shared__ float qs[];  // [MLA_HG][R + Dr]
   __shared__ float sp[MLA_HG][MLA_CHUNK];
   __shared__ long long pos[MLA_CHUNK];
   const int row = blockIdx.z;
   q_lat += (long long)row * H * R;
-  q_rot += (long long)row * H * Dr;
+  q_rot += row * rot_rs;
   const long long c0 = (long long)row * n * R, kr0 = (long long)row * n * Dr;
   if (select != nullptr) select += (long long)row * m;
   part_acc += (long long)row * gridDim.x * H * R;
@@ -49,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
   for (int i = threadIdx.x; i < MLA_HG * QW; i += blockDim.x) {
     const int h = i / QW, d = i - h * QW;
     float v = 0.0f;
-    if (h < nh) v = d < R ? q_lat[(long long)(hg0 + h) * R + d] : q_rot[(long long)(hg0 + h) * Dr + (d - R)];
+    if (h < nh) v = d < R ? q_lat[(long long)(hg0 + h) * R + d] : q_rot[(hg0 + h) * rot_hs + (d - R)];
     qs[i] = v;
   }
   for (int j = threadIdx.x; j < cnt; j += blockDim.x) pos[j] = select ? select[j0 + j] : (long long)(j0 + j);
@@ -133,8 +133,8 @@ extern "C" __global__ void srt_mla_combine(const float* __restrict__ part_acc, c
   }
 }
 
-// Lightning Indexer, query row b = blockIdx.y: I[b, s] = sum_h w[b, h] * relu(q[b, h] . k[b, s]).
-// q [B, Hi, Di], w [B, Hi] fp32; k [B, n, Di] fp32 or bf16; out [B, n]. One warp per position:
+// Lightning Indexer, query row b = blockIdx.y: I[b, s] = sum_h (w[b, h] * w_scale) * relu(q[b, h] . k[b, s]).
+// q [B, Hi, Di], w [B, Hi] fp32 (weights_proj's output; w_scale is the indexer's fixed scale); k [B, n, Di] fp32 or bf16; out [B, n]. One warp per position:
 // the key row is staged in shared memory, lane h computes head h's dot (d ascending), heads
 // meet in a butterfly. grid (ceil(n / (IDX_WARPS*IDX_PPW)), B), block IDX_WARPS*32, dynamic smem
 // (Hi*(Di+1) + IDX_WARPS*Di)*4. n_dev [B]: when given, row b scores only s < min(n, n_dev[b])
@@ -148,7 +148,7 @@ extern "C" __global__ void srt_mla_combine(const float* __restrict__ part_acc, c
 extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
     srt_indexer_scores(const float* __restrict__ q, const float* __restrict__ w, const void* __restrict__ kc,
                        int kc_bf16, float* __restrict__ out, int n, const int* __restrict__ n_dev, int Hi,
-                       int Di) {
+                       int Di, float w_scale) {
   pdl_begin();
   extern __shared__ float ism[];
   const int row = blockIdx.y;
@@ -176,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
       const float* qh = qs + h * (Di + 1);
       float dot = 0.0f;
       for (int d = 0; d < Di; ++d) dot = fmaf(qh[d], kw[d], dot);
-      v = fmaf(w[h], fmaxf(dot, 0.0f), v);
+      v = fmaf(w[h] * w_scale, fmaxf(dot, 0.0f), v);  // w * w_scale rounded first, as the torch twin
     }
     v = warp_sum(v);
     if (lane == 0) out[s] = v;
@@ -188,6 +188,7 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
 //   absorb: q_lat[b, h, r] = sum_d q[b, h, d] w_uk[h, d, r]   (w_uk [H, dn, R])
 //   expand: o[b, h, v]     = sum_r w_uv[h, v, r] x[b, h, r]   (w_uv [H, dv, R])
 // w: fp32 or bf16, element (h, i, r) at h * head_stride + i * R + r (a view of kv_b_proj).
+// absorb's q[b, h, d] is at b * q_rs + h * q_hs + d (a view of q_b_proj's output).
 // Each output is summed in a fixed order, the rows taken MLA_ROWS at a time, so a row's bits do
 // not depend on B. absorb: warp w of 8 chains d = w, w + 8, ... for 32 columns r (a lane
 // each), the 8 chains added in warp order; grid (ceil(R / 32), H), block 256. expand: a warp
@@ -195,8 +196,8 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
 // block 256.
 #define MLA_ROWS 8
 extern "C" __global__ void __launch_bounds__(256)
-    srt_mla_absorb(const float* __restrict__ q, const void* __restrict__ w, int w_bf16, long long head_stride,
-                   float* __restrict__ out, int B, int H, int dn, int R) {
+    srt_mla_absorb(const float* __restrict__ q, long long q_rs, long long q_hs, const void* __restrict__ w, int w_bf16,
+                   long long head_stride, float* __restrict__ out, int B, int H, int dn, int R) {
   pdl_begin();
   __shared__ float part[8][MLA_ROWS][32];
   const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.x * 32 + lane;
@@ -210,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(256)
       const float wv = ldw(w, w0 + (long long)d * R, w_bf16);
 #pragma unroll
       for (int i = 0; i < MLA_ROWS; ++i)
-        if (i < nb) acc[i] = fmaf(q[((long long)(b0 + i) * H + h) * dn + d], wv, acc[i]);
+        if (i < nb) acc[i] = fmaf(q[(b0 + i) * q_rs + h * q_hs + d], wv, acc[i]);
     }
 #pragma unroll
     for (int i = 0; i < MLA_ROWS; ++i) part[warp][i][lane] = acc[i];

@@ -4,13 +4,14 @@
 // the decode's cache append.
 #include "common.cuh"
 
-// out[r, :] = (x * rsqrt(mean(x^2) + eps)) * w          x, out [rows, D]; w [D]
-extern "C" __global__ void srt_rmsnorm(const float* __restrict__ x, const void* __restrict__ w, int w_bf16,
-                                       float* __restrict__ out, int D, float eps) {
+// out[r, :] = (x * rsqrt(mean(x^2) + eps)) * w          x [rows, D] at r * x_rs (a view may
+// skip columns between rows), out [rows, D]; w [D]
+extern "C" __global__ void srt_rmsnorm(const float* __restrict__ x, long long x_rs, const void* __restrict__ w,
+                                       int w_bf16, float* __restrict__ out, int D, float eps) {
   pdl_begin();
   __shared__ float red[32];
   const long long r = blockIdx.x;
-  const float* xr = x + r * D;
+  const float* xr = x + r * x_rs;
   float s = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
   s = block_sum(s, red);

@@ -87,12 +87,13 @@ def test_decode_ops_take_rows_each_with_its_own_length():
     q, w = torch.randn(B, Hi, Di, generator=g), torch.rand(B, Hi, generator=g) + 0.1
     for b, n in enumerate(lengths.tolist()):
         c[b, n:], kr[b, n:], keys[b, n:] = 1e4, -1e4, 1e4
-    scores = be.indexer_scores(q, w, keys, lengths)
+    w_scale = 0.37  # the indexer's head-weight scale, applied by the score op at decode
+    scores = be.indexer_scores(q, w, keys, lengths, w_scale)
     sel = be.select_topk(scores, k, lengths)
     out = be.mla_decode(q_lat, q_rot, c, kr, 0.3, sel, lengths)
     assert scores.shape == (B, cap) and sel.shape == (B, k) and out.shape == (B, H, R)
     for b, n in enumerate(lengths.tolist()):
-        want_scores = ref.indexer_scores(q[b].double().numpy(), w[b].double().numpy(), keys[b, :n].double().numpy())
+        want_scores = ref.indexer_scores(q[b].double().numpy(), w[b].double().numpy() * w_scale, keys[b, :n].double().numpy())
         np.testing.assert_allclose(scores[b, :n].double().numpy(), want_scores, rtol=1e-5, atol=1e-6)
         want_sel = ref.select_topk(scores[b, :n].tolist(), k) if n > k else list(range(n))
         assert sel[b, : min(k, n)].tolist() == want_sel, b

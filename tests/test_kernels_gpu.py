@@ -335,7 +335,10 @@ def rms_ref(x, w, eps):
 def test_rmsnorm(gen, rows, D, wdt):
     x = randn(gen, rows, D, scale=3.0)
     w = (1 + randn(gen, D, scale=0.2)).to(wdt)
-    check(f"rmsnorm {rows}x{D}", gen, rms_ref(x, w, 1e-5), TB.rmsnorm(x, w, 1e-5), lambda: NV.rmsnorm(x, w, 1e-5))
+    out = check(f"rmsnorm {rows}x{D}", gen, rms_ref(x, w, 1e-5), TB.rmsnorm(x, w, 1e-5), lambda: NV.rmsnorm(x, w, 1e-5))
+    if out is not None:  # the leading columns of a wider row (kv_a's latent), read in place: the same bits
+        wide = torch.cat((x, randn(gen, rows, 37)), 1)
+        assert torch.equal(NV.rmsnorm(wide[:, :D], w, 1e-5), out), f"rmsnorm of a strided view (seed {gen.initial_seed()})"
 
 
 @pytest.mark.parametrize("T,H,V", [(1, 96, 128), (3, 2, 16), (2, 5, 48)])
@@ -540,7 +543,8 @@ def test_indexer_scores(gen, Hi, Di, n):
 def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, sparse):
     """One launch over B rows, each with its own cache, length and selection: row b against
     float64, and bit for bit the one-row call on that row (the decode path's batch invariance)."""
-    q_lat, q_rot = randn(gen, B, H, R, scale=0.3), randn(gen, B, H, Dr, scale=0.3)
+    q_lat = randn(gen, B, H, R, scale=0.3)
+    q_rot = randn(gen, B, H, 24 + Dr, scale=0.3)[..., 24:]  # a view of q [B, H, dn + Dr], as the model passes it
     c, kr = randn(gen, B, cap, R), randn(gen, B, cap, Dr)  # the model's caches are fp32
     lengths = torch.randint(1, cap + 1, (B,), generator=gen, device=DEV).int()
     m = min(40, cap)
@@ -561,6 +565,8 @@ def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, spars
         for b in range(B):
             alone = NV.mla_decode(q_lat[b], q_rot[b], c[b], kr[b], scale, None if select is None else select[b], lengths[b : b + 1])
             assert torch.equal(out[b], alone), f"row {b} of {B}: bits differ from the one-row call (seed {gen.initial_seed()})"
+        dense = NV.mla_decode(q_lat, q_rot.contiguous(), c, kr, scale, select, lengths)
+        assert torch.equal(out, dense), f"q_rot read in place against a dense copy (seed {gen.initial_seed()})"
 
 
 @pytest.mark.parametrize("B,Hi,Di,cap", [(4, 32, 128, 500), (9, 3, 16, 37)])
@@ -579,6 +585,12 @@ def test_indexer_scores_and_topk_rows_give_each_row_its_own_bits(gen, B, Hi, Di,
         if got is not None:
             assert rel(got[b, :n], ref) < TOL, f"nvrtc row {b} (seed {gen.initial_seed()})"
             assert torch.equal(got[b, :n], NV.indexer_scores(q[b], w[b], kc[b], lengths[b : b + 1])[:n]), f"row {b}: one-row bits"
+    if got is not None:  # the head-weight scale in the kernel: the bits of torch's w * scale passed in
+        s = Hi**-0.5 * Di**-0.5
+        scaled = NV.indexer_scores(q, w, kc, lengths, s)
+        for b in range(B):
+            n = int(lengths[b])
+            assert torch.equal(scaled[b, :n], NV.indexer_scores(q, w * s, kc, lengths)[b, :n]), f"row {b}: w_scale bits"
     scores = torch.randint(-3, 4, (B, cap), generator=gen, device=DEV).float()  # ties at the threshold
     for be in [TB] + ([NV] if NV is not None else []):
         sel = be.select_topk(scores, k, lengths)
@@ -597,7 +609,7 @@ def test_mla_absorb_and_expand_read_the_kv_b_view(gen, B, H, dn, dv, R, wdt):
     kv_b = randn(gen, H * (dn + dv), R, scale=R**-0.5, dtype=wdt)
     W = kv_b.view(H, dn + dv, R)
     w_uk, w_uv = W[:, :dn], W[:, dn:]
-    q, o_lat = randn(gen, B, H, dn), randn(gen, B, H, R)
+    q, o_lat = randn(gen, B, H, dn + 16)[..., :dn], randn(gen, B, H, R)  # q_nope: a view of q, as the model passes it
     ref_q = torch.einsum("bhd,hdr->bhr", q.double(), w_uk.double())
     ref_o = torch.einsum("hvr,bhr->bhv", w_uv.double(), o_lat.double())
     for what, ref, tb, nv, x, w in [("mla_absorb", ref_q, TB.mla_absorb(q, w_uk), lambda: NV.mla_absorb(q, w_uk), q, w_uk),
@@ -607,6 +619,7 @@ def test_mla_absorb_and_expand_read_the_kv_b_view(gen, B, H, dn, dv, R, wdt):
             op = getattr(NV, what)
             for b in (0, B - 1):
                 assert torch.equal(out[b], op(x[b : b + 1], w)[0]), f"{what} row {b} of {B}: bits differ alone"
+            assert torch.equal(out, op(x.contiguous(), w)), f"{what}: a strided view against a dense copy"
 
 
 def topk_ref(scores: list[float], k: int) -> list[int]:

@@ -570,6 +570,80 @@ def test_elementwise_ops_pass_their_inputs_output_and_constants():
         nv.situ_glu(a, b[:, :5], 4.0, None)
 
 
+def _read_as_kernel(base: torch.Tensor, addr: int, rs: int, hs: int, shape) -> torch.Tensor:
+    """What a kernel reads at x[b * rs + h * hs + d] from `addr` inside fp32 `base`'s storage."""
+    off = (addr - base.data_ptr()) // 4
+    b, h, d = (torch.arange(n) for n in shape)
+    return base.reshape(-1)[off + b[:, None, None] * rs + h[None, :, None] * hs + d[None, None, :]]
+
+
+def test_query_views_reach_the_kernels_in_place():
+    """q_nope and q_rot are slices of q_b_proj's output and kv_a's latent columns a slice of its
+    projection: the kernels get the view's address and strides, not a copy (one launch fewer
+    each), and what those strides address is the view's values. A view whose last dim is not
+    dense is still copied first."""
+    calls = []
+
+    class Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
+            calls.append((self.name, args))
+
+    nv = _gemv_backend([])
+    nv._k = lambda program, name: Rec(name)
+    B, H, dn, dr, R = 3, 4, 24, 8, 32
+    q = torch.randn(B, H * (dn + dr)).view(B, H, dn + dr)
+    q_nope, q_rot = q[..., :dn], q[..., dn:]
+    w = torch.randn(H * (dn + 16), R).view(H, dn + 16, R)
+    nv.mla_absorb(q_nope, w[:, :dn])
+    name, args = calls[-1]
+    assert name == "srt_mla_absorb" and _int(args[0]) == q_nope.data_ptr()
+    rs, hs = _int(args[1]), _int(args[2])
+    assert torch.equal(_read_as_kernel(q, _int(args[0]), rs, hs, (B, H, dn)), q_nope)
+
+    c, kr = torch.randn(B, 40, R), torch.randn(B, 40, dr)
+    nv.mla_decode(torch.randn(B, H, R), q_rot, c, kr, 0.3, None, torch.full((B,), 40, dtype=torch.int32))
+    name, args = next(x for x in reversed(calls) if x[0] == "srt_mla_partial")
+    assert _int(args[1]) == q_rot.data_ptr()
+    rs, hs = _int(args[12]), _int(args[13])  # after q_lat, q_rot, c, kr, n, cache_bf16, select, m, m_dev, H, R, Dr
+    assert torch.equal(_read_as_kernel(q, _int(args[1]), rs, hs, (B, H, dr)), q_rot)
+    nv.mla_decode(torch.randn(H, R), q_rot[1], c[1], kr[1], 0.3, None, torch.full((1,), 40, dtype=torch.int32))
+    name, args = next(x for x in reversed(calls) if x[0] == "srt_mla_partial")
+    assert _int(args[1]) == q_rot[1].data_ptr()
+    assert torch.equal(_read_as_kernel(q, _int(args[1]), _int(args[12]), _int(args[13]), (1, H, dr))[0], q_rot[1])
+
+    kv = torch.randn(B, R + dr)
+    nv.rmsnorm(kv[:, :R], torch.rand(R) + 0.5, 1e-6)
+    name, args = calls[-1]
+    assert name == "srt_rmsnorm" and _int(args[0]) == kv.data_ptr() and _int(args[1]) == R + dr
+
+    q_t = torch.randn(B, dn, H).transpose(1, 2)  # last dim strided: copied, then read densely
+    nv.mla_absorb(q_t, w[:, :dn])
+    _, args = calls[-1]
+    assert _int(args[0]) != q_t.data_ptr() and (_int(args[1]), _int(args[2])) == (H * dn, dn)
+    nv.rmsnorm(torch.randn(R, B).T, torch.rand(R) + 0.5, 1e-6)
+    assert _int(calls[-1][1][1]) == R
+
+
+def test_indexer_scores_pass_the_head_weight_scale():
+    """The indexer's head-weight scale rides in the score launch (no multiply launched before it)
+    as an fp32 constant: the value `w * scale` rounds with in torch."""
+    calls = []
+    nv = _gemv_backend([])
+    nv._k = lambda program, name: (lambda grid, block, args, smem=0, stream=None, pdl=False: calls.append((name, args)))
+    B, Hi, Di, n = 2, 4, 16, 33
+    w_scale = 64**-0.5 * 128**-0.5
+    nv.indexer_scores(torch.randn(B, Hi, Di), torch.randn(B, Hi), torch.randn(B, n, Di), torch.full((B,), n, dtype=torch.int32), w_scale)
+    assert [name for name, _ in calls] == ["srt_indexer_scores"]
+    assert calls[0][1][-1] == struct.pack("<f", w_scale) and struct.unpack("<f", calls[0][1][-1])[0] != w_scale
+    w = torch.randn(1000)
+    assert torch.equal(w * w_scale, w * torch.tensor(struct.unpack("<f", calls[0][1][-1])[0]))  # torch's rounding of the scalar
+    nv.indexer_scores(torch.randn(Hi, Di), torch.randn(Hi), torch.randn(n, Di))
+    assert struct.unpack("<f", calls[-1][1][-1]) == (1.0,)
+
+
 # ---- the launch: what reaches the driver --------------------------------------------------------
 
 

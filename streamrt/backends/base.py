@@ -99,9 +99,10 @@ class Backend(Protocol):
         positions <= t (all of them while t + 1 <= topk), else causal dense. Returns [T, H, dv].
         Memory O(tile x n), never T x n per head; a row's bits must not depend on T or start."""
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
+    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None, w_scale: float = 1.0) -> Tensor:
         """Lightning Indexer scores of query rows b < B: q [B, Hi, Di], w [B, Hi], k_cache [B, n, Di]
-        -> [B, n] fp32, I[b, s] = sum_h w[b, h] * relu(q[b, h] . k[b, s]); one row may drop the
+        -> [B, n] fp32, I[b, s] = sum_h (w[b, h] * w_scale) * relu(q[b, h] . k[b, s]), the product
+        w * w_scale rounded to fp32 first (as `w * w_scale` in torch); one row may drop the
         leading B. length (as mla_decode's): only s < length[b] are scored (the rest of the
         row is not defined)."""
 

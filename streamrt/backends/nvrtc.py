@@ -53,7 +53,7 @@ from streamrt.backends.kernel_defines import (
     MOE_MAXP,
     TOPK_THREADS,
 )
-from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, block_threads, f32, i32, i64, inplace_buf, ptr, situ_args
+from streamrt.backends.nvrtc_args import aligned, as_act, as_rows, as_weight, block_threads, f32, i32, i64, inplace_buf, ptr, situ_args
 from streamrt.backends.nvrtc_moe import NVFP4_IMPLS, TC_PIPES, TC_SHAPE, TC_SHAPE_BATCH, TC_STAGED_SHAPE, MoeOps, tc_smem
 from streamrt.backends.torch_backend import TorchBackend
 
@@ -358,14 +358,17 @@ class NvrtcBackend(MoeOps):
         return x.numel() // D if D else 0
 
     def rmsnorm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
-        """x [..., D], w [D] -> w * (x * rsqrt(mean(x^2) + eps)) [..., D] fp32."""
-        x = as_act(x, "rmsnorm.x", self.device)
+        """x [..., D], w [D] -> w * (x * rsqrt(mean(x^2) + eps)) [..., D] fp32. A 2-D x is read
+        with its row stride (kv_a's latent columns: no copy)."""
+        x = as_rows(x, "rmsnorm.x", self.device) if x.dim() == 2 else as_act(x, "rmsnorm.x", self.device)
         w, wb = as_weight(w, "rmsnorm.w", self.device)
         D = w.numel()
         rows = self._rows("rmsnorm", x, D)
         out = self._empty(*x.shape)
         if rows:
-            self._k("norms", "srt_rmsnorm")((rows,), (block_threads(D, 512),), [ptr(x), ptr(w), i32(wb), ptr(out), i32(D), f32(eps)], pdl=self.pdl)
+            x_rs = x.stride(0) if x.dim() == 2 else D
+            self._k("norms", "srt_rmsnorm")((rows,), (block_threads(D, 512),), [ptr(x), i64(x_rs), ptr(w), i32(wb), ptr(out), i32(D), f32(eps)],
+                                            pdl=self.pdl)
         return out
 
     def gated_rmsnorm(self, o: Tensor, gate: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -535,7 +538,7 @@ class NvrtcBackend(MoeOps):
         at the length (graph-capturable). Rows run side by side in one launch, each with its
         one-row bits."""
         dev = self.device
-        q_lat, q_rot = as_act(q_lat, "mla_decode.q_lat", dev), as_act(q_rot, "mla_decode.q_rot", dev)
+        q_lat, q_rot = as_act(q_lat, "mla_decode.q_lat", dev), as_rows(q_rot, "mla_decode.q_rot", dev)  # q_rot: a view of q
         one = q_lat.dim() == 2
         if one:
             q_lat, q_rot, c_cache, kr_cache = q_lat[None], q_rot[None], c_cache[None], kr_cache[None]
@@ -573,7 +576,7 @@ class NvrtcBackend(MoeOps):
         self._k("attention", "srt_mla_partial")(
             (S, math.ceil(H / MLA_HG), B), (MLA_THREADS,),
             [ptr(q_lat), ptr(q_rot), ptr(c_cache), ptr(kr_cache), i32(n), i32(cb), ptr(select), i32(m), ptr(length), i32(H),
-             i32(R), i32(Dr), f32(scale), ptr(part_acc), ptr(part_ml)],
+             i32(R), i32(Dr), i64(q_rot.stride(0)), i64(q_rot.stride(1)), f32(scale), ptr(part_acc), ptr(part_ml)],
             smem=smem, pdl=self.pdl
         )
         self._k("attention", "srt_mla_combine")(
@@ -587,8 +590,9 @@ class NvrtcBackend(MoeOps):
         return length
 
     def mla_absorb(self, q_nope: Tensor, w_uk: Tensor) -> Tensor:
-        """q_nope [B, H, dn], w_uk [H, dn, R] (a view of kv_b_proj, bf16 or fp32) -> q_lat [B, H, R] fp32."""
-        q, (w, wb, hs) = as_act(q_nope, "mla_absorb.q_nope", self.device), self._head_weight(w_uk, "mla_absorb.w_uk")
+        """q_nope [B, H, dn] (a view of q: read in place), w_uk [H, dn, R] (a view of kv_b_proj, bf16
+        or fp32) -> q_lat [B, H, R] fp32."""
+        q, (w, wb, hs) = as_rows(q_nope, "mla_absorb.q_nope", self.device), self._head_weight(w_uk, "mla_absorb.w_uk")
         B, H, dn = q.shape
         if w.shape[:2] != (H, dn):
             raise ValueError(f"mla_absorb: q_nope {tuple(q.shape)} and w_uk {tuple(w.shape)} do not agree")
@@ -596,7 +600,8 @@ class NvrtcBackend(MoeOps):
         out = self._empty(B, H, R, dtype=torch.float32)
         if B:
             self._k("attention", "srt_mla_absorb")(
-                (math.ceil(R / 32), H), (256,), [ptr(q), ptr(w), i32(wb), i64(hs), ptr(out), i32(B), i32(H), i32(dn), i32(R)], pdl=self.pdl)
+                (math.ceil(R / 32), H), (256,), [ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(w), i32(wb), i64(hs), ptr(out), i32(B), i32(H), i32(dn), i32(R)],
+                pdl=self.pdl)
         return out
 
     def mla_expand(self, o_lat: Tensor, w_uv: Tensor) -> Tensor:
@@ -621,9 +626,10 @@ class NvrtcBackend(MoeOps):
             w = w.float().contiguous()
         return w, int(w.dtype == torch.bfloat16), w.stride(0)
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
-        """q [B, Hi, Di], w [B, Hi], k_cache [B, n, Di] (fp32 or bf16) -> I [B, n] = sum_h w[h] relu(q[h].k[s])
-        fp32; one row may drop the leading B. length: int32 [B] on the device (mla_decode's)."""
+    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None, w_scale: float = 1.0) -> Tensor:
+        """q [B, Hi, Di], w [B, Hi], k_cache [B, n, Di] (fp32 or bf16) -> I [B, n] =
+        sum_h (w[h] * w_scale) relu(q[h].k[s]) fp32; one row may drop the leading B. length: int32
+        [B] on the device (mla_decode's)."""
         dev = self.device
         q, w = as_act(q, "indexer_scores.q", dev), as_act(w, "indexer_scores.w", dev)
         one = q.dim() == 2
@@ -640,7 +646,7 @@ class NvrtcBackend(MoeOps):
             smem = (Hi * (Di + 1) + IDX_WARPS * Di) * 4
             self._k("attention", "srt_indexer_scores")(
                 (math.ceil(n / (IDX_WARPS * IDX_PPW)), B), (IDX_WARPS * 32,),
-                [ptr(q), ptr(w), ptr(k_cache), i32(kb), ptr(out), i32(n), ptr(length), i32(Hi), i32(Di)], smem=smem, pdl=self.pdl
+                [ptr(q), ptr(w), ptr(k_cache), i32(kb), ptr(out), i32(n), ptr(length), i32(Hi), i32(Di), f32(w_scale)], smem=smem, pdl=self.pdl
             )
         return out[0] if one else out
 

@@ -67,6 +67,14 @@ def as_act(t: Tensor, name: str, device: torch.device) -> Tensor:
     return t.contiguous()
 
 
+def as_rows(t: Tensor, name: str, device: torch.device) -> Tensor:
+    """An fp32 activation whose last dim is dense, read in place with its other strides (a
+    slice of a projection's output, such as q_nope of q); anything else as `as_act`."""
+    if isinstance(t, Tensor) and t.device == device and t.dtype == torch.float32 and t.dim() and t.stride(-1) == 1:
+        return t
+    return as_act(t, name, device)
+
+
 def as_weight(t: Tensor, name: str, device: torch.device) -> tuple[Tensor, int]:
     """A weight, fp32 or bf16, contiguous, on `device` -> (tensor, is_bf16 flag)."""
     if t.device != device:

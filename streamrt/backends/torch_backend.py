@@ -223,9 +223,11 @@ class TorchBackend:
         w = w_uv.float()
         return torch.stack([torch.bmm(w, o_lat[b][:, :, None])[..., 0] for b in range(o_lat.shape[0])])
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None) -> Tensor:
-        """q [Hi, Di], w [Hi], k_cache [n, Di] -> I [n] = sum_h w[h] relu(q[h].k[s]); with a leading
-        row dim B (length [B]), row by row."""
+    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None, w_scale: float = 1.0) -> Tensor:
+        """q [Hi, Di], w [Hi], k_cache [n, Di] -> I [n] = sum_h (w[h] * w_scale) relu(q[h].k[s]); with a
+        leading row dim B (length [B]), row by row."""
+        if w_scale != 1.0:
+            w = w * w_scale
         if q.dim() == 3:
             return torch.stack([self.indexer_scores(q[b], w[b], k_cache[b], None if length is None else length[b : b + 1])
                                 for b in range(q.shape[0])])

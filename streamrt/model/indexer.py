@@ -20,6 +20,7 @@ class LightningIndexer(nn.Module):
         super().__init__()
         ic = cfg.indexer
         self.n_heads, self.head_dim, self.topk, self.eps = ic.n_heads, ic.head_dim, ic.topk, ic.k_norm_eps
+        self.w_scale = ic.n_heads**-0.5 * ic.head_dim**-0.5  # both scales of the head weights
         self.wq_b = nn.Linear(cfg.q_lora_rank, ic.n_heads * ic.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, ic.head_dim, bias=False)
         self.k_norm = LayerNorm(ic.head_dim, eps=ic.k_norm_eps)
@@ -28,11 +29,15 @@ class LightningIndexer(nn.Module):
     def from_projections(self, q: Tensor, k: Tensor, w: Tensor, be) -> tuple[Tensor, Tensor, Tensor]:
         """Its projections cq wq_b [N, Hi*Di], x wk [N, Di], x weights_proj [N, Hi] (MLA computes
         them with its own projections of x and cq) -> q [N, Hi, Di], k [N, Di] (k_norm'd),
-        w [N, Hi] (head weight with both scales folded in)."""
+        w [N, Hi] as projected: the head weight is w * `w_scale`, which decode's score kernel
+        applies itself (one launch fewer a layer) and prefill multiplies in (`head_weights`)."""
         q = q.view(q.shape[0], self.n_heads, self.head_dim)  # no rotary (index_rope_dim 0)
         k = be.layernorm(k, self.k_norm.weight, self.k_norm.bias, self.eps)  # [N, Di]
-        w = w * (self.n_heads**-0.5 * self.head_dim**-0.5)  # [N, Hi]
         return q, k, w
+
+    def head_weights(self, w: Tensor) -> Tensor:
+        """weights_proj's output [..., Hi] -> the head weights [..., Hi], both scales folded in."""
+        return w * self.w_scale
 
     @staticmethod
     def prefill_scores(q: Tensor, w: Tensor, k_all: Tensor, start: int) -> Tensor:

@@ -60,7 +60,7 @@ class KimiMLAAttention(nn.Module):
         q_nope, q_rot = q[..., :dn], q[..., dn:]  # [N, H, dn], [N, H, dr]
         c = self.kv_a_layernorm(kv[:, :R], be)  # [N, R]
         kr = kv[:, R:]  # [N, dr], shared by all heads, not rotated
-        idx = ix.from_projections(iq[0], *rest, be) if ix is not None else None  # (q [N,Hi,Di], k [N,Di], w [N,Hi])
+        idx = ix.from_projections(iq[0], *rest, be) if ix is not None else None  # (q [N,Hi,Di], k [N,Di], w [N,Hi] unscaled)
         if step.decode:
             o = self._decode(q_nope, q_rot, c, kr, idx, step, cache)
         else:
@@ -86,6 +86,7 @@ class KimiMLAAttention(nn.Module):
         allowed = (pos[None, :] <= qpos[:, None]).expand(B, T, n)  # [B, T, n] causal
         if idx is not None and self.sparse:  # Lightning Indexer: each query keeps its top-k positions
             qi, _, wi = idx
+            wi = self.indexer.head_weights(wi)
             I = self.indexer.prefill_scores(qi.view(B, T, *qi.shape[1:]), wi.view(B, T, -1), ki_all, s0)  # [B, T, n]
             allowed = allowed & topk_mask(I, (qpos + 1).expand(B, T), self.indexer.topk)
         p = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)  # [B, H, T, n] fp32
@@ -104,10 +105,11 @@ class KimiMLAAttention(nn.Module):
         W_UK, W_UV = W[:, :dn], W[:, dn:]  # [H, dn, R], [H, dv, R]
         qn, qr = q_nope.reshape(B, T, H, dn), q_rot.reshape(B, T, H, -1)
         outs = []
+        wis = self.indexer.head_weights(idx[2]).view(B, T, -1) if idx is not None and self.sparse else None
         for b in range(B):  # one sequence at a time
             index = None
-            if idx is not None and self.sparse:
-                qi, wi = idx[0].view(B, T, *idx[0].shape[1:])[b], idx[2].view(B, T, -1)[b]
+            if wis is not None:
+                qi, wi = idx[0].view(B, T, *idx[0].shape[1:])[b], wis[b]
                 index = (qi, wi, cache.ik[b, :n], self.indexer.topk)
             outs.append(be.mla_prefill(qn[b], qr[b], W_UK, W_UV, cache.c[b, :n], cache.kr[b, :n], s0, self.scale, index))
         return torch.cat(outs)  # [B*T, H, dv]
@@ -126,7 +128,7 @@ class KimiMLAAttention(nn.Module):
         q_lat = be.mla_absorb(q_nope, W[:, :dn])  # [B, H, R]
         select = None
         if idx is not None and self.sparse:  # every position, ascending, while a row's n <= topk
-            scores = be.indexer_scores(idx[0], idx[2], cache.ik, step.valid)  # [B, cap], row b valid below its n
+            scores = be.indexer_scores(idx[0], idx[2], cache.ik, step.valid, self.indexer.w_scale)  # [B, cap], row b valid below its n
             select = be.select_topk(scores, self.indexer.topk, step.valid)
         o_lat = be.mla_decode(q_lat, q_rot, cache.c, cache.kr, self.scale, select, step.valid)  # [B, H, R]
         return be.mla_expand(o_lat, W[:, dn:])  # [B, H, dv]
