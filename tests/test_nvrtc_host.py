@@ -644,6 +644,78 @@ def test_indexer_scores_pass_the_head_weight_scale():
     assert struct.unpack("<f", calls[-1][1][-1]) == (1.0,)
 
 
+# The decode ops of the model, each run by the torch twin for its values and then by the nvrtc
+# backend's host side (kernels recorded) for what that host side does besides launching.
+DECODE_OPS = ("linear", "linears", "rmsnorm", "gated_rmsnorm", "layernorm", "l2norm", "sigmoid_mul", "situ_glu",
+              "kda_conv_step", "kda_gates", "kda_step", "cache_append", "attnres_mix", "route", "expert_ffn",
+              "mla_absorb", "mla_decode", "mla_expand", "indexer_scores", "select_topk")
+# what a host path may do without a launch of its own: views, allocations, and the few it needs
+NO_LAUNCH = {"aten.empty.memory_format", "aten.view.default", "aten.slice.Tensor", "aten.select.int", "aten.detach.default",
+             "aten.unsqueeze.default", "aten.alias.default", "aten.view.dtype", "aten.expand.default", "aten.t.default",
+             "aten.transpose.int", "aten.as_strided.default", "aten._reshape_alias.default"}
+
+
+def test_a_decode_step_launches_nothing_but_its_kernels(tmp_path):
+    """Issue 24: on the decode path the nvrtc backend's Python is a lookup and a launch. A whole
+    decode step of tiny-k3.1-pro (MLA with the indexer, KDA, MoE, AttnRes) through the host
+    side: no copy, cast or arithmetic of torch's own (each a launch on the GPU), such as a
+    contiguous copy of q_nope or q_rot, which are views of q. The one exception is the addends
+    after a scalar GEMV, which the CPU's unaligned weights take."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from streamrt.checkpoint.reader import open_tree
+    from streamrt.checkpoint.synth import synth
+    from streamrt.loader import DirectExpertProvider, load_model
+    from streamrt.model.model import run_sync
+
+    synth("tiny-k3.1-pro", tmp_path / "tree", fmt="streamrt", seed=5, progress=False)
+    tree = open_tree(tmp_path / "tree")
+    model = load_model(tree, "cpu")
+    twin, kernels, ops, depth, counting = model.backend, [], [], [0], [False]  # counting: inside a host call
+    nv = _host_backend()
+    nv.pdl = True
+    nv._k = lambda program, name: (lambda *a, **k: kernels.append(name))
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if counting[0] and str(func) not in NO_LAUNCH:
+                ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def both(name):
+        values, host = getattr(twin, name), getattr(nv, name)
+
+        def call(*a, **k):
+            depth[0] += 1
+            try:
+                out = values(*a, **k)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:  # the model's call, not one the twin makes inside
+                counting[0] = True
+                try:
+                    host(*a, **k)
+                finally:
+                    counting[0] = False
+            return out
+        return call
+
+    provider, cache = DirectExpertProvider(tree, "cpu"), model.new_cache(2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    run_sync(model.forward_steps(ids, cache, last_only=True), provider)  # prefill on the twin alone
+    for name in DECODE_OPS:
+        setattr(twin, name, both(name))
+    run_sync(model.forward_steps(ids[:, :1], cache, last_only=True), provider)  # the first step allocates scratch once
+    kernels.clear()
+    with Count():
+        run_sync(model.forward_steps(ids[:, 1:2], cache, last_only=True), provider)
+    for k in ("srt_mla_absorb", "srt_mla_partial", "srt_indexer_scores", "srt_kda_step", "srt_attnres_apply", "srt_router_topk",
+              "srt_moe_combine", "srt_rmsnorm", "srt_cache_append"):
+        assert k in kernels, f"{k} not launched: the step did not take the path this test is about"
+    assert [o for o in ops if o != "aten.add_.Tensor"] == [], sorted(set(ops))
+    assert ops.count("aten.add_.Tensor") <= kernels.count("srt_gemv_scalar")
+
+
 # ---- the launch: what reaches the driver --------------------------------------------------------
 
 
