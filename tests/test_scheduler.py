@@ -482,3 +482,18 @@ def test_predictor_guesses_the_next_routers_top_k(tree, model):
                 assert set(got[r].tolist()) == set(order[:k].tolist()), f"row {r}"
             else:
                 assert s[r, got[r]].min() >= next_best - 1e-5
+
+
+def test_a_closed_runtime_gives_its_expert_slots_back(tree, model):
+    """The slab goes when the runtime closes, not when the object does: a benchmark that opens
+    one resident runtime after another (`with ... as rt` keeps the name bound) must not hold two."""
+    import gc
+    import weakref
+
+    with runtime(tree, model, window=WS, gpu_experts=2 * WS) as rt:
+        decode(model, lambda g, n: rt.run(g, tokens=n))
+        slab = weakref.ref(rt.gpu.slab)
+        assert slab() is not None
+    gc.collect()
+    assert slab() is None
+    assert rt.gpu.slots == 2 * WS  # the object itself is still there

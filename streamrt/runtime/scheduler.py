@@ -568,6 +568,7 @@ class StreamingRuntime:
         self.host.close()
         self.pool.shutdown(wait=True)
         self.loop.close()
+        self.gpu.release()  # else the slab lives as long as the runtime object does
 
     def __enter__(self) -> "StreamingRuntime":
         return self

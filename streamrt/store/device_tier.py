@@ -136,6 +136,13 @@ class DeviceTier:
             v = self._views[slot] = make(self.slab[slot])
         return v
 
+    def release(self) -> None:
+        """Give the slab back (a closed runtime), and the slots' views with it, so that the next
+        runtime in the same process can take the memory; the key map stays for reports."""
+        self.slab = None
+        self._views = [None] * self.slots
+        self.ready = [None] * self.slots
+
     def keys(self) -> list[ExpertKey]:
         return list(self._slot_of)
 
