@@ -220,9 +220,7 @@ struct GemvMats {
   int m;
 };
 
-// A block takes 8 TG rows of x (TG = 1 or 2): each stage of W is read once for them, and each
-// group of 8 runs the same mma chain into its own sums as a block of 8 would (the same bits).
-template <int XBF16, int NS, int TG>
+template <int XBF16, int NS>
 SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, int K, int ks) {
 #if __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) unsigned char gtc_smem[];
@@ -230,20 +228,19 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
   constexpr int XE = XBF16 ? 2 : 4;   // bytes per x element
   constexpr int XRB = GTC_COLS * XE;  // bytes of one token's row in a stage
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  // T > 8 TG rows: block b takes token group b % groups (rows 8 TG (b % groups) ..) of row
-  // block b / groups; a row block's groups are neighbours, so the second reads W from L2
-  constexpr int TR = 8 * TG;  // rows of x a block takes
-  const int groups = (T + TR - 1) / TR, tg = blockIdx.x % groups, rb = blockIdx.x / groups;
+  // T > 8 rows: block b takes token group b % groups (rows 8 (b % groups) ..) of row block
+  // b / groups; a row block's groups are neighbours, so the second reads W from L2
+  const int groups = (T + 7) / 8, tg = blockIdx.x % groups, rb = blockIdx.x / groups;
   int mat = 0;  // the matrix of row block rb
   while (mat + 1 < mats.m && rb >= mats.block0[mat + 1]) ++mat;
   const int N = mats.n[mat], row0 = (rb - mats.block0[mat]) * GTC_ROWS;
   const u16* __restrict__ W = (const u16*)mats.w[mat];
-  const long long t_off = (long long)tg * TR * N;
+  const long long t_off = (long long)tg * 8 * N;
   float* __restrict__ out = (float*)mats.out[mat] + t_off;
   const float* add0 = mats.add0[mat] ? (const float*)mats.add0[mat] + t_off : nullptr;
   const float* add1 = mats.add1[mat] ? (const float*)mats.add1[mat] + t_off : nullptr;
-  xv = (const char*)xv + (long long)tg * TR * K * XE;
-  T = min(TR, T - tg * TR);
+  xv = (const char*)xv + (long long)tg * 8 * K * XE;
+  T = min(8, T - tg * 8);
   const int nst = (K + GTC_COLS - 1) / GTC_COLS;
   const int s0 = warp * nst / ks, s1 = (warp + 1) * nst / ks;
   const int sbytes = gtc_stage_bytes(T, XBF16);
@@ -294,70 +291,60 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
 
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s) issue(s0 + s);
-  float acc[TG][2][4];
-#pragma unroll
-  for (int j = 0; j < TG; ++j)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[j][i >> 2][i & 3] = 0.0f;
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
   const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: this lane's matrix and row
   for (int s = s0; s < s1; ++s) {
     issue(s + NS - 1);
     cp_async_wait<NS - 1>();
     __syncwarp();
-    const u32 st = ring + ((s - s0) % NS) * sbytes;
+    const u32 st = ring + ((s - s0) % NS) * sbytes, xs = st + GTC_WBYTES;
+    float d[2][4][4];
+    u32 bnext[2] = {0u, 0u};  // bf16 x: B of the odd k-step, from the even step's ldmatrix
 #pragma unroll
-    for (int j = 0; j < TG; ++j) {  // group j: x rows 8j .. 8j + 7 of the stage, W's fragments read again
-      if (TG > 1 && j * 8 >= T) break;
-      const int Tj = TG > 1 ? min(8, T - j * 8) : T;
-      const u32 xs = st + GTC_WBYTES + j * 8 * XRB;  // row 8j + t keeps the swizzle of row t
-      float d[2][4][4];
-      u32 bnext[2] = {0u, 0u};  // bf16 x: B of the odd k-step, from the even step's ldmatrix
+    for (int kk = 0; kk < 8; ++kk) {
+      u32 a[2][4];
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        u32 a[2][4];
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {  // matrices: rows 0-7 / 8-15 of the tile x k 0-7 / 8-15
-          const int row = m * 16 + (mi & 1) * 8 + rr, ch = kk * 2 + (mi >> 1);
-          ldsm_x4(st + row * 256 + ((ch ^ rr) << 4), a[m][0], a[m][1], a[m][2], a[m][3]);
-        }
-        u32 b[NP][2];
-        if (XBF16) {
-          if ((kk & 1) == 0) {  // one ldmatrix gives B of k-steps kk and kk + 1
-            u32 r0, r1, r2, r3;
-            const int t = min(rr, Tj - 1);  // rows >= Tj: a copy of a real row, for columns never stored
-            ldsm_x4(xs + t * XRB + (((kk * 2 + mi) ^ t) << 4), r0, r1, r2, r3);
-            b[0][0] = r0; b[0][1] = r1;
-            bnext[0] = r2; bnext[1] = r3;
-          } else {
-            b[0][0] = bnext[0]; b[0][1] = bnext[1];
-          }
+      for (int m = 0; m < 2; ++m) {  // matrices: rows 0-7 / 8-15 of the tile x k 0-7 / 8-15
+        const int row = m * 16 + (mi & 1) * 8 + rr, ch = kk * 2 + (mi >> 1);
+        ldsm_x4(st + row * 256 + ((ch ^ rr) << 4), a[m][0], a[m][1], a[m][2], a[m][3]);
+      }
+      u32 b[NP][2];
+      if (XBF16) {
+        if ((kk & 1) == 0) {  // one ldmatrix gives B of k-steps kk and kk + 1
+          u32 r0, r1, r2, r3;
+          const int t = min(rr, T - 1);  // rows >= T: a copy of a real row, for columns never stored
+          ldsm_x4(xs + t * XRB + (((kk * 2 + mi) ^ t) << 4), r0, r1, r2, r3);
+          b[0][0] = r0; b[0][1] = r1;
+          bnext[0] = r2; bnext[1] = r3;
         } else {
-#pragma unroll
-          for (int q = 0; q < NP; ++q) b[q][0] = b[q][1] = 0u;
-          if (g < Tj) {
-            const u32 xr = xs + g * XRB + (tig & 1) * 8;
-            float2 lo, hi;
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lo.x), "=f"(lo.y)
-                         : "r"(xr + (((kk * 4 + (tig >> 1)) ^ ((g & 3) << 1)) << 4)) : "memory");
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(hi.x), "=f"(hi.y)
-                         : "r"(xr + (((kk * 4 + 2 + (tig >> 1)) ^ ((g & 3) << 1)) << 4)) : "memory");
-            split3_bf16x2(lo.x, lo.y, b[0][0], b[1 % NP][0], b[2 % NP][0]);
-            split3_bf16x2(hi.x, hi.y, b[0][1], b[1 % NP][1], b[2 % NP][1]);
-          }
+          b[0][0] = bnext[0]; b[0][1] = bnext[1];
         }
+      } else {
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int q = 0; q < NP; ++q) {
-            if (kk < 4 && q == 0) mma16816_bf16_z(d[m][kk], a[m][0], a[m][1], a[m][2], a[m][3], b[q][0], b[q][1]);
-            else mma16816_bf16(d[m][kk & 3], a[m][0], a[m][1], a[m][2], a[m][3], b[q][0], b[q][1]);
-          }
+        for (int q = 0; q < NP; ++q) b[q][0] = b[q][1] = 0u;
+        if (g < T) {
+          const u32 xr = xs + g * XRB + (tig & 1) * 8;
+          float2 lo, hi;
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lo.x), "=f"(lo.y)
+                       : "r"(xr + (((kk * 4 + (tig >> 1)) ^ ((g & 3) << 1)) << 4)) : "memory");
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(hi.x), "=f"(hi.y)
+                       : "r"(xr + (((kk * 4 + 2 + (tig >> 1)) ^ ((g & 3) << 1)) << 4)) : "memory");
+          split3_bf16x2(lo.x, lo.y, b[0][0], b[1 % NP][0], b[2 % NP][0]);
+          split3_bf16x2(hi.x, hi.y, b[0][1], b[1 % NP][1], b[2 % NP][1]);
+        }
       }
 #pragma unroll
       for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][m][i] += (d[m][0][i] + d[m][1][i]) + (d[m][2][i] + d[m][3][i]);
+        for (int q = 0; q < NP; ++q) {
+          if (kk < 4 && q == 0) mma16816_bf16_z(d[m][kk], a[m][0], a[m][1], a[m][2], a[m][3], b[q][0], b[q][1]);
+          else mma16816_bf16(d[m][kk & 3], a[m][0], a[m][1], a[m][2], a[m][3], b[q][0], b[q][1]);
+        }
     }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][i] += (d[m][0][i] + d[m][1][i]) + (d[m][2][i] + d[m][3][i]);
     __syncwarp();  // every lane is done with this slot before a later issue() refills it
   }
   cp_async_wait<0>();
@@ -365,21 +352,20 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
   float* red = (float*)(gtc_smem + ks * NS * sbytes);
   if (warp > 0) {
 #pragma unroll
-    for (int i = 0; i < 8 * TG; ++i) red[((warp - 1) * 8 * TG + i) * 32 + lane] = acc[i >> 3][(i >> 2) & 1][i & 3];
+    for (int i = 0; i < 8; ++i) red[((warp - 1) * 8 + i) * 32 + lane] = acc[i >> 2][i & 3];
   }
   __syncthreads();
   if (warp > 0) return;
   for (int w = 1; w < ks; ++w)
 #pragma unroll
-    for (int i = 0; i < 8 * TG; ++i) acc[i >> 3][(i >> 2) & 1][i & 3] += red[((w - 1) * 8 * TG + i) * 32 + lane];
-  // acc[j][m]: (row g, token 2tig), (row g, 2tig + 1), (row g + 8, 2tig), (row g + 8, 2tig + 1)
-  // of tile m and group j
+    for (int i = 0; i < 8; ++i) acc[i >> 2][i & 3] += red[((w - 1) * 8 + i) * 32 + lane];
+  // acc[m]: (row g, token 2tig), (row g, 2tig + 1), (row g + 8, 2tig), (row g + 8, 2tig + 1) of tile m
 #pragma unroll
-  for (int i = 0; i < 8 * TG; ++i) {
-    const int t = (i >> 3) * 8 + 2 * tig + (i & 1), row = row0 + ((i >> 2) & 1) * 16 + g + ((i >> 1) & 1) * 8;
+  for (int i = 0; i < 8; ++i) {
+    const int t = 2 * tig + (i & 1), row = row0 + (i >> 2) * 16 + g + ((i >> 1) & 1) * 8;
     if (t < T && row < N) {
       const long long o = (long long)t * N + row;
-      float v = acc[i >> 3][(i >> 2) & 1][i & 3];
+      float v = acc[i >> 2][i & 3];
       if (add0) v = __fadd_rn(v, add0[o]);
       if (add1) v = __fadd_rn(v, add1[o]);
       out[o] = v;
@@ -388,23 +374,16 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
 #endif
 }
 
-#define SRT_GEMV_TC_ENTRY(NAME, XB, NS, TG)                                                               \
+#define SRT_GEMV_TC_ENTRY(NAME, XB, NS)                                                                   \
   extern "C" __global__ void __launch_bounds__(256)                                                       \
       NAME(const __grid_constant__ GemvMats mats, const void* __restrict__ x, int T, int K, int ks) {       \
-    gemv_tc<XB, NS, TG>(mats, x, T, K, ks);                                                              \
+    gemv_tc<XB, NS>(mats, x, T, K, ks);                                                                  \
   }
 
-// srt_gemv_tc[16]_x<x dtype>_s<stages>, blocks of KS <= 8 warps: same bits for a row whichever
-// runs. tc16: blocks of 16 rows of x (batches of 9 and more).
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s2, 0, 2, 1)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s3, 0, 3, 1)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s4, 0, 4, 1)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s2, 1, 2, 1)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s3, 1, 3, 1)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s4, 1, 4, 1)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc16_xf32_s2, 0, 2, 2)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc16_xf32_s3, 0, 3, 2)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc16_xf32_s4, 0, 4, 2)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc16_xbf16_s2, 1, 2, 2)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc16_xbf16_s3, 1, 3, 2)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc16_xbf16_s4, 1, 4, 2)
+// srt_gemv_tc_x<x dtype>_s<stages>, blocks of KS <= 8 warps: same bits for a row whichever runs.
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s2, 0, 2)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s3, 0, 3)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s4, 0, 4)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s2, 1, 2)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s3, 1, 3)
+SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s4, 1, 4)

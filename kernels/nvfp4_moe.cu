@@ -502,16 +502,13 @@ SRT_DEV int tc_swizzle(int j, int gg) {
 }
 
 // Queue stage st (blocks st*KBS + 0..KBS-1; those from nkb on zero-filled) into ring slot st % S.
-// SLOTS: the warp's slots of 8 rows (4, or 2 with one-block stages: a stage of 16 rows).
-template <int S, int KBS, int SLOTS = 4>
+template <int S, int KBS>
 SRT_DEV void tc_issue(int st, const TcRows& R, u32 wbuf, u32 sbuf) {
-  static_assert(SLOTS == 4 || (SLOTS == 2 && KBS == 1), "two slots: one-block stages");
-  constexpr int WB = TC_WBYTES * SLOTS / 4, SB = TC_SBYTES * SLOTS / 4;  // one block of the slots' rows
   const int lane = threadIdx.x & 31, kb0 = st * KBS, nkb = R.nkb;
   if (kb0 < nkb) {
-    const u32 wst = wbuf + (st % S) * KBS * WB, sst = sbuf + (st % S) * KBS * SB;
+    const u32 wst = wbuf + (st % S) * KBS * TC_WBYTES, sst = sbuf + (st % S) * KBS * TC_SBYTES;
 #pragma unroll
-    for (int it = 0; it < SLOTS * KBS; ++it) {  // row r: 4 * KBS chunks, copied by as many consecutive lanes
+    for (int it = 0; it < 4 * KBS; ++it) {  // row r: 4 * KBS chunks, copied by as many consecutive lanes
       const int r = it * (8 / KBS) + lane / (4 * KBS), j = lane % (4 * KBS), q = r >> 3, gg = r & 7;
       const int row = min(R.row0[q] + gg, R.nrows - 1), ok = kb0 + (j >> 2) < nkb;
       cp_async16(wst + r * (KBS * 64) + (tc_swizzle<KBS>(j, gg) << 4), R.pk[q] + row * R.rb + (ok ? (kb0 * 4 + j) * 16 : 0),
@@ -524,7 +521,7 @@ SRT_DEV void tc_issue(int st, const TcRows& R, u32 wbuf, u32 sbuf) {
       cp_async16(sst + lane * 16, sc + min(r0 + gg, R.nrows - 1) * R.sb + kb0 * 8, min(2, nkb - kb0) * 8);
     } else {
 #pragma unroll
-      for (int q = 0; q < SLOTS; ++q)  // scales: 8 rows x KBS blocks of 8 bytes per slot
+      for (int q = 0; q < 4; ++q)  // scales: 8 rows x KBS blocks of 8 bytes per slot
         if (lane < 8 * KBS) {
           const int gg = lane / KBS, u = lane % KBS, row = min(R.row0[q] + gg, R.nrows - 1), ok = kb0 + u < nkb;
           cp_async8(sst + ((q * 8 + gg) * KBS + u) * 8, R.sc[q] + row * R.sb + (ok ? (kb0 + u) * 8 : 0), ok ? 8 : 0);
@@ -967,9 +964,8 @@ SRT_DEV u32x4 ld_nc16(const u32x4* p) {
 }
 
 // tc_rows with B from the staged rows xs (rows[j]: group row j's staged row, zero_row past n):
-// the same mma into the same accumulators in the same order, so the same bits. SLOTS = 2: one
-// tile a warp (slot 0 its rows 0-7, slot 1 its rows 8-15: acc[0] only).
-template <int S, int KBS, int SETS, int SLOTS = 4>
+// the same mma into the same accumulators in the same order, so the same bits.
+template <int S, int KBS, int SETS>
 SRT_DEV void tc_rows_staged(const TcRows& R, const u32* __restrict__ xs, const int* rows, int n, int zero_row, int in,
                             const u8* wring, const u8* sring, float acc[2][4][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -981,28 +977,27 @@ SRT_DEV void tc_rows_staged(const TcRows& R, const u32* __restrict__ xs, const i
     const int j = 4 * s + (g >> 1);
     bsrc[s] = (const u32x4*)(xs + (long long)(j < n ? rows[j] : zero_row) * in) + (g & 1) * 4 + c;
   }
-  constexpr int TILES = SLOTS / 2, WB = TC_WBYTES * SLOTS / 4, SB = TC_SBYTES * SLOTS / 4;
-  float part[TILES][SETS][2][4];  // [tile][set][first / second mma of a word][fragment]
+  float part[2][SETS][2][4];  // [tile][set][first / second mma of a word][fragment]
 #pragma unroll
-  for (int t = 0; t < TILES; ++t)
+  for (int t = 0; t < 2; ++t)
 #pragma unroll
     for (int s = 0; s < SETS; ++s)
 #pragma unroll
       for (int i = 0; i < 8; ++i) part[t][s][i >> 2][i & 3] = 0.0f;
   for (int st = 0; st < nst; ++st) {
-    tc_issue<S, KBS, SLOTS>(st + S - 1, R, wbuf, sbuf);
+    tc_issue<S, KBS>(st + S - 1, R, wbuf, sbuf);
     cp_async_wait<S - 1>();
     __syncwarp();
-    const u8* wst = wring + (st % S) * KBS * WB;
-    const u8* sst = sring + (st % S) * KBS * SB;
+    const u8* wst = wring + (st % S) * KBS * TC_WBYTES;
+    const u8* sst = sring + (st % S) * KBS * TC_SBYTES;
 #pragma unroll
     for (int u = 0; u < KBS; ++u) {
       const int kb = st * KBS + u;
       if (kb >= R.nkb) break;  // warp-uniform
-      const u32* w[SLOTS];  // slot q's 16 bytes of this lane's chunk, read a word at a time (fewer live registers)
-      u32 sc[SLOTS][2];
+      const u32* w[4];  // slot q's 16 bytes of this lane's chunk, read a word at a time (fewer live registers)
+      u32 sc[4][2];
 #pragma unroll
-      for (int q = 0; q < SLOTS; ++q) {
+      for (int q = 0; q < 4; ++q) {
         w[q] = (const u32*)(wst + (q * 8 + g) * (KBS * 64) + (tc_swizzle<KBS>(u * 4 + c, g) << 4));
         const u32 h = e4m3x2_h2(*(const u16*)(sst + ((q * 8 + g) * KBS + u) * 8 + 2 * c));
         sc[q][0] = __byte_perm(h, 0u, 0x1010);
@@ -1010,9 +1005,9 @@ SRT_DEV void tc_rows_staged(const TcRows& R, const u32* __restrict__ xs, const i
       }
 #pragma unroll
       for (int wi = 0; wi < 4; ++wi) {
-        u32 a[SLOTS][4];  // slot q's word wi, decoded and scaled
+        u32 a[4][4];  // slot q's word wi, decoded and scaled
 #pragma unroll
-        for (int q = 0; q < SLOTS; ++q) {
+        for (int q = 0; q < 4; ++q) {
           e2m1x8_h2(w[q][wi], a[q]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[q][e] = hmul2(a[q][e], sc[q][wi >> 1]);
@@ -1021,7 +1016,7 @@ SRT_DEV void tc_rows_staged(const TcRows& R, const u32* __restrict__ xs, const i
         for (int s = 0; s < SETS; ++s) {
           const u32x4 b = ld_nc16(bsrc[s] + kb * 32 + wi * 8);
 #pragma unroll
-          for (int t = 0; t < TILES; ++t) {
+          for (int t = 0; t < 2; ++t) {
             mma16816(part[t][s][0], a[2 * t][0], a[2 * t + 1][0], a[2 * t][1], a[2 * t + 1][1], b.x, b.y);
             mma16816(part[t][s][1], a[2 * t][2], a[2 * t + 1][2], a[2 * t][3], a[2 * t + 1][3], b.z, b.w);
           }
@@ -1032,46 +1027,42 @@ SRT_DEV void tc_rows_staged(const TcRows& R, const u32* __restrict__ xs, const i
   }
   cp_async_wait<0>();
 #pragma unroll
-  for (int t = 0; t < TILES; ++t)
+  for (int t = 0; t < 2; ++t)
 #pragma unroll
     for (int s = 0; s < SETS; ++s)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][s][i] = part[t][s][0][i] + part[t][s][1][i];
 }
 
-// grid (ceil(I / (SLOTS * 4 * warps)), pairs), block warps*32, smem warps * S * KBS *
-// (TC_WBYTES + TC_SBYTES) * SLOTS / 4. xs / unscale: srt_moe_stage_rows' rows of z (zero_row: its
-// zero row). A block takes the group of up to cap <= TC_ROWS16 pairs its entry leads and, with
-// `ready`, counts itself done in ready[dst[its first pair]] (gateup_tc's contract).
-template <int S, int KBS, int SLOTS, class Tab>
+// grid (ceil(I / (16 * warps)), pairs), block warps*32, smem warps * S * KBS * (TC_WBYTES +
+// TC_SBYTES). xs / unscale: srt_moe_stage_rows' rows of z (zero_row: its zero row). A block takes
+// the group of up to cap <= TC_ROWS16 pairs its entry leads and, with `ready`, counts itself
+// done in ready[dst[its first pair]] (gateup_tc's contract).
+template <int S, int KBS, class Tab>
 SRT_DEV void gateup_staged(const Tab& tab, const u32* __restrict__ xs, const float* __restrict__ unscale, int zero_row,
                            float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin,
                            int* ready, int cap, u8* smem) {
-  constexpr int ROWS = SLOTS * 4;  // rows of I a warp: 16 (two tiles: gate, up) or 8 (one: gate and up rows)
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
   if (n == 0) return;
-  constexpr int WB = TC_WBYTES * SLOTS / 4, SB = TC_SBYTES * SLOTS / 4;  // one block of the warp's rows
-  const u8* wring = smem + warp * S * KBS * (WB + SB);
-  const u8* sring = wring + S * KBS * WB;
-  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * ROWS;
+  const u8* wring = smem + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
+  const u8* sring = wring + S * KBS * TC_WBYTES;
+  const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
   const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
   const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
-  const TcRows R = SLOTS == 4 ? TcRows{{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1,
-                                       Dl >> 4, Dl >> 7, scales_aligned16(gs, us, Dl >> 4)}
-                              : TcRows{{gp, upk, gp, upk}, {gs, us, gs, us}, {r0, r0, r0, r0}, I, Dl >> 1, Dl >> 4,
-                                       Dl >> 7, scales_aligned16(gs, us, Dl >> 4)};
+  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
+                    scales_aligned16(gs, us, Dl >> 4)};
   if (r0 < I)  // weights do not depend on z: start the pipeline before the staged rows are ready
-    for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS, SLOTS>(st, R, smem_addr(wring), smem_addr(sring));
+    for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   pdl_wait();  // xs is the staging kernel's output
   pdl_launch_dependents();  // after pdl_wait(): the down blocks read `ready` (gateup_tc)
   if (r0 < I) {
     const int* rows = &tab.row[p];
     float acc[2][4][4];
-    if (n > 12) tc_rows_staged<S, KBS, 4, SLOTS>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
-    else if (n > 8) tc_rows_staged<S, KBS, 3, SLOTS>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
-    else if (n > 4) tc_rows_staged<S, KBS, 2, SLOTS>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
-    else tc_rows_staged<S, KBS, 1, SLOTS>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    if (n > 12) tc_rows_staged<S, KBS, 4>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    else if (n > 8) tc_rows_staged<S, KBS, 3>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    else if (n > 4) tc_rows_staged<S, KBS, 2>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    else tc_rows_staged<S, KBS, 1>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
     const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
     const float* gg = (const float*)tab.gate_global[p];
     const float* ug = (const float*)tab.up_global[p];
@@ -1080,19 +1071,13 @@ SRT_DEV void gateup_staged(const Tab& tab, const u32* __restrict__ xs, const flo
       const int j = 4 * s + c;
       if (j >= n) break;
       const float u = unscale[rows[j]];
+      const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
+      const float* ut = acc[1][s];
       float* hp = h + (long long)tab.dst[p + j] * I;
-      if constexpr (SLOTS == 4) {
-        const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
-        const float* ut = acc[1][s];
-        if (r0 + g < I)
-          hp[r0 + g] = situ((gt[0] + gt[1]) * u * gg[ra], (ut[0] + ut[1]) * u * ug[ra], beta, beta_inf, lbeta, has_lin);
-        if (r0 + g + 8 < I)
-          hp[r0 + g + 8] = situ((gt[2] + gt[3]) * u * gg[rc], (ut[2] + ut[3]) * u * ug[rc], beta, beta_inf, lbeta, has_lin);
-      } else {
-        const float* d = acc[0][s];  // the tile's rows g: gate, g + 8: up
-        if (r0 + g < I)
-          hp[r0 + g] = situ((d[0] + d[1]) * u * gg[ra], (d[2] + d[3]) * u * ug[ra], beta, beta_inf, lbeta, has_lin);
-      }
+      if (r0 + g < I)
+        hp[r0 + g] = situ((gt[0] + gt[1]) * u * gg[ra], (ut[0] + ut[1]) * u * ug[ra], beta, beta_inf, lbeta, has_lin);
+      if (r0 + g + 8 < I)
+        hp[r0 + g + 8] = situ((gt[2] + gt[3]) * u * gg[rc], (ut[2] + ut[3]) * u * ug[rc], beta, beta_inf, lbeta, has_lin);
     }
   }
   if (ready != nullptr) {
@@ -1154,48 +1139,36 @@ SRT_DEV void down_staged(const Tab& tab, const u32* __restrict__ hs, const float
 #error "TC_STAGED_DOWN_THREADS is passed by the host (-DTC_STAGED_DOWN_THREADS=..., streamrt/backends/kernel_defines.py)"
 #endif
 
-#ifndef TC_STAGED1_THREADS  // ... and one of one tile a warp (half the accumulators)
-#error "TC_STAGED1_THREADS is passed by the host (-DTC_STAGED1_THREADS=..., streamrt/backends/kernel_defines.py)"
-#endif
-
-#define SRT_TCS_GU_ENTRY(GU_NAME, GU_DT, S, SLOTS, THREADS)                                                       \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                        \
+#define SRT_TCS_ENTRY(GU_NAME, GU_DT, DN_NAME, DN_DT, S, KBS)                                                                      \
+  extern "C" __global__ void __launch_bounds__(TC_STAGED_THREADS, 1)                                              \
       GU_NAME(const __grid_constant__ GateUpTable tab, const u32* __restrict__ xs, const float* __restrict__ unscale, \
               int zero_row, float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin, \
               int* ready, int cap) {                                                                               \
     extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
-    gateup_staged<S, 1, SLOTS>(tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,  \
-                               (u8*)smem_##GU_NAME);                                                               \
+    gateup_staged<S, KBS>(tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,       \
+                          (u8*)smem_##GU_NAME);                                                                    \
   }                                                                                                                \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                        \
+  extern "C" __global__ void __launch_bounds__(TC_STAGED_THREADS, 1)                                              \
       GU_DT(const GateUpTableDt* __restrict__ tab, const u32* __restrict__ xs, const float* __restrict__ unscale,   \
             int zero_row, float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin,   \
             int* ready, int cap) {                                                                                 \
     extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
-    gateup_staged<S, 1, SLOTS>(*tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, \
-                               (u8*)smem_##GU_DT);                                                                 \
-  }
-
-#define SRT_TCS_DN_ENTRY(DN_NAME, DN_DT, S)                                                                        \
+    gateup_staged<S, KBS>(*tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,      \
+                          (u8*)smem_##GU_DT);                                                                      \
+  }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(TC_STAGED_DOWN_THREADS, 1)                                         \
       DN_NAME(const __grid_constant__ DownTable tab, const u32* __restrict__ hs, const float* __restrict__ unscale, \
               int zero_row, float* __restrict__ y, int Dl, int I, int cap) {                                       \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
-    down_staged<S, 1>(tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_NAME);                             \
+    down_staged<S, KBS>(tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_NAME);                           \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(TC_STAGED_DOWN_THREADS, 1)                                         \
       DN_DT(const DownTableDt* __restrict__ tab, const u32* __restrict__ hs, const float* __restrict__ unscale,     \
             int zero_row, float* __restrict__ y, int Dl, int I, int cap) {                                         \
     extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
-    down_staged<S, 1>(*tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_DT);                              \
+    down_staged<S, KBS>(*tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_DT);                            \
   }
 
-// Per stages S (one-block stages): gate+up two tiles a warp (st), one tile a warp (st..t1), down.
-SRT_TCS_GU_ENTRY(srt_nvfp4_gateup_st2x1, srt_nvfp4_gateup_st2x1_dt, 2, 4, TC_STAGED_THREADS)
-SRT_TCS_GU_ENTRY(srt_nvfp4_gateup_st4x1, srt_nvfp4_gateup_st4x1_dt, 4, 4, TC_STAGED_THREADS)
-SRT_TCS_GU_ENTRY(srt_nvfp4_gateup_st6x1, srt_nvfp4_gateup_st6x1_dt, 6, 4, TC_STAGED_THREADS)
-SRT_TCS_GU_ENTRY(srt_nvfp4_gateup_st2x1t1, srt_nvfp4_gateup_st2x1t1_dt, 2, 2, TC_STAGED1_THREADS)
-SRT_TCS_GU_ENTRY(srt_nvfp4_gateup_st4x1t1, srt_nvfp4_gateup_st4x1t1_dt, 4, 2, TC_STAGED1_THREADS)
-SRT_TCS_DN_ENTRY(srt_nvfp4_down_st2x1, srt_nvfp4_down_st2x1_dt, 2)
-SRT_TCS_DN_ENTRY(srt_nvfp4_down_st4x1, srt_nvfp4_down_st4x1_dt, 4)
-SRT_TCS_DN_ENTRY(srt_nvfp4_down_st6x1, srt_nvfp4_down_st6x1_dt, 6)
+SRT_TCS_ENTRY(srt_nvfp4_gateup_st2x1, srt_nvfp4_gateup_st2x1_dt, srt_nvfp4_down_st2x1, srt_nvfp4_down_st2x1_dt, 2, 1)
+SRT_TCS_ENTRY(srt_nvfp4_gateup_st4x1, srt_nvfp4_gateup_st4x1_dt, srt_nvfp4_down_st4x1, srt_nvfp4_down_st4x1_dt, 4, 1)
+SRT_TCS_ENTRY(srt_nvfp4_gateup_st6x1, srt_nvfp4_gateup_st6x1_dt, srt_nvfp4_down_st6x1, srt_nvfp4_down_st6x1_dt, 6, 1)

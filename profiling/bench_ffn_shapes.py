@@ -35,9 +35,9 @@ from streamrt.expert_weights import ExpertWeights, ResidentExperts  # noqa: E402
 
 DL, INTER, K, E = 3584, 3072, 16, 24
 # (tc_shape = tc_shape_batch, rows a block stages itself, tc_staged_shape: gate+up from staged rows or None)
-# (past 12 gate+up warps: one tile a warp, 8 gate and 8 up rows)
-SHAPES = [((16, 14, 2, 1), 8, None), ((16, 14, 2, 1), 8, (12, 4, 2, 1)), ((16, 14, 2, 1), 8, (16, 4, 2, 1)),
-          ((16, 14, 2, 1), 8, (16, 4, 4, 1)), ((16, 14, 2, 1), 8, (14, 4, 2, 1)), ((16, 14, 2, 1), 8, (16, 8, 2, 1))]
+SHAPES = [((16, 14, 2, 1), 8, None), ((16, 14, 2, 1), 8, (12, 0, 2, 1)), ((16, 14, 2, 1), 8, (12, 4, 2, 1)),
+          ((16, 14, 2, 1), 8, (12, 8, 2, 1)), ((16, 14, 2, 1), 8, (12, 4, 4, 1)), ((16, 14, 2, 1), 8, (8, 4, 2, 1)),
+          ((16, 14, 2, 1), 8, (6, 4, 2, 1)), ((8, 7, 2, 2), 8, None)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,8 +21,8 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
   graphs one-shape (--one-shape-also) the same with the few-row FFN block shape at every B
   graphs unstaged (--unstaged-also) the same with every FFN block staging its own rows
   graphs NAME (--also NAME=SETTINGS, repeatable) the same with other backend settings, e.g.
-           --also gemv16=gemv:16 --also t1=gemv:16/staged:16,4,2,1 (keys: gemv, gemv_tc_rows;
-           staged, tc_staged_shape or none; tc_rows)
+           --also s8=staged:12,8,2,1 --also unst16=staged:none/tc_rows:16 (keys: staged,
+           tc_staged_shape or none; tc_rows)
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
 runtime's counters; tok/s = B / s per step). GPU busy per step: the union of the kernels'
 intervals under torch.profiler for --profile-steps steps of the B=1 graphs row and of the off
@@ -91,7 +91,7 @@ def decode_row(rt, model, prompts, steps, warmup: int, *, profile_steps: int = 0
             "logits": [lg.float().cpu() for lg in logits]}
 
 
-ALSO_KEYS = {"gemv": "gemv_tc_rows", "tc_rows": "tc_rows", "staged": "tc_staged_shape"}  # --also key -> backend setting
+ALSO_KEYS = {"tc_rows": "tc_rows", "staged": "tc_staged_shape"}  # --also key -> backend setting
 
 
 def also_spec(v: str) -> tuple[str, dict]:
@@ -101,7 +101,7 @@ def also_spec(v: str) -> tuple[str, dict]:
     for item in filter(None, spec.split("/")):
         key, _, val = item.partition(":")
         try:
-            if key in ("gemv", "tc_rows") and int(val) in (8, 16):
+            if key == "tc_rows" and int(val) in (8, 16):
                 kv[ALSO_KEYS[key]] = int(val)
             elif key == "staged":
                 shape = None if val == "none" else tuple(int(t) for t in val.split(","))
@@ -111,7 +111,7 @@ def also_spec(v: str) -> tuple[str, dict]:
             else:
                 raise ValueError
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--also {v!r}: {item!r} is not gemv:8|16, tc_rows:8|16 or staged:a,b,c,d|none") from None
+            raise argparse.ArgumentTypeError(f"--also {v!r}: {item!r} is not tc_rows:8|16 or staged:a,b,c,d|none") from None
     if not name or not kv:
         raise argparse.ArgumentTypeError(f"--also {v!r}: want NAME=key:value[/key:value]")
     return name, kv
@@ -141,11 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unstaged-also", action="store_true",
                     help="the graphs rows again with every expert-FFN block staging its own rows "
                          "(tc_staged_shape = None), side by side with the default")
-    ap.add_argument("--gemv-rows", type=int, default=None, choices=(8, 16),
-                    help="gemv_tc_rows of the default rows: rows of x a dense tensor-core GEMV block takes")
     ap.add_argument("--also", type=also_spec, action="append", default=[], metavar="NAME=SETTINGS",
                     help="the graphs rows again with other settings, side by side with the default: "
-                         "key:value pairs joined by '/', keys gemv (8|16), staged (4 ints or none), tc_rows (8|16)")
+                         "key:value pairs joined by '/', keys staged (4 ints or none), tc_rows (8|16)")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -165,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     backend.tc_rows = args.tc_rows
     if args.staged_shape is not None:
         backend.tc_staged_shape = args.staged_shape
-    if args.gemv_rows is not None:
-        backend.gemv_tc_rows = args.gemv_rows
     model = load_model(tree, device.torch_device, dtype=torch.bfloat16, backend=backend)
     rows: dict[str, dict] = {}
 

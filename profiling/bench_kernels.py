@@ -6,7 +6,7 @@
    batch of T = 4, 16 rows through 16 of 24 experts (each distinct expert's bytes counted once).
 3. BF16 GEMV at T=1 (7168x12288 and 12288x7168) and T=4, 8 (7168x12288): weight bytes / time
    (with --variants every stage depth and K split of the tensor-core kernel, and the CUDA-core one);
-   deep-k3.1-pro's decode GEMV launches at T=1 and at T=16 (blocks of 8 and of 16 rows of x).
+   deep-k3.1-pro's decode GEMV launches at T=1 and at T=16.
 4. A few other decode ops, for the record.
 Each timing replays a CUDA graph of `--reps` back-to-back calls (no Python in the loop),
 median of `--trials`. Ratios are against the copy rate of the same run (target >= 0.8).
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ffn-only", action="store_true", help="only the NVFP4 expert FFN rows (with --variants: its diagnosis)")
     ap.add_argument("--no-ffn", action="store_true", help="skip the NVFP4 expert FFN rows (GEMV and the other ops only)")
     ap.add_argument("--gemv-groups-only", action="store_true",
-                    help="only deep-k3.1-pro's decode GEMV launches (T=1, and T=16 in blocks of 8 and of 16 rows of x)")
+                    help="only deep-k3.1-pro's decode GEMV launches (T=1 and T=16) against cuBLAS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -316,7 +316,7 @@ def decode_gemv_groups(args, dev, bench) -> None:
     """The deep-k3.1-pro decode GEMV launches at T=1, each call on the next of enough weight
     copies that none is in L2 (as in a step, where a layer's 128 MB go by once), against cuBLAS
     bf16 (torch, one matmul per matrix) on the same copies; with --variants every K split. Then
-    T=16 (a B=16 step) in blocks of 8 rows of x and of 16 (`gemv_tc_rows`), bits compared."""
+    T=16 (a B=16 step)."""
     for name, shapes in DEEP_GEMV_GROUPS:
         nb = sum(n * k * 2 for n, k in shapes)
         copies = max(1, min(64, (400 << 20) // nb))
@@ -332,15 +332,8 @@ def decode_gemv_groups(args, dev, bench) -> None:
         bench(f"  cuBLAS bf16: {dims}, T=1, a matmul per matrix", nb,
               rotating(lambda w: [torch.nn.functional.linear(xb, m) for m in w], ws))
         x16 = torch.randn(16, shapes[0][1], device=dev)
-        by_rows = {}
-        for rows in (8, 16):
-            by_rows[rows] = NvrtcBackend()
-            by_rows[rows].gemv_tc_rows = rows
-        same = all(torch.equal(a, b) for a, b in zip(by_rows[8].linears(x16, ws[0]), by_rows[16].linears(x16, ws[0])))
-        for rows, nvk in by_rows.items():
-            bench(f"bf16 linears {dims} ({name}), T=16, blocks of {rows} rows of x"
-                  + ("" if rows == 8 else f" (bits {'the same' if same else 'DIFFERENT'})"), nb,
-                  rotating(lambda w, nvk=nvk: nvk.linears(x16, w), ws))
+        nvk = NvrtcBackend()
+        bench(f"bf16 linears {dims} ({name}), T=16", nb, rotating(lambda w: nvk.linears(x16, w), ws))
         x16b = x16.bfloat16()
         bench(f"  cuBLAS bf16: {dims}, T=16, a matmul per matrix", nb,
               rotating(lambda w: [torch.nn.functional.linear(x16b, m) for m in w], ws))

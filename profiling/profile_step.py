@@ -76,8 +76,6 @@ def main(argv=None) -> int:
                          "resident and the stretches between routers while experts stream (with --gpu-experts); "
                          "resident: only the former; off: op by op")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (torch backend)")
-    ap.add_argument("--gemv-rows", type=int, default=None, choices=(8, 16),
-                    help="nvrtc: gemv_tc_rows, the rows of x a dense tensor-core GEMV block takes")
     ap.add_argument("--staged-shape", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
                     help="nvrtc: tc_staged_shape, gate+up warps,down warps,stages,blocks a stage")
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill instead of decode steps")
@@ -107,8 +105,6 @@ def main(argv=None) -> int:
         from streamrt.backends.nvrtc import NvrtcBackend
 
         backend = NvrtcBackend(device.torch_device)
-        if args.gemv_rows is not None:
-            backend.gemv_tc_rows = args.gemv_rows
         if args.staged_shape is not None:
             backend.tc_staged_shape = args.staged_shape
     elif args.emulate_nvrtc:

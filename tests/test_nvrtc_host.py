@@ -285,21 +285,10 @@ def test_staged_rows_from_eight_rows():
     with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
         _ffn_launches(nv, 8, 4, 6, 3584, 3072)
     nv.tc_shape_batch = nvm.TC_SHAPE_BATCH
-    # more than 12 gate+up warps: one tile a warp (8 gate and 8 up rows), half the ring
-    nv.tc_staged_shape = (16, 4, 2, 1)
-    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)
-    assert [n for n, *_ in launches][1] == "srt_nvfp4_gateup_st2x1t1"
-    (_, gu_grid, gu_block, gu_smem, _) = launches[1]
-    assert gu_grid == (3072 // (8 * 16), 64) and gu_block == (16 * 32,) and gu_smem == 16 * 2 * stage // 2
-    nv.tc_staged_shape = (14, 0, 4, 1)  # ... whose blocks the 8-row down blocks count
-    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)
-    assert [n for n, *_ in launches][1:3] == ["srt_nvfp4_gateup_st4x1t1", "srt_nvfp4_down_tc2x1"]
-    assert launches[2][4][-3] == -(-3072 // (8 * 14))
-    for bad in ((17, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1), (16, 4, 6, 1)):
+    for bad in ((13, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1)):
         nv.tc_staged_shape = bad
-        with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..16, "
-                                             r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\) "
-                                             r"\(\(\(2, 1\), \(4, 1\)\) past 12 gate\+up warps\)"):
+        with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "
+                                             r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\)"):
             _ffn_launches(nv, 8, 4, 6, 3584, 3072)
 
 
@@ -432,45 +421,6 @@ def test_gemv_stages_and_split_fit_shared_memory():
     launches.clear()
     nv.linear(torch.randn(8, 1536), torch.empty(12288, 1536, dtype=torch.bfloat16))  # K split 2: 3 stages fit
     assert launches[0][0] == "srt_gemv_tc_xf32_s3" and launches[0][4][-1] == 2 and launches[0][3] <= 80 * 1024
-
-
-def test_gemv_blocks_of_16_rows_keep_the_split_and_fall_back_where_they_do_not_fit():
-    """gemv_tc_rows = 16: from 9 rows on, a block per 32 rows of w and 16 of x (the tc16 entry
-    points), with the K split and stages of the 8-row blocks; up to 8 rows, and where two stages
-    of 16 rows would not fit shared memory, the 8-row blocks (the same bits either way)."""
-    launches = []
-    nv = _gemv_backend(launches)
-    nv.gemv_tc_rows = 16
-    ws = [torch.empty(n, 2048, dtype=torch.bfloat16) for n in (3584, 6144, 6144, 24)]  # 497 row blocks: split 2
-    for T, name, groups in ((11, "srt_gemv_tc16_xf32_s2", 1), (16, "srt_gemv_tc16_xf32_s2", 1), (20, "srt_gemv_tc16_xf32_s2", 2),
-                            (8, "srt_gemv_tc_xf32_s2", 1), (3, "srt_gemv_tc_xf32_s2", 1)):
-        launches.clear()
-        nv.linears(torch.randn(T, 2048), ws)
-        (n, grid, block, smem, ints, _), = launches
-        rows = 16 if "tc16" in name else 8
-        assert (n, grid, block, ints[-1]) == (name, (497 * groups,), (64,), 2), T
-        assert smem == 2 * 2 * (32 * 128 * 2 + min(T, rows) * 128 * 4) + rows * 32 * 4, T
-    launches.clear()
-    nv.linears(torch.randn(12, 2048, dtype=torch.bfloat16), ws)  # bf16 x: 2 bytes a column
-    assert launches[0][0] == "srt_gemv_tc16_xbf16_s2" and launches[0][3] == 2 * 2 * (32 * 128 * 2 + 12 * 128 * 2) + 16 * 32 * 4
-    # 64 row blocks: a split of 8 warps; two stages of 16 fp32 rows would take 258 KB, so 8 rows
-    w = torch.empty(2048, 6144, dtype=torch.bfloat16)
-    launches.clear()
-    nv.linear(torch.randn(16, 6144), w)
-    (n, grid, _, smem, ints, _), = launches
-    assert (n, grid, ints[-1]) == ("srt_gemv_tc_xf32_s2", (128,), 8) and smem <= 227 * 1024
-    launches.clear()
-    nv.linear(torch.randn(16, 6144, dtype=torch.bfloat16), w)  # 16 bf16 rows fit: 8 * 2 * 12 KB + 7 * 2 KB
-    (n, grid, _, smem, ints, _), = launches
-    assert (n, grid, ints[-1], smem) == ("srt_gemv_tc16_xbf16_s2", (64,), 8, 8 * 2 * (32 * 128 * 2 + 16 * 128 * 2) + 7 * 16 * 32 * 4)
-    # stages cut to what fits: in 80 KB, three stages of 8 fp32 rows, two of 16
-    launches.clear()
-    nv = _gemv_backend(launches, smem_optin=80 * 1024)
-    nv.gemv_tc_rows, nv.gemv_plan = 16, nvm.gemv_plan("bf16:8=tc3")
-    for T in (8, 16):
-        nv.linears(torch.randn(T, 2048), ws)
-    assert [(L[0], L[4][-1]) for L in launches] == [("srt_gemv_tc_xf32_s3", 2), ("srt_gemv_tc16_xf32_s2", 2)]
-    assert all(L[3] <= 80 * 1024 for L in launches)
 
 
 def test_gemv_unaligned_k_launches_the_scalar_kernel_per_8_rows():

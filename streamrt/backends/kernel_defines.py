@@ -19,7 +19,6 @@ TC_TOKENS = 8  # the most (row, expert) pairs of one expert one tensor-core bloc
 TC_ROWS16 = 16  # ... and one of the 16-row blocks (activation staged in phases of column blocks)
 TC_XSTRIDE = 20  # u32 words of one staged 32-element activation chunk (16 fp16 pairs + 4 of padding)
 TC_STAGED_THREADS = 384  # the most threads of a gate+up block reading staged rows (its registers: 65536 / it)
-TC_STAGED1_THREADS = 512  # ... and of one with one tile a warp (8 gate and 8 up rows)
 TC_STAGED_DOWN_THREADS = 256  # ... and of a down block reading them (four row slots a warp: more registers)
 # kda.cu: the largest head dim (a state column lives in registers)
 KDA_MAXK = 128
@@ -54,7 +53,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "SRT_MOE_MAXP_DT": MOE_MAXP_DT, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
                   "TC_TOKENS": TC_TOKENS, "TC_ROWS16": TC_ROWS16, "MMA_XSTRIDE": TC_XSTRIDE,
                   "TC_STAGED_THREADS": TC_STAGED_THREADS,
-                  "TC_STAGED1_THREADS": TC_STAGED1_THREADS, "TC_STAGED_DOWN_THREADS": TC_STAGED_DOWN_THREADS},
+                  "TC_STAGED_DOWN_THREADS": TC_STAGED_DOWN_THREADS},
     "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},
 }
 

@@ -15,8 +15,7 @@ hold these kernels to). The router and expert FFN: `nvrtc_moe.py`; the GEMV vari
 
 Prefill: `linear` with more than `rowwise_max` rows runs one GEMM through torch, bf16 weights
 as three bf16 tensor-core GEMMs with fp32 accuracy (`bf16x3.py`); up to `rowwise_max` rows it
-runs the GEMV kernel 8 rows at a time (16 with `gemv_tc_rows = 16`: one read of the weights for
-them), so a row's result is bit-identical alone or in a batch.
+runs the GEMV kernel 8 rows at a time, so a row's result is bit-identical alone or in a batch.
 The prefill view (`for_prefill`) runs the routed experts as grouped GEMMs (`nvfp4_gemm.py`) once
 a chunk gives each expert enough rows, else the decode kernels.
 """
@@ -134,9 +133,6 @@ class NvrtcBackend(MoeOps):
         self._gemv_choice: dict[tuple, str] = {}
         self._gemv_launches: dict[tuple, tuple[list[int], list[GemvLaunch]]] = {}  # see _linears
         self.gemv_tc_ks: int | None = None  # K split of the tensor-core GEMV (None: gemv_tc_split's; changes bits)
-        # Rows of x a tensor-core GEMV block takes: 8, or 16 (from 9 rows on, one read of W for
-        # 16 rows where two stages fit shared memory). The same bits either way.
-        self.gemv_tc_rows = 8
         self._cc = capability
         self._mma = self._cc >= (8, 0)  # bf16 mma.sync
         self._smem_optin = smem_optin
@@ -193,7 +189,7 @@ class NvrtcBackend(MoeOps):
         # a call of matrices seen before (same addresses, shapes, dtypes) at this x shape reuses
         # its launches, checked and built the first time: only x, the outputs and the addends
         # change (forced variants, tests and benchmarks, always take the checked path)
-        key = (T, K, x_bf16, self.gemv_tc_ks, self.gemv_tc_rows, self.rowwise_max,
+        key = (T, K, x_bf16, self.gemv_tc_ks, self.rowwise_max,
                tuple((w.data_ptr(), w.shape, w.dtype, w.is_contiguous(), len(add)) for w, add in items))
         known = None if self.gemv_plan else self._gemv_launches.get(key)
         if known is not None:
@@ -274,24 +270,19 @@ class NvrtcBackend(MoeOps):
 
     def _gemv_tc_launch(self, T: int, K: int, x_bf16: int, ws: list[Tensor], stages: int, items=()) -> "GemvLaunch":
         """The launch of a tensor-core GEMV of up to GEMV_TC_MATS matrices `ws` sharing an x of T
-        rows: a block per 32 rows of a w and 8 (or `gemv_tc_rows`) rows of x, K split among its
-        warps as `gemv_tc_split` gives for all the matrices' row blocks (a function of the
-        matrices only: a row's bits do not depend on T)."""
+        rows: a block per 32 rows of a w and 8 rows of x, K split among its warps as
+        `gemv_tc_split` gives for all the matrices' row blocks (a function of the matrices only:
+        a row's bits do not depend on T)."""
         row_blocks = [math.ceil(w.shape[0] / GEMV_TC_ROWS) for w in ws]
         # at most 8 warps, one stage each, and as many as fit shared memory with 2 stages of the
         # largest x (8 fp32 rows): a cap that does not depend on this call's T
         fit = (self._smem_optin + 8 * 32 * 4) // (2 * (GEMV_TC_ROWS * GEMV_TC_COLS * 2 + 8 * GEMV_TC_COLS * 4) + 8 * 32 * 4)
         ks = max(1, min(self.gemv_tc_ks or gemv_tc_split(sum(row_blocks)), 8, fit, math.ceil(K / GEMV_TC_COLS)))
-
-        def smem_of(rows: int, stages: int) -> int:  # the warps' rings, then the other warps' sums
-            stage = GEMV_TC_ROWS * GEMV_TC_COLS * 2 + min(T, rows) * GEMV_TC_COLS * (2 if x_bf16 else 4)
-            return ks * stages * stage + (ks - 1) * rows * 32 * 4
-
-        rows = 16 if self.gemv_tc_rows == 16 and T > 8 and smem_of(16, 2) <= self._smem_optin else 8
+        stage = GEMV_TC_ROWS * GEMV_TC_COLS * 2 + min(T, 8) * GEMV_TC_COLS * (2 if x_bf16 else 4)
         # fewer stages where the rings would not fit a block's shared memory (same bits; 2 always fit)
-        while stages > 2 and smem_of(rows, stages) > self._smem_optin:
+        while stages > 2 and ks * stages * stage + (ks - 1) * 8 * 32 * 4 > self._smem_optin:
             stages -= 1
-        smem = smem_of(rows, stages)
+        smem = ks * stages * stage + (ks - 1) * 8 * 32 * 4
         # GemvMats (kernels/gemv.cu): w, out, add0, add1 [GEMV_TC_MATS] u64; n, block0 [+1], m int32
         table = np.zeros(4 * GEMV_TC_MATS + (2 * GEMV_TC_MATS + 2) // 2, dtype=np.uint64)
         ints = table[4 * GEMV_TC_MATS :].view(np.int32)
@@ -301,8 +292,8 @@ class NvrtcBackend(MoeOps):
             ints[i], ints[GEMV_TC_MATS + i] = w.shape[0], blocks
             blocks += rb
         ints[GEMV_TC_MATS + len(ws)], ints[2 * GEMV_TC_MATS + 1] = blocks, len(ws)
-        k = self._k("gemv", f"srt_gemv_tc{'16' if rows == 16 else ''}_x{'bf16' if x_bf16 else 'f32'}_s{stages}")
-        return GemvLaunch(k, (blocks * math.ceil(T / rows),), (32 * ks,), smem, ks, table, tuple(items))
+        k = self._k("gemv", f"srt_gemv_tc_x{'bf16' if x_bf16 else 'f32'}_s{stages}")
+        return GemvLaunch(k, (blocks * math.ceil(T / 8),), (32 * ks,), smem, ks, table, tuple(items))
 
     def _run_gemv(self, launch: "GemvLaunch", x: Tensor, outs: list[tuple[Tensor, tuple[Tensor, ...]]]) -> None:
         """`launch` on x, its matrices' outputs and addends (in its table's order) filled in."""

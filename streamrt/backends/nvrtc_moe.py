@@ -31,7 +31,6 @@ from streamrt.backends.kernel_defines import (
     ROUTER_THREADS,
     TC_ROWS16,
     TC_SBYTES,
-    TC_STAGED1_THREADS,
     TC_STAGED_DOWN_THREADS,
     TC_STAGED_THREADS,
     TC_TOKENS,
@@ -64,11 +63,8 @@ TC_BATCH_ROWS = 8
 # the gate+up grid is done, and down blocks take gate+up's groups. H200, deep-k3.1-pro's expert
 # shape, T=16 x 16 of 24 experts (RESULTS.md §24): 0.72-0.75x the time of TC_SHAPE_BATCH's
 # blocks; 8 gate+up warps take 1.15x the time of 12, 4 or 8 down warps the same; B=16 decode 0.81x.
-# More than 12 gate+up warps: one tile a warp (8 gate and 8 up rows, half the accumulators, so up
-# to 16 warps fit the register file); not yet timed on a GPU.
 TC_STAGED_SHAPE = (12, 4, 2, 1)
 TC_STAGED_PIPES = ((2, 1), (4, 1), (6, 1))
-TC_STAGED1_PIPES = ((2, 1), (4, 1))  # ... of the one-tile gate+up kernels (more than 12 warps)
 TC_PIPES = ((2, 2), (3, 2), (4, 1), (2, 1))
 TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
 # "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
@@ -427,22 +423,20 @@ class MoeOps:
         or (down warps 0) the down kernel of `tc_shape_batch`: groups of up to TC_TOKENS, each
         inside one gate+up group (TC_ROWS16 is a multiple of TC_TOKENS), whose blocks wait on it."""
         gw, dw, st, kbs = self.tc_staged_shape
-        one_tile = gw > TC_STAGED_THREADS // 32  # more warps than two tiles' registers allow: 8 + 8 rows a warp
-        pipes = TC_STAGED1_PIPES if one_tile else TC_STAGED_PIPES
-        if not (1 <= gw <= TC_STAGED1_THREADS // 32 and 0 <= dw <= TC_STAGED_DOWN_THREADS // 32 and (st, kbs) in pipes):
-            raise ValueError(f"tc_staged_shape {self.tc_staged_shape}: gate+up warps 1..{TC_STAGED1_THREADS // 32}, "
-                             f"down warps 0..{TC_STAGED_DOWN_THREADS // 32}, (stages, blocks) one of {TC_STAGED_PIPES} "
-                             f"({TC_STAGED1_PIPES} past {TC_STAGED_THREADS // 32} gate+up warps)")
+        if not (1 <= gw <= TC_STAGED_THREADS // 32 and 0 <= dw <= TC_STAGED_DOWN_THREADS // 32
+                and (st, kbs) in TC_STAGED_PIPES):
+            raise ValueError(f"tc_staged_shape {self.tc_staged_shape}: gate+up warps 1..{TC_STAGED_THREADS // 32}, "
+                             f"down warps 0..{TC_STAGED_DOWN_THREADS // 32}, (stages, blocks) one of {TC_STAGED_PIPES}")
         _, td, st_d, kbs_d = self._tc_shape("tc_shape_batch") if dw == 0 else self.tc_shape_batch
         xs, unscale = staged
         cap, cap_gu = min(TC_TOKENS, T), TC_ROWS16
-        gu_blocks = math.ceil(I / ((8 if one_tile else 16) * gw))
+        gu_blocks = math.ceil(I / (16 * gw))
         if dw:
             ready = None  # the down kernel reads h staged after the whole gate+up grid
-        self._k("nvfp4_moe", f"srt_nvfp4_gateup_st{st}x{kbs}{'t1' if one_tile else ''}{suffix}")(
+        self._k("nvfp4_moe", f"srt_nvfp4_gateup_st{st}x{kbs}{suffix}")(
             (gu_blocks, np_), (gw * 32,),
             [gtab, ptr(xs), ptr(unscale), i32(T), ptr(h), i32(I), i32(Dl), *act, ptr(ready), i32(cap_gu)],
-            smem=gw * st * kbs * TC_STAGE_SMEM // (2 if one_tile else 1), pdl=self.pdl and pdl_gateup)
+            smem=gw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl and pdl_gateup)
         if dw:
             hs, h_unscale = self._staged_rows(h)  # every row of h (P): the zero row is P
             self._k("nvfp4_moe", f"srt_nvfp4_down_st{st}x{kbs}{suffix}")(
