@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         rows.append((name, nb, t, tt))
 
     if args.gemv_groups_only:
-        decode_gemv_groups(args, dev, bench)
+        decode_gemv_groups(args, nv, dev, bench)
     else:
         if not args.no_ffn:
             expert_ffn_rows(args, nv, tb, dev, bench)
@@ -296,7 +296,7 @@ def other_ops(args, nv, tb, dev, bench) -> None:
         ow = (1 + 0.1 * torch.randn(D, device=dev)).bfloat16()
         bench(f"attnres_mix + rmsnorm D={D}, {S} sources, T=1", (S + 1) * D * 4,
               lambda srcs=srcs, nw=nw, pw=pw, ow=ow: nv.attnres_mix(srcs[-1], srcs[:-1], nw, pw, 1e-5, ow, 1e-5))
-    decode_gemv_groups(args, dev, bench)
+    decode_gemv_groups(args, nv, dev, bench)
 
 
 # deep-k3.1-pro's decode GEMV launches of one x (hidden 2048): (name, [(N, K), ...])
@@ -312,7 +312,7 @@ DEEP_GEMV_GROUPS = (
 )
 
 
-def decode_gemv_groups(args, dev, bench) -> None:
+def decode_gemv_groups(args, nv, dev, bench) -> None:
     """The deep-k3.1-pro decode GEMV launches at T=1, each call on the next of enough weight
     copies that none is in L2 (as in a step, where a layer's 128 MB go by once), against cuBLAS
     bf16 (torch, one matmul per matrix) on the same copies; with --variants every K split. Then
@@ -332,8 +332,7 @@ def decode_gemv_groups(args, dev, bench) -> None:
         bench(f"  cuBLAS bf16: {dims}, T=1, a matmul per matrix", nb,
               rotating(lambda w: [torch.nn.functional.linear(xb, m) for m in w], ws))
         x16 = torch.randn(16, shapes[0][1], device=dev)
-        nvk = NvrtcBackend()
-        bench(f"bf16 linears {dims} ({name}), T=16", nb, rotating(lambda w: nvk.linears(x16, w), ws))
+        bench(f"bf16 linears {dims} ({name}), T=16", nb, rotating(lambda w: nv.linears(x16, w), ws))
         x16b = x16.bfloat16()
         bench(f"  cuBLAS bf16: {dims}, T=16, a matmul per matrix", nb,
               rotating(lambda w: [torch.nn.functional.linear(x16b, m) for m in w], ws))

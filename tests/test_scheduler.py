@@ -4,6 +4,8 @@ cyclic-scan and compulsory-miss counts; no full synchronize on the decode path."
 
 import argparse
 import asyncio
+import gc
+import weakref
 
 import pytest
 import torch
@@ -487,9 +489,6 @@ def test_predictor_guesses_the_next_routers_top_k(tree, model):
 def test_a_closed_runtime_gives_its_expert_slots_back(tree, model):
     """The slab goes when the runtime closes, not when the object does: a benchmark that opens
     one resident runtime after another (`with ... as rt` keeps the name bound) must not hold two."""
-    import gc
-    import weakref
-
     with runtime(tree, model, window=WS, gpu_experts=2 * WS) as rt:
         decode(model, lambda g, n: rt.run(g, tokens=n))
         slab = weakref.ref(rt.gpu.slab)

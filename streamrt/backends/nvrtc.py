@@ -279,10 +279,14 @@ class NvrtcBackend(MoeOps):
         fit = (self._smem_optin + 8 * 32 * 4) // (2 * (GEMV_TC_ROWS * GEMV_TC_COLS * 2 + 8 * GEMV_TC_COLS * 4) + 8 * 32 * 4)
         ks = max(1, min(self.gemv_tc_ks or gemv_tc_split(sum(row_blocks)), 8, fit, math.ceil(K / GEMV_TC_COLS)))
         stage = GEMV_TC_ROWS * GEMV_TC_COLS * 2 + min(T, 8) * GEMV_TC_COLS * (2 if x_bf16 else 4)
+
+        def smem_of(stages: int) -> int:  # the warps' rings, then the other warps' sums
+            return ks * stages * stage + (ks - 1) * 8 * 32 * 4
+
         # fewer stages where the rings would not fit a block's shared memory (same bits; 2 always fit)
-        while stages > 2 and ks * stages * stage + (ks - 1) * 8 * 32 * 4 > self._smem_optin:
+        while stages > 2 and smem_of(stages) > self._smem_optin:
             stages -= 1
-        smem = ks * stages * stage + (ks - 1) * 8 * 32 * 4
+        smem = smem_of(stages)
         # GemvMats (kernels/gemv.cu): w, out, add0, add1 [GEMV_TC_MATS] u64; n, block0 [+1], m int32
         table = np.zeros(4 * GEMV_TC_MATS + (2 * GEMV_TC_MATS + 2) // 2, dtype=np.uint64)
         ints = table[4 * GEMV_TC_MATS :].view(np.int32)
