@@ -202,36 +202,111 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // h / y row p; the pairs are ordered by (expert, p), as the host orders them (a batch's pairs of
 // one expert adjacent; a pair's bits do not depend on its place). Pair p's place
 // r = #{q : (e_q, q) < (e_p, p)} is entry r % SRT_MOE_MAXP_DT of table r / SRT_MOE_MAXP_DT.
-// grid ceil(P / 256), block 256.
+// With `groups`, each table's list of groups follows (moe_groups).
 #ifndef SRT_EXPERT_COLS
 #error "SRT_EXPERT_COLS is passed by the host (-DSRT_EXPERT_COLS=..., streamrt/backends/kernel_defines.py)"
 #endif
-extern "C" __global__ void srt_moe_tables(const long long* __restrict__ ids, const u64* __restrict__ experts, int P,
-                                          int k, GateUpTableDt* __restrict__ gtab, DownTableDt* __restrict__ dtab) {
-  const int p = blockIdx.x * blockDim.x + threadIdx.x;
-  if (p >= P) return;
-  const long long ep = ids[p];
-  int r = 0;
-  for (int q = 0; q < P; ++q) {
-    const long long eq = ids[q];
-    r += eq < ep || (eq == ep && q < p);
+#if SRT_MOE_MAXP_DT > 1024
+#error "SRT_MOE_MAXP_DT > 1024: srt_moe_tables scans a table's entries a thread each"
+#endif
+
+// Inclusive max and exclusive sum over the block, in thread order (`red`: 32 ints of shared memory).
+SRT_DEV int block_scan_max(int v, int* red) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(SRT_FULL, v, o);
+    if (l >= o) v = max(v, u);
   }
-  const int c = r / SRT_MOE_MAXP_DT, i = r - c * SRT_MOE_MAXP_DT;
-  const u64* e = experts + ep * SRT_EXPERT_COLS;
-  GateUpTableDt& g = gtab[c];
-  DownTableDt& d = dtab[c];
-  g.gate_packed[i] = e[0];
-  g.gate_scales[i] = e[1];
-  g.gate_global[i] = e[2];
-  g.up_packed[i] = e[3];
-  g.up_scales[i] = e[4];
-  g.up_global[i] = e[5];
-  g.row[i] = p / k;
-  g.dst[i] = p;
-  d.packed[i] = e[6];
-  d.scales[i] = e[7];
-  d.global[i] = e[8];
-  d.dst[i] = p;
+  __syncthreads();
+  if (l == 31) red[w] = v;
+  __syncthreads();
+  for (int i = 0; i < w && i < nw; ++i) v = max(v, red[i]);
+  return v;
+}
+
+SRT_DEV int block_scan_sum(int v, int* red, int& total) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
+  int s = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(SRT_FULL, s, o);
+    if (l >= o) s += u;
+  }
+  __syncthreads();
+  if (l == 31) red[w] = s;
+  __syncthreads();
+  total = 0;
+  for (int i = 0; i < nw; ++i) {
+    if (i < w) s += red[i];
+    total += red[i];
+  }
+  return s - v;
+}
+
+// The groups of one table (n entries): each expert's run of entries cut into groups of up to
+// cap, in place order. out: their count G, then each group's first entry, then n (group g's
+// size is out[2 + g] - out[1 + g]). The staged FFN blocks take one group each (blockIdx.y), so
+// their grid holds as many groups as there can be, not one block row per pair.
+SRT_DEV void moe_groups(const u64* key, int n, int cap, int* __restrict__ out, int* red) {
+  const int i = threadIdx.x;
+  const bool in = i < n;
+  const bool starts = in && (i == 0 || key[i - 1] != key[i]);  // a new expert's run
+  const int first = block_scan_max(starts ? i : 0, red);
+  const bool leads = in && (i - first) % cap == 0;
+  int count;
+  const int g = block_scan_sum(leads, red, count);
+  if (leads) out[1 + g] = i;
+  if (i == 0) {
+    out[0] = count;
+    out[1 + count] = n;
+  }
+}
+
+// grid 1, block a multiple of 32 up to 1024; with groups (SRT_MOE_MAXP_DT + 2 ints per table)
+// SRT_MOE_MAXP_DT, as the groups' scan takes a table's entries a thread each. The key is read
+// without __restrict__: this kernel writes it (a non-coherent load could miss that).
+extern "C" __global__ void __launch_bounds__(SRT_MOE_MAXP_DT)
+    srt_moe_tables(const long long* __restrict__ ids, const u64* __restrict__ experts, int P, int k,
+                   GateUpTableDt* __restrict__ gtab, DownTableDt* __restrict__ dtab, int cap, int* __restrict__ groups) {
+  __shared__ long long keys[SRT_MOE_MAXP_DT];  // (expert, pair) of a tile of pairs
+  __shared__ int red[32];
+  for (int p0 = 0; p0 < P; p0 += blockDim.x) {  // the same trip count in every thread (barriers)
+    const int p = p0 + threadIdx.x;
+    const long long kp = p < P ? (ids[p] << 32) | p : 0;
+    int r = 0;
+    for (int q0 = 0; q0 < P; q0 += SRT_MOE_MAXP_DT) {
+      const int m = min(SRT_MOE_MAXP_DT, P - q0);
+      __syncthreads();  // the tile before is read
+      for (int j = threadIdx.x; j < m; j += blockDim.x) keys[j] = (ids[q0 + j] << 32) | (q0 + j);
+      __syncthreads();
+      if (p < P)
+        for (int j = 0; j < m; ++j) r += keys[j] < kp;
+    }
+    if (p >= P) continue;
+    const long long ep = kp >> 32;
+    const int c = r / SRT_MOE_MAXP_DT, i = r - c * SRT_MOE_MAXP_DT;
+    const u64* e = experts + ep * SRT_EXPERT_COLS;
+    GateUpTableDt& g = gtab[c];
+    DownTableDt& d = dtab[c];
+    g.gate_packed[i] = e[0];
+    g.gate_scales[i] = e[1];
+    g.gate_global[i] = e[2];
+    g.up_packed[i] = e[3];
+    g.up_scales[i] = e[4];
+    g.up_global[i] = e[5];
+    g.row[i] = p / k;
+    g.dst[i] = p;
+    d.packed[i] = e[6];
+    d.scales[i] = e[7];
+    d.global[i] = e[8];
+    d.dst[i] = p;
+  }
+  if (groups == nullptr) return;
+  __syncthreads();  // every table entry is written (and visible to the block)
+  for (int c = 0; c * SRT_MOE_MAXP_DT < P; ++c)
+    moe_groups(gtab[c].gate_packed, min(SRT_MOE_MAXP_DT, P - c * SRT_MOE_MAXP_DT), cap,
+               groups + c * (SRT_MOE_MAXP_DT + 2), red);
 }
 
 // out[t, d] = w[t,0]*y[t*k, d] + w[t,1]*y[t*k+1, d] + ... (left to right, each product rounded).
@@ -454,6 +529,16 @@ SRT_DEV int group_size(const u64* key, int p, int np, int cap) {
   while (n < cap && p + n < np && key[p + n] == e) ++n;
   return n;
 }
+
+// The group a staged block takes (blockIdx.y): entry g of srt_moe_tables' list `groups` (the
+// device tables' kernels), or, without one (the host's tables), the group pair blockIdx.y leads,
+// if it leads one. Its size (0: no group, the block has nothing to do) and its first entry.
+SRT_DEV int block_group_size(const u64* key, const int* groups, int cap) {
+  if (groups == nullptr) return group_size(key, blockIdx.y, gridDim.y, cap);
+  const int g = blockIdx.y;
+  return g < groups[0] ? groups[2 + g] - groups[1 + g] : 0;
+}
+SRT_DEV int block_group_first(const int* groups) { return groups != nullptr ? groups[1 + blockIdx.y] : blockIdx.y; }
 
 // The entry that leads p's group when the expert's run is cut into groups of `cap`.
 SRT_DEV int group_lead(const u64* key, int p, int cap) {
@@ -1034,42 +1119,65 @@ SRT_DEV void tc_rows_staged(const TcRows& R, const u32* __restrict__ xs, const i
       for (int i = 0; i < 4; ++i) acc[t][s][i] = part[t][s][0][i] + part[t][s][1][i];
 }
 
-// grid (ceil(I / (16 * warps)), pairs), block warps*32, smem warps * S * KBS * (TC_WBYTES +
-// TC_SBYTES). xs / unscale: srt_moe_stage_rows' rows of z (zero_row: its zero row). A block takes
-// the group of up to cap <= TC_ROWS16 pairs its entry leads and, with `ready`, counts itself
-// done in ready[dst[its first pair]] (gateup_tc's contract).
+// tc_rows_staged over a group of n rows: as many sets of four rows as it has.
+template <int S, int KBS>
+SRT_DEV void tc_group_staged(const TcRows& R, const u32* __restrict__ xs, const int* rows, int n, int zero_row, int in,
+                             const u8* wring, const u8* sring, float acc[2][4][4]) {
+  if (n > 12) tc_rows_staged<S, KBS, 4>(R, xs, rows, n, zero_row, in, wring, sring, acc);
+  else if (n > 8) tc_rows_staged<S, KBS, 3>(R, xs, rows, n, zero_row, in, wring, sring, acc);
+  else if (n > 4) tc_rows_staged<S, KBS, 2>(R, xs, rows, n, zero_row, in, wring, sring, acc);
+  else tc_rows_staged<S, KBS, 1>(R, xs, rows, n, zero_row, in, wring, sring, acc);
+}
+
+// A staged warp's rows of entry p's expert: gate rows r0..r0+15 (tile 0) and the same up rows
+// (tile 1), or down rows r0..r0+31.
+template <class Tab>
+SRT_DEV TcRows gateup_rows(const Tab& tab, int p, int r0, int I, int Dl) {
+  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
+  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
+  return {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
+          scales_aligned16(gs, us, Dl >> 4)};
+}
+template <class Tab>
+SRT_DEV TcRows down_rows(const Tab& tab, int p, int r0, int Dl, int I) {
+  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
+  return {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
+          scales_aligned16(ds, ds, I >> 4)};
+}
+
+// grid (ceil(I / (16 * warps)), pairs or at least groups[0]), block warps*32, smem warps * S * KBS
+// * (TC_WBYTES + TC_SBYTES). xs / unscale: srt_moe_stage_rows' rows of z (zero_row: its zero
+// row). A block takes a group of up to cap <= TC_ROWS16 pairs (block_group) and, with `ready`,
+// counts itself done in ready[dst[its first pair]] (gateup_tc's contract).
 template <int S, int KBS, class Tab>
 SRT_DEV void gateup_staged(const Tab& tab, const u32* __restrict__ xs, const float* __restrict__ unscale, int zero_row,
                            float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin,
-                           int* ready, int cap, u8* smem) {
-  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
+                           int* ready, int cap, const int* groups, u8* smem) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = block_group_size(tab.gate_packed, groups, cap);
   if (n == 0) return;
   const u8* wring = smem + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
-  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
-  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
-  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
-                    scales_aligned16(gs, us, Dl >> 4)};
+  const TcRows R = gateup_rows(tab, block_group_first(groups), r0, I, Dl);
   if (r0 < I)  // weights do not depend on z: start the pipeline before the staged rows are ready
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   pdl_wait();  // xs is the staging kernel's output
   pdl_launch_dependents();  // after pdl_wait(): the down blocks read `ready` (gateup_tc)
   if (r0 < I) {
-    const int* rows = &tab.row[p];
     float acc[2][4][4];
-    if (n > 12) tc_rows_staged<S, KBS, 4>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
-    else if (n > 8) tc_rows_staged<S, KBS, 3>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
-    else if (n > 4) tc_rows_staged<S, KBS, 2>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
-    else tc_rows_staged<S, KBS, 1>(R, xs, rows, n, zero_row, Dl, wring, sring, acc);
+    tc_group_staged<S, KBS>(R, xs, &tab.row[block_group_first(groups)], n, zero_row, Dl, wring, sring, acc);
+    // the group's first entry and (from a list) size read again: held across the loop, they take
+    // registers it needs
+    const int p = block_group_first(groups), m = groups != nullptr ? block_group_size(tab.gate_packed, groups, cap) : n;
+    const int* rows = &tab.row[p];
     const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
     const float* gg = (const float*)tab.gate_global[p];
     const float* ug = (const float*)tab.up_global[p];
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int j = 4 * s + c;
-      if (j >= n) break;
+      if (j >= m) break;
       const float u = unscale[rows[j]];
       const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
       const float* ut = acc[1][s];
@@ -1084,43 +1192,39 @@ SRT_DEV void gateup_staged(const Tab& tab, const u32* __restrict__ xs, const flo
     __syncthreads();  // every warp's rows of h are written
     if (threadIdx.x == 0) {
       __threadfence();
-      atomicAdd(&ready[tab.dst[p]], 1);
+      atomicAdd(&ready[tab.dst[block_group_first(groups)]], 1);
     }
   }
 }
 
-// grid (ceil(Dl / (32 * warps)), pairs), block warps*32, smem warps * S * KBS * (TC_WBYTES +
-// TC_SBYTES). hs / unscale: srt_moe_stage_rows' rows of h (one per pair: dst; zero_row its zero
+// grid (ceil(Dl / (32 * warps)), as gate+up's), block warps*32, smem warps * S * KBS * (TC_WBYTES
+// + TC_SBYTES). hs / unscale: srt_moe_stage_rows' rows of h (one per pair: dst; zero_row its zero
 // row), staged after the whole gate+up grid. The groups are gate+up's (up to cap pairs).
 template <int S, int KBS, class Tab>
 SRT_DEV void down_staged(const Tab& tab, const u32* __restrict__ hs, const float* __restrict__ unscale, int zero_row,
-                         float* __restrict__ y, int Dl, int I, int cap, u8* smem) {
-  const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int n = group_size(tab.packed, p, gridDim.y, cap);
+                         float* __restrict__ y, int Dl, int I, int cap, const int* groups, u8* smem) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int n = block_group_size(tab.packed, groups, cap);
   if (n == 0) return;
   const u8* wring = smem + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
-  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
-  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
-                    scales_aligned16(ds, ds, I >> 4)};
+  const TcRows R = down_rows(tab, block_group_first(groups), r0, Dl, I);
   if (r0 < Dl)
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   pdl_wait();  // hs is the staging kernel's output
   pdl_launch_dependents();
   if (r0 >= Dl) return;
-  const int* rows = &tab.dst[p];
   float acc[2][4][4];
-  if (n > 12) tc_rows_staged<S, KBS, 4>(R, hs, rows, n, zero_row, I, wring, sring, acc);
-  else if (n > 8) tc_rows_staged<S, KBS, 3>(R, hs, rows, n, zero_row, I, wring, sring, acc);
-  else if (n > 4) tc_rows_staged<S, KBS, 2>(R, hs, rows, n, zero_row, I, wring, sring, acc);
-  else tc_rows_staged<S, KBS, 1>(R, hs, rows, n, zero_row, I, wring, sring, acc);
+  tc_group_staged<S, KBS>(R, hs, &tab.dst[block_group_first(groups)], n, zero_row, I, wring, sring, acc);
+  const int p = block_group_first(groups), m = groups != nullptr ? block_group_size(tab.packed, groups, cap) : n;
+  const int* rows = &tab.dst[p];
   const float* dg = (const float*)tab.global[p];
   const int c = lane & 3;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int j = 4 * s + c;
-    if (j >= n) break;
+    if (j >= m) break;
     const float u = unscale[rows[j]];
     float* yp = y + (long long)rows[j] * Dl;
 #pragma unroll
@@ -1146,27 +1250,29 @@ SRT_DEV void down_staged(const Tab& tab, const u32* __restrict__ hs, const float
               int* ready, int cap) {                                                                               \
     extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
     gateup_staged<S, KBS>(tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,       \
-                          (u8*)smem_##GU_NAME);                                                                    \
+                          nullptr, (u8*)smem_##GU_NAME);                                                           \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(TC_STAGED_THREADS, 1)                                              \
       GU_DT(const GateUpTableDt* __restrict__ tab, const u32* __restrict__ xs, const float* __restrict__ unscale,   \
             int zero_row, float* __restrict__ h, int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin,   \
-            int* ready, int cap) {                                                                                 \
+            int* ready, int cap, const int* groups) {                                                             \
     extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
+    __builtin_assume(groups != nullptr); /* the device tables come with their list */                             \
     gateup_staged<S, KBS>(*tab, xs, unscale, zero_row, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,      \
-                          (u8*)smem_##GU_DT);                                                                      \
+                          groups, (u8*)smem_##GU_DT);                                                              \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(TC_STAGED_DOWN_THREADS, 1)                                         \
       DN_NAME(const __grid_constant__ DownTable tab, const u32* __restrict__ hs, const float* __restrict__ unscale, \
               int zero_row, float* __restrict__ y, int Dl, int I, int cap) {                                       \
     extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
-    down_staged<S, KBS>(tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_NAME);                           \
+    down_staged<S, KBS>(tab, hs, unscale, zero_row, y, Dl, I, cap, nullptr, (u8*)smem_##DN_NAME);                  \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(TC_STAGED_DOWN_THREADS, 1)                                         \
       DN_DT(const DownTableDt* __restrict__ tab, const u32* __restrict__ hs, const float* __restrict__ unscale,     \
-            int zero_row, float* __restrict__ y, int Dl, int I, int cap) {                                         \
+            int zero_row, float* __restrict__ y, int Dl, int I, int cap, const int* groups) {                      \
     extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
-    down_staged<S, KBS>(*tab, hs, unscale, zero_row, y, Dl, I, cap, (u8*)smem_##DN_DT);                            \
+    __builtin_assume(groups != nullptr);                                                                           \
+    down_staged<S, KBS>(*tab, hs, unscale, zero_row, y, Dl, I, cap, groups, (u8*)smem_##DN_DT);                    \
   }
 
 SRT_TCS_ENTRY(srt_nvfp4_gateup_st2x1, srt_nvfp4_gateup_st2x1_dt, srt_nvfp4_down_st2x1, srt_nvfp4_down_st2x1_dt, 2, 1)

@@ -1,7 +1,8 @@
 """CUDA-graph decode (issue 24) on the GPU: the pieces a graph needs, and graphs on vs off.
 
 - `srt_moe_tables` writes, from device ids and a pointer table, the GateUpTable / DownTable bytes
-  the host packs for the same pairs in the same order (by expert; `expert_pointers.tables`);
+  the host packs for the same pairs in the same order (by expert; `expert_pointers.tables`), and
+  the list of groups the staged expert-FFN blocks take;
 - the attention kernels with a device `length` over a longer cache give the bits of the same
   call on the cache cut to that length (and the selection of every position, ascending, gives
   the bits of no selection);
@@ -39,12 +40,28 @@ def be():
     return NvrtcBackend()
 
 
-@pytest.mark.parametrize("T,k", [(1, 16), (3, 16), (5, 7), (70, 16)])
-def test_moe_tables_kernel_writes_the_host_tables(be, T, k):
-    from streamrt.backends.nvrtc_args import i32, ptr
+def _groups_by_hand(experts_in_order: list[int], cap: int) -> list[int]:
+    """The first entry of each group of one table: a new group where the expert changes, and
+    every `cap` entries along one expert's run."""
+    firsts, run = [], 0
+    for i, e in enumerate(experts_in_order):
+        run = run + 1 if i and e == experts_in_order[i - 1] else 0
+        if run % cap == 0:
+            firsts.append(i)
+    return firsts
 
-    g = torch.Generator().manual_seed(T * 100 + k)
-    E = 24
+
+@pytest.mark.parametrize("T,k,E,cap,listed", [(1, 16, 24, 16, False), (3, 16, 24, 16, True), (5, 7, 24, 4, True),
+                                            (16, 16, 24, 16, True), (70, 16, 24, 16, False), (70, 16, 3, 16, True),
+                                            (70, 16, 24, 5, True)])
+def test_moe_tables_kernel_writes_the_host_tables(be, T, k, E, cap, listed):
+    """The tables' bytes equal the host's for the same pairs; with a list, each table's groups
+    (runs of one expert cut every `cap` entries) follow: their count, first entries and the
+    table's length. 70 x 16 pairs span two tables, an expert's run crossing between them."""
+    from streamrt.backends.nvrtc_args import i32, ptr
+    from streamrt.backends.nvrtc_moe import most_groups
+
+    g = torch.Generator().manual_seed(T * 100 + k + E + cap)
     experts = torch.randint(1, 2**62, (E, EXPERT_COLS), generator=g, dtype=torch.int64)  # stand-in addresses
     ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int64)
     P = T * k
@@ -52,8 +69,11 @@ def test_moe_tables_kernel_writes_the_host_tables(be, T, k):
     chunks = -(-P // M)
     gt = torch.zeros(chunks, gate_up_table_bytes(M), dtype=torch.uint8, device="cuda")
     dt = torch.zeros(chunks, down_table_bytes(M), dtype=torch.uint8, device="cuda")
+    groups = torch.full((chunks, M + 2), -7, dtype=torch.int32, device="cuda") if listed else None
     ids_d, ex_d = ids.cuda(), experts.cuda()
-    be._k("nvfp4_moe", "srt_moe_tables")((-(-P // 256),), (256,), [ptr(ids_d), ptr(ex_d), i32(P), i32(k), ptr(gt), ptr(dt)])
+    threads = M if listed else min(1024, 32 * -(-P // 32))
+    be._k("nvfp4_moe", "srt_moe_tables")(
+        (1,), (threads,), [ptr(ids_d), ptr(ex_d), i32(P), i32(k), ptr(gt), ptr(dt), i32(cap), ptr(groups)])
     torch.cuda.synchronize()
     flat = ids.reshape(-1).tolist()
     order = sorted(range(P), key=lambda p: (flat[p], p))  # the pairs by expert, as the host orders them
@@ -63,6 +83,12 @@ def test_moe_tables_kernel_writes_the_host_tables(be, T, k):
         want_g, want_d = tables(chunk, ptrs, M)
         assert np.array_equal(gt[c].cpu().numpy(), want_g), f"GateUpTable {c}"
         assert np.array_equal(dt[c].cpu().numpy(), want_d), f"DownTable {c}"
+        if listed:
+            firsts = _groups_by_hand([e for _, _, e in chunk], cap)
+            got = groups[c].tolist()
+            assert got[0] == len(firsts) and got[1 : 1 + len(firsts)] == firsts, f"groups of table {c}"
+            assert got[1 + len(firsts)] == len(chunk)
+            assert len(firsts) <= most_groups(len(chunk), E, cap)
 
 
 @pytest.mark.parametrize("n", [5, 16, 17, 100])

@@ -851,7 +851,8 @@ def test_expert_ffn_16_row_blocks_without_pdl_or_pair_counts(gen, pdl, pair_read
      (20, 6, 8, 256, 384, (5, 0, 6, 1)),
      (8, 4, 5, 640, 896, (3, 2, 4, 1)),  # the fewest rows that take the staged blocks
      (40, 8, 10, 128, 256, (12, 8, 4, 1)),  # more pairs than a by-value table (64): groups cut at chunks
-     (40, 8, 10, 128, 256, (12, 0, 4, 1))],
+     (40, 8, 10, 128, 256, (12, 0, 4, 1)),
+     (70, 16, 24, 128, 256, (12, 4, 2, 1))],  # two device tables (1,120 pairs), each with its list of groups
 )
 def test_expert_ffn_staged_rows_give_the_8_row_bits(gen, T, k, E, Dl, I, shape):
     """From 8 rows on, gate+up reads rows of z staged once per call (srt_moe_stage_rows), up to 16

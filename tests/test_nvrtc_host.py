@@ -16,7 +16,9 @@ import torch
 
 from streamrt.backends import nvrtc as nvm
 from streamrt.backends.expert_pointers import ExpertPointers, scales_aligned8, tables
-from streamrt.expert_weights import ExpertWeights, NVFP4Matrix
+from streamrt.backends.kernel_defines import MOE_MAXP_DT
+from streamrt.backends.nvrtc_moe import most_groups
+from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts
 
 DL, I, K = 256, 384, 4
 
@@ -290,6 +292,62 @@ def test_staged_rows_from_eight_rows():
         with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "
                                              r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\)"):
             _ffn_launches(nv, 8, 4, 6, 3584, 3072)
+
+
+def _table_launches(nv, T, k, E, dl, i):
+    """expert_ffn's launches (as _ffn_launches) on the device-table path: every expert resident,
+    the router's ids on the device (a CUDA graph's step)."""
+    launches = []
+
+    def rec(program, name):
+        def launch(grid, block, args, smem=0, stream=None, pdl=False):
+            ints = [struct.unpack("<i", a)[0] for a in args if len(a) == 4]
+            launches.append((name, tuple(grid), tuple(block), smem, ints, len(args)))
+        return launch
+
+    nv._k = rec
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    experts = ResidentExperts({}, torch.zeros(E, 9, dtype=torch.int64), i, ids)
+    nv.expert_ffn(torch.randn(T, dl), experts.ids, torch.rand(T, k), experts, 4.0, 25.0)
+    return launches
+
+
+def test_device_tables_list_the_staged_groups():
+    """On the device-table path (a CUDA graph's step) from 8 rows on, srt_moe_tables also lists
+    the groups of up to 16 pairs (one block of MOE_MAXP_DT threads), and the staged gate+up and
+    down grids hold a block row per group there can be (most_groups), not one per pair, the
+    list their last argument. Fewer rows: no list, a block row per pair, a block of threads for
+    the pairs. deep-k3.1-pro's shape: 16 of 24 experts, 3584 x 3072."""
+    nv = _host_backend()
+    launches = _table_launches(nv, 16, 16, 24, 3584, 3072)
+    assert [n for n, *_ in launches] == ["srt_moe_stage_rows", "srt_moe_tables", "srt_nvfp4_gateup_st2x1_dt",
+                                         "srt_moe_stage_rows", "srt_nvfp4_down_st2x1_dt", "srt_moe_combine"]
+    _, tab_grid, tab_block, _, tab_ints, _ = launches[1]
+    assert tab_grid == (1,) and tab_block == (MOE_MAXP_DT,) and tab_ints == [256, 16, 16]  # P, k, the cap
+    (_, gu_grid, _, _, _, gu_args), (_, dn_grid, _, _, _, dn_args) = launches[2], launches[4]
+    assert gu_grid == (3072 // (16 * 12), 24 + (256 - 24) // 16) and dn_grid == (3584 // (32 * 4), 38)
+    assert (gu_args, dn_args) == (14, 9)  # the list follows the group cap
+    launches = _table_launches(nv, 4, 16, 24, 3584, 3072)
+    assert [n for n, *_ in launches][:3] == ["srt_moe_tables", "srt_nvfp4_gateup_tc2x2_dt", "srt_nvfp4_down_tc2x2_dt"]
+    assert launches[0][1:3] == ((1,), (64,)) and launches[1][1][1] == 64
+
+
+def test_most_groups_bounds_every_routing():
+    """most_groups(P, E, cap) is at least the groups any P pairs over E experts make (each
+    expert's run cut every cap pairs; counted by hand), and some routing makes exactly that many."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        E, cap = int(rng.integers(1, 40)), int(rng.integers(1, 20))
+        P = int(rng.integers(1, 400))
+        skew = rng.random() < 0.5
+        p = rng.dirichlet(np.full(E, 0.2 if skew else 5.0))
+        counts = np.bincount(rng.choice(E, size=P, p=p), minlength=E)
+        made = sum(-(-int(n) // cap) for n in counts)
+        assert made <= most_groups(P, E, cap), (P, E, cap, counts)
+    for P, E, cap in ((256, 24, 16), (5, 24, 16), (1000, 3, 7)):
+        worst = [1] * (min(E, P) - 1) + [P - min(E, P) + 1]  # all but one expert a single pair
+        assert sum(-(-n // cap) for n in worst) == most_groups(P, E, cap)
 
 
 # ---- dense GEMV: which kernel, grid, K split and shared memory a call gets -------------------

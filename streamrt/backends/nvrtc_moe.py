@@ -76,6 +76,14 @@ TC16_MAX_WARPS = 8  # their accumulators take more than 128 registers a thread: 
 TC16_STATIC_SMEM = (32 + 2) * TC_ROWS16 * 4  # their static shared memory: the row max reduction, scales
 
 
+def most_groups(pairs: int, experts: int, cap: int) -> int:
+    """The most groups `pairs` (row, expert) pairs of up to `experts` experts make when each
+    expert's run is cut into groups of up to `cap`: sum_e ceil(n_e / cap) <= sum_e ((n_e - 1) //
+    cap + 1), largest with the most experts present, each but one holding a single pair."""
+    present = min(experts, pairs)
+    return present + (pairs - present) // cap
+
+
 def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 1) -> int:
     """Dynamic shared memory of a tensor-core NVFP4 block that takes up to `rows` pairs of one
     expert: each row's staged activation (fp16 hi + lo arrays of `tc_xwords` u32 words, as
@@ -270,20 +278,27 @@ class MoeOps:
             return out.zero_()
         chunks = math.ceil(P / MOE_MAXP_DT)
         staged = self._staged_rows(z) if self._takes_staged(T) else None  # before the tables: see below
+        tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and experts.tensor_core
         gtab = self._empty(chunks, gate_up_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
         dtab = self._empty(chunks, down_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
+        # The staged blocks take their groups from a list (a block row per group there can be);
+        # the others a block row per pair, the pairs that lead no group exiting at once.
+        groups = self._empty(chunks, MOE_MAXP_DT + 2, dtype=torch.int32) if tc and staged is not None else None
+        threads = MOE_MAXP_DT if groups is not None else min(1024, 32 * math.ceil(P / 32))
         self._k("nvfp4_moe", "srt_moe_tables")(
-            (math.ceil(P / 256),), (256,), [ptr(ids), ptr(experts.table), i32(P), i32(k), ptr(gtab), ptr(dtab)])
+            (1,), (threads,),
+            [ptr(ids), ptr(experts.table), i32(P), i32(k), ptr(gtab), ptr(dtab), i32(TC_ROWS16), ptr(groups)])
         h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
         ready = self._ready_counts(P) if self.pair_ready and k <= Dl else None
         act = situ_args(beta, linear_beta)
-        tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and experts.tensor_core
         for c in range(chunks):
             n = min(MOE_MAXP_DT, P - c * MOE_MAXP_DT)
             g, d = ptr(gtab[c]), ptr(dtab[c])
+            chunk_groups = None if groups is None else (groups[c], most_groups(n, experts.table.shape[0], TC_ROWS16))
             # the gate+up kernel reads its table before pdl_wait(), and the table is the kernel
             # before's output here: a plain launch (the down kernel and the sum stay programmatic)
-            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup=False, suffix="_dt")
+            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup=False, suffix="_dt",
+                               groups=chunk_groups)
         self._combine(y, w, out, T, k, Dl, ready)
         return out
 
@@ -368,15 +383,17 @@ class MoeOps:
         tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs)
         self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup)
 
-    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup, suffix="") -> None:
+    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup, suffix="",
+                      groups=None) -> None:
         """The gate+up and down kernels for np_ pairs of a T-row call: tables by value (the
         struct bytes), or `suffix="_dt"` and pointers to tables in device memory. A tensor-core
         block takes up to min(TC_TOKENS, T) pairs of one expert (an expert has at most one pair
         per row; min(TC_ROWS16, T) in the 16-row blocks, `_tc16_phases`; TC_ROWS16 in the staged
         gate+up blocks, given `staged` = `_staged_rows(z)`) and counts into `ready`; the
-        CUDA-core kernels take one pair per block and leave `ready` alone."""
+        CUDA-core kernels take one pair per block and leave `ready` alone. `groups`: see
+        `_launch_staged`."""
         if tc and staged is not None:
-            self._launch_staged(gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix)
+            self._launch_staged(gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix, groups)
             return
         hp, yp = ptr(h), ptr(y)
         if tc:
@@ -416,12 +433,15 @@ class MoeOps:
             raise ValueError(f"{setting} {(tg, td, st, kbs)}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
         return tg, td, st, kbs
 
-    def _launch_staged(self, gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix) -> None:
+    def _launch_staged(self, gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix,
+                       groups=None) -> None:
         """_launch_pairs' staged gate+up (groups of up to TC_ROWS16 pairs, `tc_staged_shape`),
         then either h's rows staged (all of them: on the host tables each chunk of pairs stages
         them again, as it has written its own) and the staged down kernel over gate+up's groups,
         or (down warps 0) the down kernel of `tc_shape_batch`: groups of up to TC_TOKENS, each
-        inside one gate+up group (TC_ROWS16 is a multiple of TC_TOKENS), whose blocks wait on it."""
+        inside one gate+up group (TC_ROWS16 is a multiple of TC_TOKENS), whose blocks wait on it.
+        `groups` (the device tables'): srt_moe_tables' list of groups and the most it can hold; a
+        block row of the staged kernels takes a group of the list (else the group a pair leads)."""
         gw, dw, st, kbs = self.tc_staged_shape
         if not (1 <= gw <= TC_STAGED_THREADS // 32 and 0 <= dw <= TC_STAGED_DOWN_THREADS // 32
                 and (st, kbs) in TC_STAGED_PIPES):
@@ -431,17 +451,19 @@ class MoeOps:
         xs, unscale = staged
         cap, cap_gu = min(TC_TOKENS, T), TC_ROWS16
         gu_blocks = math.ceil(I / (16 * gw))
+        # the device tables' kernels take their groups from a list: a block row per group there can be
+        rows, listed = (np_, []) if groups is None else (groups[1], [ptr(groups[0])])
         if dw:
             ready = None  # the down kernel reads h staged after the whole gate+up grid
         self._k("nvfp4_moe", f"srt_nvfp4_gateup_st{st}x{kbs}{suffix}")(
-            (gu_blocks, np_), (gw * 32,),
-            [gtab, ptr(xs), ptr(unscale), i32(T), ptr(h), i32(I), i32(Dl), *act, ptr(ready), i32(cap_gu)],
+            (gu_blocks, rows), (gw * 32,),
+            [gtab, ptr(xs), ptr(unscale), i32(T), ptr(h), i32(I), i32(Dl), *act, ptr(ready), i32(cap_gu), *listed],
             smem=gw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl and pdl_gateup)
         if dw:
             hs, h_unscale = self._staged_rows(h)  # every row of h (P): the zero row is P
             self._k("nvfp4_moe", f"srt_nvfp4_down_st{st}x{kbs}{suffix}")(
-                (math.ceil(Dl / (32 * dw)), np_), (dw * 32,),
-                [dtab, ptr(hs), ptr(h_unscale), i32(h.shape[0]), ptr(y), i32(Dl), i32(I), i32(cap_gu)],
+                (math.ceil(Dl / (32 * dw)), rows), (dw * 32,),
+                [dtab, ptr(hs), ptr(h_unscale), i32(h.shape[0]), ptr(y), i32(Dl), i32(I), i32(cap_gu), *listed],
                 smem=dw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl)
             return
         self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st_d}x{kbs_d}{suffix}")(
