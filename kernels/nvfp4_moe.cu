@@ -811,6 +811,22 @@ SRT_DEV void tc_group16(const TcRows& R, u32* xs, int words, const float* __rest
   else tc_rows<S, KBS, 1, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
 }
 
+// A tensor-core warp's rows of entry p's expert: gate rows r0..r0+15 (tile 0) and the same up rows
+// (tile 1), or down rows r0..r0+31.
+template <class Tab>
+SRT_DEV TcRows gateup_rows(const Tab& tab, int p, int r0, int I, int Dl) {
+  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
+  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
+  return {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
+          scales_aligned16(gs, us, Dl >> 4)};
+}
+template <class Tab>
+SRT_DEV TcRows down_rows(const Tab& tab, int p, int r0, int Dl, int I) {
+  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
+  return {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
+          scales_aligned16(ds, ds, I >> 4)};
+}
+
 // grid (ceil(I / (16 * warps)), pairs), block warps*32, smem cap * 8 * tc_xwords(Dl) + warps * S *
 // KBS * (TC_WBYTES + TC_SBYTES). A block takes the group of up to cap pairs its entry leads
 // (group_size). With `ready`, each block counts itself done in ready[dst[its first pair]] once
@@ -830,10 +846,7 @@ SRT_DEV void gateup_tc(const Tab& tab, const float* __restrict__ z, float* __res
   const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
-  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
-  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
-  const TcRows R = {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
-                    scales_aligned16(gs, us, Dl >> 4)};
+  const TcRows R = gateup_rows(tab, p, r0, I, Dl);
   if (PHASED || r0 < I)  // weights do not depend on x: start the pipeline before staging it
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   pdl_wait();  // z may be the kernel before's output (when this one is launched programmatically)
@@ -907,9 +920,7 @@ SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restr
   const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
-  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
-  const TcRows R = {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
-                    scales_aligned16(ds, ds, I >> 4)};
+  const TcRows R = down_rows(tab, p, r0, Dl, I);
   pdl_launch_dependents();
   if (PHASED || r0 < Dl)
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
@@ -1129,25 +1140,9 @@ SRT_DEV void tc_group_staged(const TcRows& R, const u32* __restrict__ xs, const 
   else tc_rows_staged<S, KBS, 1>(R, xs, rows, n, zero_row, in, wring, sring, acc);
 }
 
-// A staged warp's rows of entry p's expert: gate rows r0..r0+15 (tile 0) and the same up rows
-// (tile 1), or down rows r0..r0+31.
-template <class Tab>
-SRT_DEV TcRows gateup_rows(const Tab& tab, int p, int r0, int I, int Dl) {
-  const u8 *gp = (const u8*)tab.gate_packed[p], *gs = (const u8*)tab.gate_scales[p];
-  const u8 *upk = (const u8*)tab.up_packed[p], *us = (const u8*)tab.up_scales[p];
-  return {{gp, gp, upk, upk}, {gs, gs, us, us}, {r0, r0 + 8, r0, r0 + 8}, I, Dl >> 1, Dl >> 4, Dl >> 7,
-          scales_aligned16(gs, us, Dl >> 4)};
-}
-template <class Tab>
-SRT_DEV TcRows down_rows(const Tab& tab, int p, int r0, int Dl, int I) {
-  const u8 *dp = (const u8*)tab.packed[p], *ds = (const u8*)tab.scales[p];
-  return {{dp, dp, dp, dp}, {ds, ds, ds, ds}, {r0, r0 + 8, r0 + 16, r0 + 24}, Dl, I >> 1, I >> 4, I >> 7,
-          scales_aligned16(ds, ds, I >> 4)};
-}
-
 // grid (ceil(I / (16 * warps)), pairs or at least groups[0]), block warps*32, smem warps * S * KBS
 // * (TC_WBYTES + TC_SBYTES). xs / unscale: srt_moe_stage_rows' rows of z (zero_row: its zero
-// row). A block takes a group of up to cap <= TC_ROWS16 pairs (block_group) and, with `ready`,
+// row). A block takes a group of up to cap <= TC_ROWS16 pairs (block_group_size) and, with `ready`,
 // counts itself done in ready[dst[its first pair]] (gateup_tc's contract).
 template <int S, int KBS, class Tab>
 SRT_DEV void gateup_staged(const Tab& tab, const u32* __restrict__ xs, const float* __restrict__ unscale, int zero_row,
