@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from bench_decode import decode_run, ensure_warm_tree, git_commit, machine, measure_link, pinned_rate  # noqa: E402
 
 from streamrt.loader import load_model  # noqa: E402
-from streamrt.placement import format_plan, layer_dense_bytes, plan_placement  # noqa: E402
-from streamrt.plan import GIB  # noqa: E402
+from streamrt.plan.placement import format_plan, layer_dense_bytes, plan_placement  # noqa: E402
+from streamrt.plan.budget import GIB  # noqa: E402
 from streamrt.runtime.options import RuntimeOptions  # noqa: E402
 from streamrt.runtime.streams import make_device  # noqa: E402
 

@@ -49,7 +49,7 @@ def parse_args(argv=None):
 
 
 def start_server(args, runtime_flags) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "streamrt.cli", "serve", "--port", "0", "--max-batch", str(max(args.clients)),
+    cmd = [sys.executable, "-m", "streamrt", "serve", "--port", "0", "--max-batch", str(max(args.clients)),
            "--max-queue", str(max(args.clients)), "--log-level", "error", *runtime_flags]
     if args.model:
         cmd += ["--model", args.model]
@@ -126,7 +126,7 @@ def bench_bare(args, runtime_flags) -> dict[int, float]:
     """tokens/s of the same batches through generate() on a StreamingRuntime sized for them."""
     from streamrt.chat import encode_chat
     from streamrt.generate import generate
-    from streamrt.run_cmd import resolve_model_dir
+    from streamrt.cli.run import resolve_model_dir
     from streamrt.runtime.options import add_runtime_flags
     from streamrt.serve.runner import ModelRunner
 

@@ -1,3 +1,3 @@
-from streamrt.cli import main
+from streamrt.cli.main import main
 import sys
 sys.exit(main())

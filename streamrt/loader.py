@@ -5,7 +5,7 @@ the torch reference unless the caller passes another). gpt-fast `_load_model`: b
 the tree's (mmap'd) tensors, so nothing is materialised twice. The names must match
 exactly; the K3 / K3.1 Pro mismatch in either direction gets its own message.
 
-With a placement plan (placement.py) whose streamed layers are not empty, those layers' dense
+With a placement plan (plan/placement.py) whose streamed layers are not empty, those layers' dense
 weights go to page-locked host memory and stream through device buffers
 (runtime/dense_stream.py); the embedding table stays on the host too. Same arithmetic, same bits.
 """
@@ -24,7 +24,7 @@ from streamrt.errors import CheckpointError
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, RoutedExperts, unique_ids
 from streamrt.model.model import KimiLinearForCausalLM
 from streamrt.model.moe import ExpertRequest
-from streamrt.placement import Placement, plan_placement
+from streamrt.plan.placement import Placement, plan_placement
 
 # The tensors the release stores as F32 stay fp32 whatever `dtype` asks: the reference ports
 # run them in fp32 modules.

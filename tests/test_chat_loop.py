@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from streamrt import run_cmd
+from streamrt.cli import run as run_cmd
 from streamrt.chat import ChatProfile, encode_segments, render
-from streamrt.cli import main
-from streamrt.run_cmd import GenStats, Session
+from streamrt.cli.main import main
+from streamrt.cli.run import GenStats, Session
 from streamrt.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer(512)

@@ -25,7 +25,7 @@ from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.release import open_release
 from streamrt.checkpoint.synth import Generator, quantize_mxfp4_torch, synth
 from streamrt.checkpoint.verify import verify_tree
-from streamrt.cli import main as cli_main
+from streamrt.cli.main import main as cli_main
 from streamrt.config import expected_indexer_tensors, load_config
 from streamrt.errors import CheckpointError, ConfigError, StreamrtError
 

@@ -11,7 +11,7 @@ import pytest
 
 from streamrt.config import BUNDLED, K3, K31_PRO, config_from_dict, load_config
 from streamrt.errors import ConfigError
-from streamrt.plan import GIB, MIB, budget
+from streamrt.plan.budget import GIB, MIB, budget
 
 
 def raw(name: str) -> dict:

@@ -16,7 +16,7 @@ from streamrt.errors import StreamrtError
 from streamrt.loader import DictExpertProvider, DirectExpertProvider, dense_placement, load_model, stream_dense
 from streamrt.model.model import RESIDENT, KimiLinearForCausalLM, run_sync
 from streamrt.model.synthetic import init_random_, random_experts
-from streamrt.placement import plan_placement
+from streamrt.plan.placement import plan_placement
 from streamrt.runtime.dense_stream import DENSE_TRACK, DenseStream, streamed_tensors
 from streamrt.runtime.streams import CpuDevice
 

@@ -15,7 +15,7 @@ import pytest
 from streamrt.checkpoint import reader
 from streamrt.checkpoint.reader import VERIFIED, open_tree
 from streamrt.checkpoint.verify import verify_tree
-from streamrt.cli import main
+from streamrt.cli.main import main
 from streamrt.errors import CheckpointError
 
 RESIDENT = "dense/resident.safetensors"

@@ -409,7 +409,7 @@ def test_gds_fallback_decision():
 
 
 def test_inspect_prints_the_disk_floor(capsys):
-    from streamrt.cli import main
+    from streamrt.cli.main import main
 
     assert main(["inspect", "deep-k3.1-pro", "--host-mem", "6G", "--disk-gbps", "2.0"]) == 0
     line = [l for l in capsys.readouterr().out.splitlines() if "disk floor" in l]

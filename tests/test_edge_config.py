@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from streamrt import fileio
-from streamrt.cli import main
+from streamrt.cli.main import main
 from streamrt.config import load_config
 from streamrt.errors import CheckpointError, ConfigError, StreamrtError
 
@@ -76,7 +76,7 @@ def test_writer_in_a_read_only_directory_is_one_line(tmp_path):
 
 
 def test_output_flag_with_a_too_long_name_is_one_line_exit_2(capsys, tmp_path, monkeypatch):
-    from streamrt import run_cmd
+    from streamrt.cli import run as run_cmd
 
     monkeypatch.setattr(run_cmd, "open_session", lambda *a, **k: pytest.fail("a model was loaded"))
     target = tmp_path / LONG / "stats.json"

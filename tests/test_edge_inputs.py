@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from streamrt import run_cmd
+from streamrt.cli import run as run_cmd
 from streamrt import fileio
 from streamrt.checkpoint.reader import open_tree, read_manifest
-from streamrt.cli import main
+from streamrt.cli.main import main
 from streamrt.errors import CheckpointError, ConfigError, StreamrtError
 from streamrt.jsonio import json_depth, load_json
 from streamrt.runtime.stats import write_stats_json

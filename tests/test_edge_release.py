@@ -23,7 +23,7 @@ from streamrt.checkpoint.safetensors_io import read_header
 from streamrt.checkpoint.synth import synth
 from streamrt.checkpoint.verify import verify_tree
 from streamrt import fileio
-from streamrt.cli import main as cli_main
+from streamrt.cli.main import main as cli_main
 from streamrt.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"

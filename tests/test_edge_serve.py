@@ -61,7 +61,7 @@ class _Runner:
 def _serve(runner, requests):
     """Run `requests(client)` against an app whose engine runs on the same loop."""
     from streamrt.serve.app import create_app
-    from streamrt.serve.command import build_state
+    from streamrt.cli.serve import build_state
 
     state = build_state(runner, max_batch=4, max_queue=4)
 
@@ -118,7 +118,7 @@ def test_client_gone_before_its_body_is_in_is_not_a_server_error(tok):
     """A client that hangs up mid-upload was a ClientDisconnect escaping as a logged 500 with
     a traceback; the next request must still be served."""
     from streamrt.serve.app import create_app
-    from streamrt.serve.command import build_state
+    from streamrt.cli.serve import build_state
 
     state = build_state(_Runner(tok), max_batch=1, max_queue=1)
     app = create_app(state)

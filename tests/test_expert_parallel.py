@@ -30,7 +30,7 @@ from streamrt.model.synthetic import init_random_, random_experts
 from streamrt.parallel import ExpertOwners, ExpertParallelBackend, Remote, ShardExperts, ShardPredictor, shard
 from streamrt.parallel.group import Ranks, exit_one_line, init_group, spawn
 from streamrt.parallel.launch import Job, generate_on, rank_model
-from streamrt.parallel.plan import plan_ranks, projected_s_per_token
+from streamrt.plan.shards import plan_ranks, projected_s_per_token
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.predictor import Predictor
 from streamrt.runtime.scheduler import StreamingRuntime
@@ -325,7 +325,7 @@ def test_run_gpus_2_answers_as_one_process(capfd):
     every decode step) as `streamrt run`; rank 1 prints nothing."""
     import json
 
-    from streamrt.cli import main
+    from streamrt.cli.main import main
 
     argv = ["run", "--prompt", "The capital of Spain", "--max-new-tokens", "6", "--json", "--device", "cpu"]
     assert main(argv) == 0
@@ -348,7 +348,7 @@ def test_gpus_flag_is_checked_before_any_rank_starts():
 
 
 def test_inspect_gpus_prints_each_ranks_share_and_refuses_without_a_card_size(capsys):
-    from streamrt.cli import main
+    from streamrt.cli.main import main
 
     assert main(["inspect", "kimi-k3.1-pro", "--gpus", "8", "--gpu-mem", "141G"]) == 0
     out = capsys.readouterr().out

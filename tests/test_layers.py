@@ -16,8 +16,8 @@ PKG = Path(__file__).resolve().parents[1] / "streamrt"
 # A module may not import any of these (prefix match on the dotted name).
 FORBIDDEN = {
     # the model is written against the Backend protocol; which backend runs it is the caller's choice
-    "streamrt.model": ("streamrt.backends", "streamrt.runtime", "streamrt.store", "streamrt.serve", "streamrt.run_cmd",
-                       "streamrt.parallel"),
+    "streamrt.model": ("streamrt.backends", "streamrt.runtime", "streamrt.store", "streamrt.serve", "streamrt.cli",
+                       "streamrt.parallel", "streamrt.api"),
     # a tree's readers depend on its format, never on the program that writes it
     "streamrt.checkpoint.reader": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
     "streamrt.checkpoint.verify": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
@@ -27,16 +27,20 @@ FORBIDDEN = {
     "streamrt.checkpoint": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.backends", "streamrt.serve",
                             "streamrt.parallel"),
     # the store holds bytes; the runtime drives it
-    "streamrt.store": ("streamrt.runtime", "streamrt.model", "streamrt.serve", "streamrt.run_cmd", "streamrt.parallel"),
+    "streamrt.store": ("streamrt.runtime", "streamrt.model", "streamrt.serve", "streamrt.cli", "streamrt.parallel",
+                       "streamrt.api"),
     "streamrt.backends": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.serve", "streamrt.checkpoint",
                           "streamrt.parallel"),
     "streamrt.config": ("streamrt.",),
     "streamrt.ops": ("streamrt.",),
     "streamrt.jsonio": ("streamrt.",),
     "streamrt.fp4": ("streamrt.checkpoint", "streamrt.model", "streamrt.runtime", "streamrt.backends"),
-    "streamrt.runtime": ("streamrt.serve", "streamrt.run_cmd", "streamrt.cli", "streamrt.parallel"),
+    "streamrt.runtime": ("streamrt.serve", "streamrt.cli", "streamrt.parallel", "streamrt.api"),
     # expert parallelism composes model, backend and runtime for one rank; the commands compose it
-    "streamrt.parallel": ("streamrt.serve", "streamrt.run_cmd", "streamrt.cli", "streamrt.session"),
+    "streamrt.parallel": ("streamrt.serve", "streamrt.cli", "streamrt.api"),
+    # plans are arithmetic on a config: they load nothing and run nothing
+    "streamrt.plan": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.backends", "streamrt.serve",
+                      "streamrt.cli", "streamrt.api"),
 }
 ALLOWED_EVERYWHERE = ("streamrt.errors", "streamrt.jsonio", "streamrt.fileio")  # leaves: they import nothing of ours but errors
 # Exceptions to a room's bans: the model is typed against the Backend protocol; the config

@@ -1,14 +1,14 @@
-"""The placement plan (streamrt/placement.py): what fits, what streams, and the refusal."""
+"""The placement plan (streamrt/plan/placement.py): what fits, what streams, and the refusal."""
 
 from __future__ import annotations
 
 import pytest
 
-from streamrt.cli import main as cli_main
+from streamrt.cli.main import main as cli_main
 from streamrt.config import load_config
 from streamrt.errors import StreamrtError
 from streamrt.checkpoint.names import dense_layer_specs
-from streamrt.placement import (
+from streamrt.plan.placement import (
     MIN_SLOT_LAYERS,
     ROUTER_SUFFIXES,
     format_plan,
@@ -17,7 +17,7 @@ from streamrt.placement import (
     plan_placement,
     router_bytes,
 )
-from streamrt.plan import expert_bytes_nvfp4
+from streamrt.plan.budget import expert_bytes_nvfp4
 
 GIB = 1 << 30
 

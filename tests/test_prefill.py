@@ -219,7 +219,7 @@ def test_kda_anchor_is_kept_by_clone_and_dropped_by_decode():
 
 
 def test_context_policy_refuses_or_truncates_left():
-    from streamrt.run_cmd import fit_context
+    from streamrt.cli.run import fit_context
 
     ids = list(range(10))
     assert fit_context(ids, 10, None) == ids and fit_context(ids, None, None) == ids

@@ -27,7 +27,7 @@ from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.release import open_release
 from streamrt.checkpoint.synth import synth
 from streamrt.checkpoint.verify import verify_tree
-from streamrt.cli import main as cli_main
+from streamrt.cli.main import main as cli_main
 from streamrt.config import config_from_dict, load_config
 from streamrt.errors import CheckpointError, ConfigError
 

@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from streamrt import default_model, run_cmd
+from streamrt import default_model
+from streamrt.cli import run as run_cmd
 from streamrt.chat import encode_segments, render
-from streamrt.cli import main
-from streamrt.run_cmd import GenStats, Session
+from streamrt.cli.main import main
+from streamrt.cli.run import GenStats, Session
 from streamrt.tokenizer import ByteTokenizer
 
 

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from streamrt import selfcheck
-from streamrt.cli import main
+from streamrt.cli import selfcheck
+from streamrt.cli.main import main
 from streamrt.errors import StreamrtError
-from streamrt.selfcheck import child_cycles, run_cycles
-from streamrt.session import Session, _ModelSession
+from streamrt.cli.selfcheck import child_cycles, run_cycles
+from streamrt.api.session import Session, _ModelSession
 from streamrt.tokenizer import ByteTokenizer
 
 

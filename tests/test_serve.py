@@ -40,7 +40,7 @@ def reference():
     """`streamrt run --chat --json --max-new-tokens CUT` over the four questions (/reset between
     them): one process, started first so it runs while the server loads."""
     stdin = "".join(f"{_question(c)}\n/reset\n" for c in CAPITALS)
-    cmd = [sys.executable, "-m", "streamrt.cli", "run", "--chat", "--json", "--max-new-tokens", str(CUT)]
+    cmd = [sys.executable, "-m", "streamrt", "run", "--chat", "--json", "--max-new-tokens", str(CUT)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     box = {}
@@ -61,7 +61,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server(reference):
-    proc = subprocess.Popen([sys.executable, "-m", "streamrt.cli", "serve", "--port", "0", "--max-batch", "20",
+    proc = subprocess.Popen([sys.executable, "-m", "streamrt", "serve", "--port", "0", "--max-batch", "20",
                              "--max-queue", "32", "--log-level", "error"], stderr=subprocess.PIPE, text=True, env=ENV)
     url, lines = None, []
     deadline = time.monotonic() + STARTUP_S
@@ -345,7 +345,7 @@ def test_full_queue_answers_503_with_retry_after(max_queue):
     """The batch's one row takes a request, max_queue more wait for it, the next is a 503
     (a request submitted while a row is free does not count against the queue)."""
     from streamrt.serve.app import create_app
-    from streamrt.serve.command import build_state
+    from streamrt.cli.serve import build_state
 
     runner = _IdleRunner()
     state = build_state(runner, max_batch=1, max_queue=max_queue)
@@ -373,7 +373,7 @@ def test_full_queue_answers_503_with_retry_after(max_queue):
 
 def test_api_key_guards_v1_only():
     from streamrt.serve.app import create_app
-    from streamrt.serve.command import build_state
+    from streamrt.cli.serve import build_state
 
     state = build_state(_IdleRunner(), max_batch=1, max_queue=1, api_key="sesame")
 
@@ -393,9 +393,9 @@ def test_api_key_guards_v1_only():
 
 
 def test_empty_api_key_and_too_long_context_are_refused():
-    from streamrt.cli import main
+    from streamrt.cli.main import main
     from streamrt.errors import StreamrtError
-    from streamrt.serve.command import build_state
+    from streamrt.cli.serve import build_state
 
     assert main(["serve", "--api-key", ""]) == 2  # before any model is loaded
     with pytest.raises(StreamrtError, match="--max-context"):

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from streamrt.cli import main
-from streamrt.serve import command
-from streamrt.serve.command import MAX_THREADS, bind_sockets
+from streamrt.cli.main import main
+from streamrt.cli import serve as command
+from streamrt.cli.serve import MAX_THREADS, bind_sockets
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")

@@ -204,7 +204,7 @@ def test_missing_run_flags_fail_before_the_first_point(tiny_model, tmp_path, cap
 
 def _run_ready() -> str | None:
     """Why the real end-to-end sweep cannot run yet, or None when it can."""
-    for mod in ("streamrt.run_cmd", "streamrt.runtime.options", "streamrt.checkpoint.commands"):
+    for mod in ("streamrt.cli.run", "streamrt.runtime.options", "streamrt.cli.checkpoint"):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} not built yet"
     help_text = subprocess.run([sys.executable, "-m", "streamrt", "run", "--help"],

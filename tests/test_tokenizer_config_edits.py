@@ -16,7 +16,7 @@ from streamrt.checkpoint.convert import convert
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
 from streamrt.checkpoint.verify import verify_tree
-from streamrt.cli import main
+from streamrt.cli.main import main
 from streamrt.errors import CheckpointError, StreamrtError
 from streamrt.tokenizer import load_tokenizer
 
@@ -56,7 +56,7 @@ def _config(root: Path) -> dict:
 
 
 def _open_tokenizer(root: Path):
-    """As `run` opens it (session.py): the tree's vocabulary and eos id."""
+    """As `run` opens it (api/session.py): the tree's vocabulary and eos id."""
     cfg = open_tree(root).config
     return load_tokenizer(root, cfg.vocab_size, cfg.eos_token_id)
 

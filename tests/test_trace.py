@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from streamrt import trace as T
-from streamrt.cli import main as cli_main
+from streamrt.cli.main import main as cli_main
 from streamrt.trace import NullTracer, Tracer, check_trace, overlap_fraction
 
 

@@ -268,7 +268,7 @@ class RuntimeOptions:
         if self.gpu_experts is not None:
             slots = self.gpu_experts
         elif self.gpu_mem is not None:  # the card's budget: the placement plan's slots (issue 22)
-            from streamrt.placement import plan_placement
+            from streamrt.plan.placement import plan_placement
 
             slots = plan_placement(cfg, self.gpu_mem, batch=batch).expert_slots
         else:

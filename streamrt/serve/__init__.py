@@ -1,6 +1,5 @@
-"""`streamrt serve`: an OpenAI-compatible server with continuous batching.
+"""The server behind `streamrt serve`: OpenAI-compatible, continuous batching (flags: streamrt.cli.serve).
 
-    command.py   the CLI and the server on the runtime's loop
     app.py       the FastAPI app: routes, API key, request counts
     routes.py    chat / completions: parse, render, submit, answer (JSON or SSE)
     schemas.py   pydantic request and response bodies
@@ -10,7 +9,3 @@
     runner.py    the loaded model: prefill and batched decode on the StreamingRuntime
     metrics.py   Prometheus metrics
 """
-
-from streamrt.serve.command import register
-
-__all__ = ["register"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from streamrt.cli import main
+from streamrt.cli.main import main
 
 raise SystemExit(main(["trace", *sys.argv[1:]]))

@@ -16,12 +16,12 @@ from streamrt.errors import StreamrtError
 # (module, what it registers). Imported lazily per module so `--help` stays fast and a
 # command whose optional dependencies are missing does not break the others.
 COMMAND_MODULES = (
-    "streamrt.run_cmd",  # run, selfcheck
-    "streamrt.inspect_cmd",  # inspect
-    "streamrt.checkpoint.commands",  # synth, convert, verify
+    "streamrt.cli.run",  # run, selfcheck
+    "streamrt.cli.inspect",  # inspect
+    "streamrt.cli.checkpoint",  # synth, convert, verify
     "streamrt.trace",  # trace summarize
     "streamrt.sweep",  # sweep
-    "streamrt.serve",  # serve
+    "streamrt.cli.serve",  # serve
 )
 
 

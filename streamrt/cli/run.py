@@ -1,8 +1,8 @@
 """`streamrt run`: generate in XTML chat frames from a prompt, an interactive chat or a messages
-file, and register `streamrt selfcheck` (`streamrt.selfcheck`) beside it.
+file, and register `streamrt selfcheck` (`streamrt.cli.selfcheck`) beside it.
 
-The command talks to the model through one small `Session` (`streamrt.session`); its flags are
-checked in `streamrt.run_args`, its output printed by `streamrt.run_output`. What is left here
+The command talks to the model through one small `Session` (`streamrt.api.session`); its flags are
+checked in `streamrt.cli.args`, its output printed by `streamrt.cli.output`. What is left here
 is chat framing: the history, the context-length policy, the chat loop.
 """
 
@@ -13,13 +13,13 @@ import os
 import sys
 from typing import TextIO
 
-from streamrt import selfcheck
+from streamrt.cli import selfcheck
 from streamrt.chat import ChatParser, ParseError, Reply, encode_chat, load_messages_file
 from streamrt.errors import StreamrtError
-from streamrt.run_args import Sampling, check_runtime_flags, parse_int, prefill_chunk, read_user_line, user_text
-from streamrt.run_output import StreamPrinter, report, reply_json
+from streamrt.cli.args import Sampling, check_runtime_flags, parse_int, prefill_chunk, read_user_line, user_text
+from streamrt.cli.output import StreamPrinter, report, reply_json
 from streamrt.runtime.options import add_runtime_flags
-from streamrt.session import GenStats, Session, open_session, resolve_model_dir
+from streamrt.api.session import GenStats, Session, open_session, resolve_model_dir
 
 __all__ = ["GenStats", "Session", "Sampling", "fit_context", "open_session", "parse_int", "read_user_line",
            "register", "resolve_model_dir", "run_command", "user_text"]

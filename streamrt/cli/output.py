@@ -10,8 +10,8 @@ from typing import TextIO
 
 from streamrt.chat import Reply, ResponseText, ThinkText, ToolCall
 from streamrt.jsonio import dumps_text
-from streamrt.run_args import Sampling
-from streamrt.session import GenStats
+from streamrt.cli.args import Sampling
+from streamrt.api.session import GenStats
 
 
 

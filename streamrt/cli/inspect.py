@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from streamrt.config import BUNDLED, load_config
-from streamrt.placement import layer_ranges as _ranges
-from streamrt.plan import GIB, MIB, budget, link_floor_s_per_token
+from streamrt.plan.placement import layer_ranges as _ranges
+from streamrt.plan.budget import GIB, MIB, budget, link_floor_s_per_token
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -139,9 +139,9 @@ def _disk_floor(cfg, args: argparse.Namespace, b: dict):
 
 
 def _placement(cfg, args: argparse.Namespace) -> int:
-    """`--gpu-mem`: the placement plan (placement.py) for one card, or a row per card size."""
+    """`--gpu-mem`: the placement plan (plan/placement.py) for one card, or a row per card size."""
     from streamrt.errors import StreamrtError
-    from streamrt.placement import format_plan, plan_placement
+    from streamrt.plan.placement import format_plan, plan_placement
     from streamrt.runtime.options import parse_bytes
 
     if args.hbm_gbps <= 0 or args.context < 1:
@@ -178,11 +178,11 @@ def _placement(cfg, args: argparse.Namespace) -> int:
 
 
 def _rank_placement(cfg, sizes: list[int], args: argparse.Namespace) -> int:
-    """`--gpus N --gpu-mem B`: the expert-parallel plan per rank (streamrt.parallel.plan)."""
+    """`--gpus N --gpu-mem B`: the expert-parallel plan per rank (streamrt.plan.shards)."""
     from dataclasses import asdict
 
     from streamrt.errors import StreamrtError
-    from streamrt.parallel.plan import format_rank_plan, plan_ranks, projected_s_per_token
+    from streamrt.plan.shards import format_rank_plan, plan_ranks, projected_s_per_token
 
     if len(sizes) != 1 or args.gpus < 1:
         raise StreamrtError(f"--gpus N takes one --gpu-mem size and N >= 1, got {len(sizes)} sizes and N = {args.gpus}")

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamrt.parallel.owners import ExpertOwners
-from streamrt.placement import Placement, plan_placement
-from streamrt.plan import GIB, expert_bytes_nvfp4
+from streamrt.plan.budget import GIB, expert_bytes_nvfp4
+from streamrt.plan.placement import Placement, plan_placement
 
 ALLREDUCE_US = 20.0  # one small NCCL all-reduce within a host (an assumption until measured on the GPUs)
 

@@ -100,7 +100,7 @@ def _synth(args: argparse.Namespace) -> int:
     if not math.isfinite(args.skew):
         raise StreamrtError(f"--skew must be finite, got {args.skew}")
     if args.device is not None:  # before --out is created: a bad device failed mid-write
-        from streamrt.run_args import check_device
+        from streamrt.cli.args import check_device
 
         if args.device == "auto":
             raise StreamrtError("--device: expected cpu, cuda or cuda:N (leave it out for cuda if available), got 'auto'")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from streamrt.checkpoint.names import dense_layer_specs, global_specs
 from streamrt.config import ModelConfig
 from streamrt.errors import StreamrtError
-from streamrt.plan import GIB, expert_bytes_nvfp4, kda_state_scalars, kv_cache_bytes_per_token
+from streamrt.plan.budget import GIB, expert_bytes_nvfp4, kda_state_scalars, kv_cache_bytes_per_token
 
 WORKSPACE_BYTES = 1 << 30  # activations, logits, kernel scratch: a fixed reserve
 STREAM_BUFFERS = 2  # layer l+1 copies in while layer l computes

@@ -16,9 +16,9 @@ import sys
 import time
 
 from streamrt.errors import StreamrtError
-from streamrt.run_args import check_runtime_flags, parse_int
+from streamrt.cli.args import check_runtime_flags, parse_int
 from streamrt.runtime.options import add_runtime_flags
-from streamrt.session import resolve_model_dir
+from streamrt.api.session import resolve_model_dir
 
 DEFAULT_PORT = 8000
 MIN_CONNECTIONS = 256  # uvicorn's limit_concurrency at the least: clients, health checks, metrics scrapes

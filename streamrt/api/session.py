@@ -17,7 +17,7 @@ from typing import Callable
 from streamrt.chat import ChatProfile
 from streamrt.checkpoint.dst import STATE_DIR, recorded_source
 from streamrt.errors import StreamrtError
-from streamrt.run_args import Sampling, prefill_chunk
+from streamrt.cli.args import Sampling, prefill_chunk
 from streamrt.tokenizer import Tokenizer
 
 
@@ -147,7 +147,7 @@ class _ModelSession(Session):
         if self._loaded:
             return
         from streamrt.loader import load_placed
-        from streamrt.placement import format_plan
+        from streamrt.plan.placement import format_plan
         from streamrt.runtime.scheduler import StreamingRuntime
         from streamrt.runtime.streams import make_device
 
