@@ -13,7 +13,7 @@ import math
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Generator, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -81,6 +81,30 @@ def generate(
     model: KimiLinearForCausalLM,
     prompts: Sequence[Sequence[int]] | Sequence[int],
     *,
+    on_token: TokenCallback | None = None,
+    **kw,
+) -> GenerationResult:
+    """Generate for a batch of prompts (lists of token ids; lengths may differ).
+
+    `prompts` is one list of ids or a list of them. on_token is called for every generated
+    token, in order: on_token(id) for a single prompt, on_token(row, id) for a batch. The
+    other keywords are `generate_tokens`'s.
+    """
+    single = _as_batch(prompts)[1]
+    steps = generate_tokens(model, prompts, **kw)
+    while True:
+        try:
+            row, tok = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_token is not None:
+            on_token(tok) if single else on_token(row, tok)
+
+
+def generate_tokens(
+    model: KimiLinearForCausalLM,
+    prompts: Sequence[Sequence[int]] | Sequence[int],
+    *,
     provider: ExpertProvider | None = None,
     runner: Runner | None = None,
     max_new_tokens: int = 32,
@@ -88,28 +112,25 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     stop_ids: Iterable[int] | None = None,
-    on_token: TokenCallback | None = None,
     hash_steps: bool = False,
     prefill_chunk: int | None = None,
     max_context: int | None = None,
-) -> GenerationResult:
-    """Generate for a batch of prompts (lists of token ids; lengths may differ).
+) -> Generator[tuple[int, int], None, GenerationResult]:
+    """`generate` as an iterator: yields (row, token) as each token is drawn and returns the
+    GenerationResult (StopIteration.value). Closing it early stops between two forwards.
 
-    `prompts` is one list of ids or a list of them. stop_ids default to the config's
-    eos_token_id. Sampling is seeded per row (seed, row), so a row's samples do not depend
-    on the batch. on_token is called for every generated token, in order: on_token(id) for
-    a single prompt, on_token(row, id) for a batch. prefill_chunk: tokens per prefill chunk
+    stop_ids default to the config's eos_token_id. Sampling is seeded per row (seed, row), so
+    a row's samples do not depend on the batch. prefill_chunk: tokens per prefill chunk
     (default the model's, else chosen from free memory; the logits do not depend on it).
     max_context: a row stops ("length") once prompt + generated tokens reach it; a prompt
     longer than it is an error (the caller truncates or refuses first).
     """
-    prompts, single = _as_batch(prompts)
+    prompts, _ = _as_batch(prompts)
     _check_request(prompts, max_new_tokens, top_p, max_context)
     runner = runner or (lambda gen: run_sync(gen, provider))
     rows = _Rows([len(p) for p in prompts], max_new_tokens, max_context,
                  set(stop_ids) if stop_ids is not None else {model.config.eos_token_id})
     gens = [torch.Generator().manual_seed(seed * 1_000_003 + row) for row in range(len(prompts))]
-    emit = on_token if on_token is None or not single else (lambda row, tok: on_token(tok))
 
     t0 = time.perf_counter()
     caches, prefill_logits = _prefill(model, prompts, runner, prefill_chunk)
@@ -119,7 +140,7 @@ def generate(
     def draw(row: int, logits: Tensor) -> int:
         return sample(logits, temperature, top_p, gens[row])
 
-    steps = _decode(model, runner, cache, prefill_logits, rows, draw, emit, hash_steps)
+    steps = yield from _decode(model, runner, cache, prefill_logits, rows, draw, hash_steps)
     t2 = time.perf_counter()
     return GenerationResult(
         tokens=rows.tokens,
@@ -150,8 +171,9 @@ def _check_request(prompts: list[list[int]], max_new_tokens: int, top_p: float, 
         raise StreamrtError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < top_p <= 1:
         raise StreamrtError(f"generate: top_p must be in (0, 1], got {top_p}")
-    if max_context is not None and max(len(p) for p in prompts) > max_context:
-        raise StreamrtError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens exceeds the context of {max_context}")
+    longest = max(len(p) for p in prompts)
+    if max_context is not None and longest > max_context:
+        raise StreamrtError(f"generate: a prompt of {longest} tokens exceeds the context of {max_context}")
 
 
 def _prefill(
@@ -175,7 +197,8 @@ class _Rows:
 
     def __init__(self, prompt_lens: list[int], max_new_tokens: int, max_context: int | None, stops: set[int]):
         B = len(prompt_lens)
-        self.prompt_lens, self.max_new_tokens, self.max_context, self.stops = prompt_lens, max_new_tokens, max_context, stops
+        self.prompt_lens, self.max_new_tokens = prompt_lens, max_new_tokens
+        self.max_context, self.stops = max_context, stops
         self.tokens: list[list[int]] = [[] for _ in range(B)]
         self.reasons = ["length"] * B
         self.step_hashes: list[list[str]] = [[] for _ in range(B)]
@@ -197,31 +220,30 @@ def _decode(
     logits: Tensor,
     rows: _Rows,
     draw: Callable[[int, Tensor], int],
-    emit: Callable[[int, int], None] | None,
     hash_steps: bool,
-) -> int:
-    """Sample every running row, let finished rows leave the batch, one batched forward for the
-    rest; until no row runs. Returns the number of decode forwards."""
+) -> Generator[tuple[int, int], None, int]:
+    """Sample every running row (yielding (row, token)), let finished rows leave the batch, one
+    batched forward for the rest; until no row runs. Returns the number of decode forwards.
+    Grad mode is off only around the forward, never across a yield (the caller's code runs there)."""
     device = model.lm_head.weight.device
     steps = 0
-    with torch.no_grad():
-        while True:
-            still = []
-            for i, row in enumerate(rows.active):
-                tok = draw(row, logits[i])
-                rows.tokens[row].append(tok)
-                if emit is not None:
-                    emit(row, tok)
-                if rows.continues(row, tok):
-                    still.append(i)
-            if not still:
-                return steps
-            if len(still) < len(rows.active):
-                cache = cache.select(still)
-                rows.active = [rows.active[i] for i in still]
-            ids = torch.tensor([[rows.tokens[row][-1]] for row in rows.active], device=device)  # [B', 1]
+    while True:
+        still = []
+        for i, row in enumerate(rows.active):
+            tok = draw(row, logits[i])
+            rows.tokens[row].append(tok)
+            yield row, tok
+            if rows.continues(row, tok):
+                still.append(i)
+        if not still:
+            return steps
+        if len(still) < len(rows.active):
+            cache = cache.select(still)
+            rows.active = [rows.active[i] for i in still]
+        ids = torch.tensor([[rows.tokens[row][-1]] for row in rows.active], device=device)  # [B', 1]
+        with torch.no_grad():
             logits = runner(model.forward_steps(ids, cache))[:, 0].float()  # [B', V]
-            steps += 1
-            if hash_steps:
-                for i, row in enumerate(rows.active):
-                    rows.step_hashes[row].append(logits_hash(logits[i]))
+        steps += 1
+        if hash_steps:
+            for i, row in enumerate(rows.active):
+                rows.step_hashes[row].append(logits_hash(logits[i]))

@@ -21,16 +21,17 @@ FORBIDDEN = {
     # a tree's readers depend on its format, never on the program that writes it
     "streamrt.checkpoint.reader": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
     "streamrt.checkpoint.verify": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
-    "streamrt.checkpoint.manifest": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth", "streamrt.checkpoint.reader"),
+    "streamrt.checkpoint.manifest": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth",
+                                     "streamrt.checkpoint.reader"),
     "streamrt.checkpoint.release": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
     "streamrt.checkpoint.names": ("streamrt.checkpoint.",),
-    "streamrt.checkpoint": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.backends", "streamrt.serve",
-                            "streamrt.parallel"),
+    "streamrt.checkpoint": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.backends",
+                            "streamrt.serve", "streamrt.parallel", "streamrt.cli", "streamrt.api"),
     # the store holds bytes; the runtime drives it
     "streamrt.store": ("streamrt.runtime", "streamrt.model", "streamrt.serve", "streamrt.cli", "streamrt.parallel",
                        "streamrt.api"),
-    "streamrt.backends": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.serve", "streamrt.checkpoint",
-                          "streamrt.parallel"),
+    "streamrt.backends": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.serve",
+                          "streamrt.checkpoint", "streamrt.parallel"),
     "streamrt.config": ("streamrt.",),
     "streamrt.ops": ("streamrt.",),
     "streamrt.jsonio": ("streamrt.",),
@@ -41,8 +42,12 @@ FORBIDDEN = {
     # plans are arithmetic on a config: they load nothing and run nothing
     "streamrt.plan": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.backends", "streamrt.serve",
                       "streamrt.cli", "streamrt.api"),
+    # the Python API is what the commands and the server are written on, never the other way
+    "streamrt.api": ("streamrt.cli", "streamrt.serve"),
+    "streamrt.serve": ("streamrt.cli",),
 }
-ALLOWED_EVERYWHERE = ("streamrt.errors", "streamrt.jsonio", "streamrt.fileio")  # leaves: they import nothing of ours but errors
+# leaves: they import nothing of ours but errors
+ALLOWED_EVERYWHERE = ("streamrt.errors", "streamrt.jsonio", "streamrt.fileio", "streamrt.output_paths")
 # Exceptions to a room's bans: the model is typed against the Backend protocol; the config
 # package's modules import one another (and nothing else of ours).
 ALLOWED = {"streamrt.model": ("streamrt.backends.base",), "streamrt.config": ("streamrt.config",)}
@@ -114,3 +119,5 @@ def test_the_checker_sees_a_function_level_import():
     assert violations("streamrt.model.probe", "from streamrt.backends.base import Backend\n") == []
     assert violations("streamrt.config.parse", "from streamrt.config.fields import Fields\n") == []
     assert violations("streamrt.config.parse", "from streamrt.ops import select_topk\n")
+    assert violations("streamrt.api.session", "from streamrt.cli.args import prefill_chunk\n")
+    assert violations("streamrt.cli.run", "from streamrt.api.session import Session\n") == []

@@ -6,19 +6,21 @@ names.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Generator
 
 from streamrt.chat import ChatProfile
 from streamrt.checkpoint.dst import STATE_DIR, recorded_source
 from streamrt.errors import StreamrtError
-from streamrt.cli.args import Sampling, prefill_chunk
+from streamrt.api.sampling import Sampling
 from streamrt.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from streamrt.runtime.options import RuntimeOptions
 
 
 def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
@@ -86,6 +88,10 @@ class Session:
     def generate(self, ids: list[int], sampling: Sampling, on_token: Callable[[int], None]) -> GenStats:
         raise NotImplementedError
 
+    def tokens(self, ids: list[int], sampling: Sampling) -> Generator[int, None, GenStats]:
+        """`generate` as an iterator: each token as it is drawn; returns the GenStats."""
+        raise NotImplementedError
+
     def control_logits(self, ids: list[int]):
         """fp32 logits [V] of the last prompt position, from a fresh state."""
         raise NotImplementedError
@@ -97,13 +103,16 @@ class Session:
         pass
 
 
-def open_session(model_dir: Path, args: argparse.Namespace, *, progress: bool) -> Session:
-    """Under torchrun, or as a rank `run --gpus N` spawned (RANK / WORLD_SIZE set): this
+def open_session(model_dir: Path, options: RuntimeOptions, *, progress: bool,
+                 prefill_chunk: int | None = None) -> Session:
+    """The model session on `model_dir` (prefill_chunk: tokens per prefill chunk, None: from free
+    memory). Under torchrun, or as a rank `run --gpus N` spawned (RANK / WORLD_SIZE set): this
     rank's part of an expert-parallel run (streamrt.parallel)."""
     from streamrt.parallel.group import Ranks
 
     ranks = Ranks.from_env()
-    return _ModelSession(model_dir, args, progress=progress and (ranks is None or ranks.rank == 0), ranks=ranks)
+    return _ModelSession(model_dir, options, progress=progress and (ranks is None or ranks.rank == 0), ranks=ranks,
+                         prefill_chunk=prefill_chunk)
 
 
 class _ModelSession(Session):
@@ -113,13 +122,13 @@ class _ModelSession(Session):
     them (device, slot and memory budgets); the weights load on `load()` (first generate), so a
     prompt longer than the context, or a budget the tree cannot meet, is refused before any."""
 
-    def __init__(self, model_dir: Path, args: argparse.Namespace, *, progress: bool, ranks=None):
+    def __init__(self, model_dir: Path, options: RuntimeOptions, *, progress: bool, ranks=None,
+                 prefill_chunk: int | None = None):
         from streamrt.checkpoint.reader import open_tree
-        from streamrt.runtime.options import RuntimeOptions
         from streamrt.tokenizer import load_tokenizer
 
-        self.options = RuntimeOptions.from_args(args)  # flag errors before any loading
-        self._args, self._progress, self._ranks, self._loaded = args, progress, ranks, False
+        self.options = options
+        self._prefill_chunk, self._progress, self._ranks, self._loaded = prefill_chunk, progress, ranks, False
         self.runtime, self.ep = None, None
         self._graphs_said = None  # the graphs_line last printed: said once, not after every reply
         tree = open_tree(model_dir)
@@ -130,7 +139,6 @@ class _ModelSession(Session):
         self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
         self.chat = ChatProfile.from_tree(tree.root)
         self.context = tree.config.max_position_embeddings
-        prefill_chunk(args)
         self._device = None
         if ranks is None:  # a rank's device and slots come from its group, in load()
             from streamrt.loader import dense_placement
@@ -151,7 +159,7 @@ class _ModelSession(Session):
         from streamrt.runtime.scheduler import StreamingRuntime
         from streamrt.runtime.streams import make_device
 
-        tree, args, ranks = self.tree, self._args, self._ranks
+        tree, ranks = self.tree, self._ranks
         with _LoadBar(enabled=self._progress, desc=f"loading {tree.root.name}", total=2) as bar:
             bar.step("dense weights")
             self.ep = None  # expert parallelism: this rank's shard and its all-reduce (streamrt.parallel)
@@ -175,7 +183,7 @@ class _ModelSession(Session):
             if plan is not None and plan.streamed_layers:
                 print(format_plan(tree.config, plan), file=sys.stderr)
                 print(f"streamrt: {self.model.layer_weights.line()}", file=sys.stderr)
-            self.model.prefill_chunk = prefill_chunk(args)
+            self.model.prefill_chunk = self._prefill_chunk
             bar.step("expert store")
             predictor = None
             if self.ep is not None:
@@ -217,22 +225,31 @@ class _ModelSession(Session):
             return self.runtime.run(self.ep.shard(gen) if self.ep is not None else gen).reshape(-1).float()
 
     def generate(self, ids, sampling, on_token):
-        from streamrt.generate import generate
+        steps = self.tokens(ids, sampling)
+        while True:
+            try:
+                on_token(next(steps))
+            except StopIteration as done:
+                return done.value
+
+    def tokens(self, ids: list[int], sampling: Sampling) -> Generator[int, None, GenStats]:
+        """`generate` as an iterator: yields each token as it is drawn, returns the GenStats."""
+        from streamrt.generate import generate_tokens
 
         self.load()
-        r = generate(
+        steps = generate_tokens(
             self.model,
             ids,
             runner=self._runner(),
             max_new_tokens=sampling.max_new_tokens,
-            temperature=0.0 if sampling.greedy else sampling.temperature,
+            temperature=0.0 if sampling.is_greedy else sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
             stop_ids=[] if sampling.ignore_eos else sorted(self.tokenizer.stop_ids),
-            on_token=on_token,
             hash_steps=True,
             max_context=self.context,
         )
+        r = yield from _tokens_of(steps)
         if (line := self.runtime.graphs_line) is not None and line != self._graphs_said:
             print(f"streamrt: {line}", file=sys.stderr)
             self._graphs_said = line
@@ -248,6 +265,16 @@ class _ModelSession(Session):
     def close(self) -> None:
         if self.runtime is not None:
             self.runtime.finish()
+
+
+def _tokens_of(steps):
+    """(row, token) pairs of one prompt -> its tokens; returns what `steps` returns."""
+    while True:
+        try:
+            _, tok = next(steps)
+        except StopIteration as done:
+            return done.value
+        yield tok
 
 
 def _check_outputs_outside(tree, options) -> None:
@@ -273,7 +300,8 @@ class _LoadBar:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(desc=desc, total=total, file=sys.stderr, leave=False, bar_format="{desc}: {bar} {n}/{total} {postfix}")
+            self._bar = tqdm(desc=desc, total=total, file=sys.stderr, leave=False,
+                             bar_format="{desc}: {bar} {n}/{total} {postfix}")
 
     def step(self, what: str) -> None:
         if self._bar is not None:

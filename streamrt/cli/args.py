@@ -8,15 +8,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
-from dataclasses import dataclass
 from typing import TextIO
 
+from streamrt.api.options import check_device
+from streamrt.api.sampling import MAX_NEW_TOKENS, MAX_SEED, Sampling
+from streamrt.api.session import Session
+from streamrt.api.session import open_session as open_model_session
 from streamrt.errors import StreamrtError
 from streamrt.runtime.options import RuntimeOptions
 
-MAX_SEED = 2**44 - 1  # generate seeds row r with seed * 1_000_003 + r, which must fit torch's 64 bits
-MAX_NEW_TOKENS = 1 << 20  # the longest context any supported model has
+__all__ = ["MAX_NEW_TOKENS", "MAX_SEED", "Sampling", "check_device", "check_runtime_flags", "open_session",
+           "parse_float", "parse_int", "prefill_chunk", "read_user_line", "sampling_from_args", "user_text"]
 
 
 def parse_int(value: str, flag: str, lo: int, hi: int | None = None) -> int:
@@ -74,50 +76,24 @@ def parse_float(value: str, flag: str) -> float:
     return x
 
 
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    greedy: bool
-    ignore_eos: bool = False  # generate all max_new_tokens (benchmarks); the stop tokens are sampled like any other
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Sampling":
-        n = parse_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
-        t = parse_float(args.temperature, "--temperature")
-        if t < 0:
-            raise StreamrtError(f"--temperature must be >= 0, got {args.temperature}")
-        p = parse_float(args.top_p, "--top-p")
-        if not 0 < p <= 1:
-            raise StreamrtError(f"--top-p must be in (0, 1], got {args.top_p}")
-        seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
-        return cls(n, t, p, seed, bool(args.greedy) or t == 0, bool(getattr(args, "ignore_eos", False)))
+def sampling_from_args(args: argparse.Namespace) -> Sampling:
+    """--max-new-tokens, --temperature, --top-p, --seed, --greedy, --ignore-eos, each checked
+    here so the error names the flag."""
+    n = parse_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
+    t = parse_float(args.temperature, "--temperature")
+    if t < 0:
+        raise StreamrtError(f"--temperature must be >= 0, got {args.temperature}")
+    p = parse_float(args.top_p, "--top-p")
+    if not 0 < p <= 1:
+        raise StreamrtError(f"--top-p must be in (0, 1], got {args.top_p}")
+    seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
+    return Sampling(n, t, p, seed, bool(args.greedy) or t == 0, bool(getattr(args, "ignore_eos", False)))
 
 
 def prefill_chunk(args: argparse.Namespace) -> int | None:
     """--prefill-chunk: tokens per chunk, or None for auto (the model picks from free memory)."""
     value = getattr(args, "prefill_chunk", "auto")
     return None if value in (None, "auto") else parse_int(value, "--prefill-chunk", 1, 1 << 20)
-
-
-def check_device(name: str) -> None:
-    """--device: auto, cpu, cuda or cuda:N, and a CUDA one only where torch sees CUDA. Checked
-    here because `--gpus N` ranks fall back to the CPU without CUDA: an explicit cuda would be
-    ignored there, and `cuda:x` is a ValueError deep in the load."""
-    text = str(name)
-    if text in ("auto", "cpu"):
-        return
-    if text != "cuda" and not re.fullmatch(r"cuda:[0-9]{1,4}", text):
-        raise StreamrtError(f"--device: expected auto, cpu, cuda or cuda:N, got {text[:40]!r}")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise StreamrtError(f"--device {text}: no CUDA device is available (torch.cuda.is_available() is False)")
-    index = int(text.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
-        raise StreamrtError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def check_runtime_flags(args: argparse.Namespace) -> None:
@@ -136,3 +112,9 @@ def check_runtime_flags(args: argparse.Namespace) -> None:
         if key in seen:
             raise StreamrtError(f"{flag} {path}: the same file as {seen[key]}; give another file name")
         seen[key] = flag
+
+
+def open_session(model_dir, args: argparse.Namespace, *, progress: bool) -> Session:
+    """The model session the command's flags describe (runtime options, --prefill-chunk)."""
+    return open_model_session(model_dir, RuntimeOptions.from_args(args), progress=progress,
+                              prefill_chunk=prefill_chunk(args))

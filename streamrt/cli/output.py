@@ -10,7 +10,7 @@ from typing import TextIO
 
 from streamrt.chat import Reply, ResponseText, ThinkText, ToolCall
 from streamrt.jsonio import dumps_text
-from streamrt.cli.args import Sampling
+from streamrt.api.sampling import Sampling
 from streamrt.api.session import GenStats
 
 

@@ -13,13 +13,14 @@ import os
 import sys
 from typing import TextIO
 
-from streamrt.cli import selfcheck
+from streamrt.api.session import GenStats, Session, resolve_model_dir
 from streamrt.chat import ChatParser, ParseError, Reply, encode_chat, load_messages_file
-from streamrt.errors import StreamrtError
-from streamrt.cli.args import Sampling, check_runtime_flags, parse_int, prefill_chunk, read_user_line, user_text
+from streamrt.cli import selfcheck
+from streamrt.cli.args import (Sampling, check_runtime_flags, open_session, parse_int, prefill_chunk, read_user_line,
+                               sampling_from_args, user_text)
 from streamrt.cli.output import StreamPrinter, report, reply_json
+from streamrt.errors import StreamrtError
 from streamrt.runtime.options import add_runtime_flags
-from streamrt.api.session import GenStats, Session, open_session, resolve_model_dir
 
 __all__ = ["GenStats", "Session", "Sampling", "fit_context", "open_session", "parse_int", "read_user_line",
            "register", "resolve_model_dir", "run_command", "user_text"]
@@ -36,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
     src.add_argument("--chat", action="store_true", help="interactive: one user message per stdin line")
-    src.add_argument("--messages", metavar="FILE.json", help='OpenAI-style messages (a list, or {"messages", "tools"}), checked as the server checks them')
+    src.add_argument("--messages", metavar="FILE.json",
+                     help='OpenAI-style messages (a list, or {"messages", "tools"}), checked as the server checks them')
     p.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     p.add_argument("--no-thinking", action="store_true", help="answer without the think channel")
     p.add_argument("--show-thinking", action="store_true", help="print the think channel too")
@@ -102,7 +104,7 @@ def fit_context(ids: list[int], context: int | None, truncate: str | None, reser
 
 
 def run_command(args: argparse.Namespace) -> int:
-    sampling = Sampling.from_args(args)
+    sampling = sampling_from_args(args)
     check_runtime_flags(args)
     prefill_chunk(args)  # flag errors before any loading
     thinking = not args.no_thinking
@@ -137,7 +139,8 @@ def _run(session, history, tools, sampling, thinking, args) -> int:
     if args.chat:
         session.load()  # a bad tree or budget before the first line is typed
         return _chat_loop(session, history, sampling, thinking, args, sys.stdin)
-    ids = encode_chat(session.tokenizer, history, tools, thinking=thinking, thinking_effort=session.chat.thinking_effort)
+    ids = encode_chat(session.tokenizer, history, tools, thinking=thinking,
+                      thinking_effort=session.chat.thinking_effort)
     ids = fit_context(ids, session.context, getattr(args, "truncate", None), sampling.max_new_tokens)
     printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
     reply, stats = _one_reply(session, ids, sampling, thinking, printer)
@@ -155,7 +158,8 @@ def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int
     Egypt?" after Spain gave Madrid), so each line is framed on its own. Ctrl-C ends the reply."""
     tty = stdin.isatty()
     if tty and not args.json:
-        print("streamrt: chat with the model; empty line skips, /reset clears history, /exit or Ctrl-D quits", file=sys.stderr)
+        print("streamrt: chat with the model; empty line skips, /reset clears history, /exit or Ctrl-D quits",
+              file=sys.stderr)
     if not session.chat.multi_turn and not args.json:
         print("streamrt: this model was trained on single exchanges (streamrt_chat.multi_turn false in its "
               "tokenizer_config.json); each line starts a new conversation", file=sys.stderr)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from streamrt.chat import encode_chat
 from streamrt.errors import StreamrtError
-from streamrt.cli.args import check_runtime_flags, parse_int
+from streamrt.cli.args import check_runtime_flags, open_session, parse_int
 from streamrt.runtime.options import add_runtime_flags
-from streamrt.api.session import Session, open_session, resolve_model_dir
+from streamrt.api.session import Session, resolve_model_dir
 
 CONTROL_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 MAX_CYCLES = 1000

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from streamrt.cli.args import MAX_SEED
+from streamrt.api.sampling import MAX_SEED
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
