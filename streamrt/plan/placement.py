@@ -88,7 +88,8 @@ def layer_dense_bytes(cfg: ModelConfig) -> tuple[int, ...]:
 
 def router_bytes(cfg: ModelConfig) -> int:
     """Every layer's router (gate weight and score-correction bias): always resident."""
-    return sum(s.nbytes for i in range(cfg.num_layers) for s in dense_layer_specs(cfg, i) if s.name.endswith(ROUTER_SUFFIXES))
+    return sum(s.nbytes for i in range(cfg.num_layers) for s in dense_layer_specs(cfg, i)
+               if s.name.endswith(ROUTER_SUFFIXES))
 
 
 def min_expert_slots(cfg: ModelConfig, batch: int = 1) -> int:
@@ -105,7 +106,8 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
     if context < 1 or batch < 1:
         raise StreamrtError(f"context and batch must be >= 1, got {context} and {batch}")
     if buffers < 2:
-        raise StreamrtError(f"dense streaming needs at least 2 device buffers (layer l+1 copies while l computes), got {buffers}")
+        raise StreamrtError("dense streaming needs at least 2 device buffers (layer l+1 copies while l computes), "
+                            f"got {buffers}")
     glob = {s.name.rsplit(".", 2)[-2]: s.nbytes for s in global_specs(cfg)}
     embed = glob.pop("embed_tokens")
     layers = layer_dense_bytes(cfg)
@@ -117,7 +119,26 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
         "workspace": WORKSPACE_BYTES,
         "minimum expert slots": min_expert_slots(cfg, batch) * expert_bytes_nvfp4(cfg),
     }
-    # Layers 0..r-1 resident, r.. streamed through buffers sized by the largest streamed layer.
+    r, prefix, suffix_max, need = _resident_prefix(cfg, gpu_bytes, fixed, layers, buffers, context)
+    n = len(layers)
+    resident, streamed = tuple(range(r)), tuple(range(r, n))
+    if streamed:
+        fixed["stream buffers"] = buffers * suffix_max[r]
+    free = gpu_bytes - need[r]
+    host = {"embedding": embed, "streamed dense": sum(layers[i] for i in streamed)}
+    if not streamed and embed <= free:  # nothing streams: the embedding may move in
+        free -= embed
+        fixed["embedding"] = host.pop("embedding")
+    slots = min_expert_slots(cfg, batch) + int(free // expert_bytes_nvfp4(cfg))
+    slots = min(slots, cfg.expert_files)
+    return Placement(gpu_bytes=gpu_bytes, context=context, resident_layers=resident, streamed_layers=streamed,
+                     expert_slots=slots, fixed_bytes=fixed, layer_bytes=layers, host_bytes=host, buffers=buffers)
+
+
+def _resident_prefix(cfg: ModelConfig, gpu_bytes: int, fixed: dict, layers: list[int], buffers: int, context: int):
+    """Layers 0..r-1 resident, r.. streamed through buffers sized by the largest streamed layer:
+    the largest r that fits (more memory never streams more: the feasible set only grows), with
+    the prefix sums, suffix maxima and need per r; StreamrtError naming the shortfall if none fits."""
     n, base = len(layers), sum(fixed.values())
     prefix = [0] * (n + 1)
     for i, b in enumerate(layers):
@@ -129,35 +150,16 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
     fits = [r for r in range(n + 1) if need[r] <= gpu_bytes]
     if not fits:
         r = min(range(n + 1), key=need.__getitem__)
-        parts = {"dense of resident layers": prefix[r]} if r else {}
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in {**fixed, "stream buffers": buffers * suffix_max[r], **parts}.items())
+        parts = {**fixed, "stream buffers": buffers * suffix_max[r]}
+        if r:
+            parts["dense of resident layers"] = prefix[r]
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
         raise StreamrtError(
             f"{cfg.name} cannot run in {gpu_bytes / GIB:.1f} GiB of GPU memory even streaming every layer: "
             f"it needs {need[r] / GIB:.1f} GiB ({parts} GiB) at context {context}; "
             f"{(need[r] - gpu_bytes) / GIB:.1f} GiB short"
         )
-    r = max(fits)  # more memory never streams more: the feasible set only grows
-    resident, streamed = tuple(range(r)), tuple(range(r, n))
-    if streamed:
-        fixed["stream buffers"] = buffers * suffix_max[r]
-    free = gpu_bytes - need[r]
-    host = {"embedding": embed, "streamed dense": sum(layers[i] for i in streamed)}
-    if not streamed and embed <= free:  # nothing streams: the embedding may move in
-        free -= embed
-        fixed["embedding"] = host.pop("embedding")
-    slots = min_expert_slots(cfg, batch) + int(free // expert_bytes_nvfp4(cfg))
-    slots = min(slots, cfg.expert_files)
-    return Placement(
-        gpu_bytes=gpu_bytes,
-        context=context,
-        resident_layers=resident,
-        streamed_layers=streamed,
-        expert_slots=slots,
-        fixed_bytes=fixed,
-        layer_bytes=layers,
-        host_bytes=host,
-        buffers=buffers,
-    )
+    return max(fits), prefix, suffix_max, need
 
 
 def describe(cfg: ModelConfig, p: Placement, link_gbps: float, hbm_gbps: float) -> list[tuple[str, str]]:
@@ -168,16 +170,20 @@ def describe(cfg: ModelConfig, p: Placement, link_gbps: float, hbm_gbps: float) 
         ("GPU memory", f"{p.gpu_bytes / GIB:,.1f} GiB (context {p.context:,} tokens)"),
         ("resident", f"lm_head and norms {p.fixed_bytes['lm_head and norms'] / GIB:.2f} GiB, routers "
                      f"{p.fixed_bytes['routers'] / GIB:.2f} GiB, caches "
-                     f"{(p.fixed_bytes['KV cache'] + p.fixed_bytes['KDA state']) / GIB:.2f} GiB, dense of {n_res} layers "
+                     f"{(p.fixed_bytes['KV cache'] + p.fixed_bytes['KDA state']) / GIB:.2f} GiB, "
+                     f"dense of {n_res} layers "
                      f"{p.resident_dense_bytes / GIB:.2f} GiB"),
         ("streamed per layer", f"{n_str} layers, {p.streamed_bytes_per_token / GIB:.2f} GiB per token"
                                + (f" (layers {layer_ranges(p.streamed_layers)}; {p.buffers} device buffers "
                                   f"{p.fixed_bytes['stream buffers'] / GIB:.2f} GiB)" if n_str else "")),
-        ("expert slots", f"{p.expert_slots:,} of {cfg.expert_files:,} ({p.expert_slots * expert_bytes_nvfp4(cfg) / GIB:.1f} GiB)"),
-        ("host memory", ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.host_bytes.items()) + ", plus the expert store"),
-        (f"projected @ {link_gbps:g} GB/s link", f"{proj['s_per_token']:.3f} s/token (link {proj['link_s']:.3f} s: "
-                                                  f"{p.link_bytes_per_token(cfg) / GIB:.2f} GiB/token with uniform expert hits; "
-                                                  f"compute floor {proj['compute_floor_s']:.3f} s at {hbm_gbps:g} GB/s HBM)"),
+        ("expert slots", f"{p.expert_slots:,} of {cfg.expert_files:,} "
+                         f"({p.expert_slots * expert_bytes_nvfp4(cfg) / GIB:.1f} GiB)"),
+        ("host memory", ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.host_bytes.items())
+         + ", plus the expert store"),
+        (f"projected @ {link_gbps:g} GB/s link",
+         f"{proj['s_per_token']:.3f} s/token (link {proj['link_s']:.3f} s: "
+         f"{p.link_bytes_per_token(cfg) / GIB:.2f} GiB/token with uniform expert hits; "
+         f"compute floor {proj['compute_floor_s']:.3f} s at {hbm_gbps:g} GB/s HBM)"),
     ]
 
 
