@@ -121,20 +121,7 @@ def load_json(
             copy counts must not depend on the parser).
 
     Returns the parsed value; raises `error("<name>: <what>: <reason>")`, always one line."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-        label = name or "<bytes>"
-    else:
-        path = Path(source)
-        label = name or str(path)
-        try:
-            size = path.stat().st_size
-            if size > max_bytes:
-                raise error(f"{label}: {what}: {size:,} bytes, over the {max_bytes:,}-byte limit for this file")
-            with open(path, "rb") as f:
-                data = f.read(max_bytes + 1)
-        except OSError as e:
-            raise error(f"{label}: cannot read {what}: {e.strerror or e}") from None
+    data, label = _read_source(source, what, name, max_bytes, error)
     fail = lambda reason: error(f"{label}: {what}: {reason}")  # noqa: E731
     if len(data) > max_bytes:
         raise fail(f"{len(data):,} bytes, over the {max_bytes:,}-byte limit for this file")
@@ -161,6 +148,23 @@ def load_json(
         want = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,)))
         raise fail(f"expected a JSON {want}, got {_TYPE_NAMES.get(type(value), type(value).__name__)}")
     return value
+
+
+def _read_source(source, what: str, name: str | None, max_bytes: int, error: type[StreamrtError]) -> tuple[bytes, str]:
+    """(the bytes, the name messages give them): from a path, read here with its size checked
+    before reading, or the bytes themselves."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), name or "<bytes>"
+    path = Path(source)
+    label = name or str(path)
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise error(f"{label}: {what}: {size:,} bytes, over the {max_bytes:,}-byte limit for this file")
+        with open(path, "rb") as f:
+            return f.read(max_bytes + 1), label
+    except OSError as e:
+        raise error(f"{label}: cannot read {what}: {e.strerror or e}") from None
 
 
 _TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "integer", float: "number",

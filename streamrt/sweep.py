@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrt.fileio import atomic_write, check_output_path
+from streamrt.fileio import atomic_write
+from streamrt.output_paths import check_output_path
 from streamrt.errors import StreamrtError
 
 STATS_KEYS = ("tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrt import fileio
+from streamrt import fileio, output_paths
 from streamrt.cli.main import main
 from streamrt.config import load_config
 from streamrt.errors import CheckpointError, ConfigError, StreamrtError
@@ -66,7 +66,7 @@ def test_writer_in_a_read_only_directory_is_one_line(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        if fileio.writable_dir_error(ro) is None:
+        if output_paths.writable_dir_error(ro) is None:
             pytest.skip("permission bits do not bind here (root with CAP_DAC_OVERRIDE)")
         for target in (ro / "x.bin", ro / "sub" / "x.bin"):
             e = project_error(fileio.AtomicWriter, target)
@@ -81,7 +81,7 @@ def test_output_flag_with_a_too_long_name_is_one_line_exit_2(capsys, tmp_path, m
     monkeypatch.setattr(run_cmd, "open_session", lambda *a, **k: pytest.fail("a model was loaded"))
     target = tmp_path / LONG / "stats.json"
     one_line_exit_2(capsys, ["run", "--prompt", "hi", "--stats-json", str(target)], f"--stats-json {target}")
-    e = project_error(fileio.check_output_path, tmp_path / LONG, "--trace")
+    e = project_error(output_paths.check_output_path, tmp_path / LONG, "--trace")
     assert f"--trace {tmp_path / LONG}" in str(e)
 
 

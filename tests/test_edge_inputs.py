@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from streamrt.cli import run as run_cmd
-from streamrt import fileio
+from streamrt import fileio, output_paths
 from streamrt.checkpoint.reader import open_tree, read_manifest
 from streamrt.cli.main import main
 from streamrt.errors import CheckpointError, ConfigError, StreamrtError
@@ -266,7 +266,7 @@ def test_trace_unwritable_fails_before_any_work(capsys, tmp_path, no_session):
 
 
 def test_missing_parents_of_an_output_are_fine(tmp_path):
-    p = fileio.check_output_path(tmp_path / "a" / "b" / "stats.json", "--stats-json")
+    p = output_paths.check_output_path(tmp_path / "a" / "b" / "stats.json", "--stats-json")
     assert p == tmp_path / "a" / "b" / "stats.json" and not (tmp_path / "a").exists()
     assert [f for f in os.listdir(tmp_path)] == []  # the probe left nothing behind
 

@@ -94,14 +94,17 @@ def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
         renamed = [TensorSpec(strip_prefix(s.name), s.shape, s.dtype) for s in specs]
         hdr, offs = build_header(renamed)
         sources = frozenset(rt.weight_map[s.name] for s in specs)
-        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), fill=_dense_fill(rt, hdr, specs), sources=sources))
+        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), fill=_dense_fill(rt, hdr, specs),
+                          sources=sources))
     layout = ExpertLayout.for_config(cfg)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
             rel = expert_relpath(layer, e)
             p = expert_prefix(layer, e)
-            sources = frozenset(rt.weight_map[f"{p}{w}.weight_{k}"] for w in ("w1", "w2", "w3") for k in ("packed", "scale"))
-            tasks.append(Task(rel, layout.file_bytes, _expert_task(rt, dst / rel, layer, e, layout, allow_per_row), sources=sources))
+            sources = frozenset(rt.weight_map[f"{p}{w}.weight_{k}"]
+                                for w in ("w1", "w2", "w3") for k in ("packed", "scale"))
+            tasks.append(Task(rel, layout.file_bytes, _expert_task(rt, dst / rel, layer, e, layout, allow_per_row),
+                              sources=sources))
     return tasks
 
 
@@ -207,30 +210,10 @@ def convert(
         raise CheckpointError(f"--workers must be >= 0 (0: the default, min(16, cores)), got {workers}")
     if commit_threads is not None and commit_threads < 0:
         raise CheckpointError(f"--commit-threads must be >= 0, got {commit_threads}")
-    try:
-        src_is_dir = src.is_dir()
-    except OSError as e:  # e.g. a name longer than the file system allows
-        raise CheckpointError(f"{src}: cannot read SRC: {e.strerror or e}") from None
-    if not src_is_dir:
-        raise CheckpointError(f"{src}: no such release directory")
-    check_paths(src, dst)
-    rt = open_release(src)  # config gating + headers + every tensor's dtype/shape
-    # the tokenizer files are copied as they are: refuse now what run would refuse after the conversion
-    if os.path.lexists(src / TOKENIZER_CONFIG):  # lexists: a directory or a dangling link there is refused
-        check_tokenizer_config(src / TOKENIZER_CONFIG)
-    load_tokenizer(src, rt.config.vocab_size, rt.config.eos_token_id)
-    if rt.skipped and log:
-        log(f"convert: skipping {len(rt.skipped)} tensors outside the language model (vision tower, projector): "
-            f"{rt.skipped_bytes / 2**20:,.1f} MiB")
+    rt = _open_source(src, dst, log)
     fingerprint = release_fingerprint(src)
     shards = shard_fingerprints(src, rt.shards)  # content hashes (--verify-source) once DST is known to be ours
-    try:
-        if dst.exists() and not dst.is_dir():
-            raise CheckpointError(f"{dst}: exists and is not a directory")
-        created = not dst.exists()
-        dst.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # unwritable, or a name longer than the file system allows
-        raise CheckpointError(f"{dst}: cannot create DST: {e.strerror or e}") from None
+    created = _make_dst(dst)
     try:
         with DstLock(dst):
             prior, changed = prepare_dst(src, dst, fingerprint, shards, hash_sources=verify_source)
@@ -250,13 +233,47 @@ def convert(
             except DiskFull:  # says how to resume already
                 raise
             except CheckpointError as e:  # bad source data, found once read
-                raise CheckpointError(f"{e}; the files converted so far stay in {dst}: once the source is fixed, a re-run resumes") from None
+                raise CheckpointError(f"{e}; the files converted so far stay in {dst}: once the source is fixed, "
+                                      "a re-run resumes") from None
             source = {"path": str(src.resolve()), "fingerprint": fingerprint, "shards": shards}
             return run.finish(src, source, log)
     except CheckpointError:
         if created and not any(dst.iterdir()):
             dst.rmdir()  # refused before writing anything: leave no empty DST behind
         raise
+
+
+def _open_source(src: Path, dst: Path, log: Callable[[str], None] | None):
+    """The release at `src`, validated before DST is touched: config gating, headers, every
+    tensor's dtype and shape, and the tokenizer files (copied as they are: refused now what
+    `run` would refuse after the conversion)."""
+    try:
+        src_is_dir = src.is_dir()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise CheckpointError(f"{src}: cannot read SRC: {e.strerror or e}") from None
+    if not src_is_dir:
+        raise CheckpointError(f"{src}: no such release directory")
+    check_paths(src, dst)
+    rt = open_release(src)
+    if os.path.lexists(src / TOKENIZER_CONFIG):  # lexists: a directory or a dangling link there is refused
+        check_tokenizer_config(src / TOKENIZER_CONFIG)
+    load_tokenizer(src, rt.config.vocab_size, rt.config.eos_token_id)
+    if rt.skipped and log:
+        log(f"convert: skipping {len(rt.skipped)} tensors outside the language model (vision tower, projector): "
+            f"{rt.skipped_bytes / 2**20:,.1f} MiB")
+    return rt
+
+
+def _make_dst(dst: Path) -> bool:
+    """DST as a directory; True when this call created it."""
+    try:
+        if dst.exists() and not dst.is_dir():
+            raise CheckpointError(f"{dst}: exists and is not a directory")
+        created = not dst.exists()
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # unwritable, or a name longer than the file system allows
+        raise CheckpointError(f"{dst}: cannot create DST: {e.strerror or e}") from None
+    return created
 
 
 def _check_space(dst: Path, tasks: list[Task]) -> None:
@@ -314,7 +331,8 @@ class Conversion:
             journal = open(path, "a")
         except OSError as e:  # a directory in its place, no permission
             raise CheckpointError(f"{path}: cannot open the conversion journal: {e.strerror or e}") from None
-        committer = ThreadPoolExecutor(self.commit_threads, thread_name_prefix="srt-commit") if self.commit_threads else None
+        committer = (ThreadPoolExecutor(self.commit_threads, thread_name_prefix="srt-commit")
+                     if self.commit_threads else None)
         self.journal, self.committer = journal, committer
         t0 = time.perf_counter()
         try:
@@ -340,7 +358,8 @@ class Conversion:
         """Directories synced, the manifest written last, the state removed; the summary."""
         for d in {(self.dst / t.rel).parent for t in self.tasks}:
             fsync_dir(d)
-        write_manifest(self.dst, self.rt.config, self.files, [s.name for s in self.rt.specs], source=source, modes=self.modes)
+        write_manifest(self.dst, self.rt.config, self.files, [s.name for s in self.rt.specs], source=source,
+                       modes=self.modes)
         fsync_dir(self.dst)
         shutil.rmtree(self.dst / STATE_DIR, ignore_errors=True)
         self.rt.close()
@@ -399,7 +418,8 @@ class Conversion:
         mode = -1
         if t.rel.endswith(".nvfp4"):
             with open(path, "rb") as f:
-                mode = parse_header(f.read(HEADER_BYTES), ExpertLayout.for_config(self.rt.config), name=str(path)).global_mode
+                layout = ExpertLayout.for_config(self.rt.config)
+                mode = parse_header(f.read(HEADER_BYTES), layout, name=str(path)).global_mode
         with self.lock:
             self.files[t.rel] = self.prior[t.rel]
             self.counters["skipped"] += 1
@@ -462,7 +482,8 @@ class Conversion:
 def _summary_line(s: dict) -> str:
     rate = s["bytes_written"] / s["seconds"] / 1e9 if s["seconds"] > 0 else 0.0
     return (
-        f"converted {s['src']} -> {s['dst']}: {s['files']} files ({s['written']} written, {s['skipped']} already complete), "
+        f"converted {s['src']} -> {s['dst']}: {s['files']} files ({s['written']} written, "
+        f"{s['skipped']} already complete), "
         f"{s['bytes_written'] / 2**30:.2f} GiB in {s['seconds']:.1f} s ({rate:.2f} GB/s); expert global scales: "
         f"{s['expert_files_per_matrix_global']} per matrix, {s['expert_files_per_row_global']} per row"
     )

@@ -84,7 +84,9 @@ def is_expert_tensor(name: str) -> bool:
 
 
 def dense_layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    """Every non-expert tensor of layer i."""
+    """Every non-expert tensor of layer i, in the release's order: norms and residual
+    projections, attention (KDA or MLA + indexer), then the FFN (MoE router and shared experts,
+    or a dense MLP)."""
     D = cfg.hidden_size
     p = layer_prefix(i)
     s: list[TensorSpec] = []
@@ -93,44 +95,56 @@ def dense_layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         add(f"{n}.weight", (D,))
     add("self_attention_res_proj.weight", (1, D))
     add("mlp_res_proj.weight", (1, D))
-
-    a = "self_attn."
     if cfg.layer_kind(i) == "kda":
-        P, K, H, W = cfg.kda_proj_dim, cfg.kda_head_dim, cfg.kda_num_heads, cfg.short_conv_kernel_size
-        for n in ("q_proj", "k_proj", "v_proj", "g_proj"):  # K3: full-rank output gate only
-            add(f"{a}{n}.weight", (P, D))
-        add(f"{a}o_proj.weight", (D, P))
-        add(f"{a}f_a_proj.weight", (K, D))
-        add(f"{a}f_b_proj.weight", (P, K))
-        add(f"{a}b_proj.weight", (H, D))
-        for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            add(f"{a}{n}.weight", (P, 1, W), F32)
-        add(f"{a}A_log", (cfg.a_log_stored_len,), F32)  # first H entries live, rest zero padding
-        add(f"{a}dt_bias", (P,), F32)
-        add(f"{a}o_norm.weight", (K,), F32)
+        _kda_specs(cfg, add)
     else:
-        nh = cfg.num_attention_heads
-        add(f"{a}q_a_proj.weight", (cfg.q_lora_rank, D))
-        add(f"{a}q_a_layernorm.weight", (cfg.q_lora_rank,))
-        add(f"{a}q_b_proj.weight", (nh * cfg.qk_head_dim, cfg.q_lora_rank))
-        add(f"{a}kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, D))
-        add(f"{a}kv_a_layernorm.weight", (cfg.kv_lora_rank,))
-        add(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank))
-        add(f"{a}o_proj.weight", (D, nh * cfg.v_head_dim))
-        if cfg.mla_use_output_gate:
-            add(f"{a}g_proj.weight", (nh * cfg.v_head_dim, D))
-        if cfg.has_indexer(i):
-            ix = cfg.indexer
-            shapes = {
-                "wq_b.weight": (ix.n_heads * ix.head_dim, cfg.q_lora_rank),
-                "wk.weight": (ix.head_dim, D),
-                "k_norm.weight": (ix.head_dim,),
-                "k_norm.bias": (ix.head_dim,),
-                "weights_proj.weight": (ix.n_heads, D),
-            }
-            for n in INDEXER_TENSORS:
-                add(f"{a}indexer.{n}", shapes[n])
+        _mla_specs(cfg, i, add)
+    _ffn_specs(cfg, i, add)
+    return s
 
+
+def _kda_specs(cfg: ModelConfig, add) -> None:
+    D, a = cfg.hidden_size, "self_attn."
+    P, K, H, W = cfg.kda_proj_dim, cfg.kda_head_dim, cfg.kda_num_heads, cfg.short_conv_kernel_size
+    for n in ("q_proj", "k_proj", "v_proj", "g_proj"):  # K3: full-rank output gate only
+        add(f"{a}{n}.weight", (P, D))
+    add(f"{a}o_proj.weight", (D, P))
+    add(f"{a}f_a_proj.weight", (K, D))
+    add(f"{a}f_b_proj.weight", (P, K))
+    add(f"{a}b_proj.weight", (H, D))
+    for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        add(f"{a}{n}.weight", (P, 1, W), F32)
+    add(f"{a}A_log", (cfg.a_log_stored_len,), F32)  # first H entries live, rest zero padding
+    add(f"{a}dt_bias", (P,), F32)
+    add(f"{a}o_norm.weight", (K,), F32)
+
+
+def _mla_specs(cfg: ModelConfig, i: int, add) -> None:
+    D, a, nh = cfg.hidden_size, "self_attn.", cfg.num_attention_heads
+    add(f"{a}q_a_proj.weight", (cfg.q_lora_rank, D))
+    add(f"{a}q_a_layernorm.weight", (cfg.q_lora_rank,))
+    add(f"{a}q_b_proj.weight", (nh * cfg.qk_head_dim, cfg.q_lora_rank))
+    add(f"{a}kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, D))
+    add(f"{a}kv_a_layernorm.weight", (cfg.kv_lora_rank,))
+    add(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank))
+    add(f"{a}o_proj.weight", (D, nh * cfg.v_head_dim))
+    if cfg.mla_use_output_gate:
+        add(f"{a}g_proj.weight", (nh * cfg.v_head_dim, D))
+    if cfg.has_indexer(i):
+        ix = cfg.indexer
+        shapes = {
+            "wq_b.weight": (ix.n_heads * ix.head_dim, cfg.q_lora_rank),
+            "wk.weight": (ix.head_dim, D),
+            "k_norm.weight": (ix.head_dim,),
+            "k_norm.bias": (ix.head_dim,),
+            "weights_proj.weight": (ix.n_heads, D),
+        }
+        for n in INDEXER_TENSORS:
+            add(f"{a}indexer.{n}", shapes[n])
+
+
+def _ffn_specs(cfg: ModelConfig, i: int, add) -> None:
+    D = cfg.hidden_size
     if cfg.is_moe(i):
         m = "block_sparse_moe."
         E, Dl, Is = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.shared_intermediate_size
@@ -148,7 +162,6 @@ def dense_layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         add("mlp.gate_proj.weight", (cfg.intermediate_size, D))
         add("mlp.up_proj.weight", (cfg.intermediate_size, D))
         add("mlp.down_proj.weight", (D, cfg.intermediate_size))
-    return s
 
 
 def global_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -185,7 +198,8 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         if cfg.is_moe(i):
             p = f"{layer_prefix(i)}block_sparse_moe.experts."
             out.extend(
-                new(TensorSpec, (f"{p}{e}{suffix}", shape, U8)) for e in range(cfg.num_experts) for suffix, shape in parts
+                new(TensorSpec, (f"{p}{e}{suffix}", shape, U8))
+                for e in range(cfg.num_experts) for suffix, shape in parts
             )
     return out
 

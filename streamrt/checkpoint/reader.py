@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 from streamrt.checkpoint.manifest import FORMAT, MANIFEST, READ_VERSIONS, dense_files, geometry, manifest_rule
 from streamrt.checkpoint.expert_file import ExpertLayout, parse_expert
-from streamrt.fileio import (buffer_digest, file_digest, new_hash, open_regular, rule_chunk, writable_dir_error,
-                             write_bytes_atomic)
+from streamrt.fileio import buffer_digest, file_digest, new_hash, open_regular, rule_chunk, write_bytes_atomic
+from streamrt.output_paths import writable_dir_error
 from streamrt.checkpoint.names import TensorSpec, dense_specs, expert_relpath, strip_prefix
 from streamrt.checkpoint.safetensors_io import STHeader, read_header
 from streamrt.config import ModelConfig, load_config
@@ -314,7 +314,8 @@ def read_manifest(root: Path) -> dict:
             raise CheckpointError(f"{f}: files[{rel[:200]!r}].size is {_show(size)}, not a byte count")
         if not isinstance(digest, str) or len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
             raise CheckpointError(f"{f}: files[{rel[:200]!r}].blake2b is {_show(digest)}, not 16 hex digits")
-        if not rel or rel.startswith("/") or ".." in rel.split("/") or any(ord(ch) < 32 for ch in rel):  # \n: one-line errors
+        # a control character (\n) would break the one-line errors that name the file
+        if not rel or rel.startswith("/") or ".." in rel.split("/") or any(ord(ch) < 32 for ch in rel):
             raise CheckpointError(f"{f}: files key {rel[:200]!r} is not a path inside the tree")
     if not all(isinstance(n, str) for n in m["tensor_names"]):
         raise CheckpointError(f"{f}: field 'tensor_names' holds a non-string")
@@ -335,7 +336,9 @@ def open_tree(path: str | Path) -> StreamrtTree:
     got = manifest["geometry"]
     bad = sorted(k for k in want if got.get(k) != want[k])
     if bad:
-        raise CheckpointError(f"{root / MANIFEST}: geometry field {bad[0]!r} is {str(got.get(bad[0]))[:80]}, config.json implies {want[bad[0]]!r}")
+        raise CheckpointError(f"{root / MANIFEST}: geometry field {bad[0]!r} is {str(got.get(bad[0]))[:80]}, "
+                              f"config.json implies {want[bad[0]]!r}")
     if manifest.get("variant") != cfg.variant:
-        raise CheckpointError(f"{root / MANIFEST}: variant {str(manifest.get('variant'))[:40]!r} but config.json is {cfg.variant!r}")
+        raise CheckpointError(f"{root / MANIFEST}: variant {str(manifest.get('variant'))[:40]!r} "
+                              f"but config.json is {cfg.variant!r}")
     return StreamrtTree(root, cfg, ExpertLayout.for_config(cfg), manifest)

@@ -45,6 +45,27 @@ class STHeader(NamedTuple):
 def read_header(path: Path, *, head: bytes | None = None, file_size: int | None = None) -> STHeader:
     """Parse and validate a safetensors header; CheckpointError naming the file (and tensor)."""
     path = Path(path)
+    size, n, raw = _header_bytes(path, head, file_size)
+    hdr = load_json(raw, what="corrupt safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER,
+                    unique_keys=True)
+    data_start = 8 + n
+    meta = hdr.pop("__metadata__", None) or {}
+    entries = {name: _entry(path, name, e, data_start, size - data_start) for name, e in hdr.items()}
+    # Zero-byte tensors share no bytes, and one sorted between two overlapping tensors hid their
+    # overlap; without them, any overlap shows between neighbours in offset order.
+    ordered = sorted((x for x in entries.values() if x.end > x.begin), key=lambda x: (x.begin, x.end))
+    for prev, cur in zip(ordered, ordered[1:]):
+        if cur.begin < prev.end:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor {clip(cur.name)} (bytes {cur.begin - data_start}.."
+                f"{cur.end - data_start}) overlaps tensor {clip(prev.name)} "
+                f"(bytes {prev.begin - data_start}..{prev.end - data_start})"
+            )
+    return STHeader(path, size, data_start, entries, meta if isinstance(meta, dict) else {})
+
+
+def _header_bytes(path: Path, head: bytes | None, file_size: int | None) -> tuple[int, int, bytes]:
+    """(file size, header length n, the n header bytes), the length checked against the file."""
     try:
         size = os.path.getsize(path) if file_size is None else file_size
         if head is None:
@@ -65,49 +86,38 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
         )
     if len(raw) != n:
         raise CheckpointError(f"{path}: truncated safetensors header ({len(raw)} of {n} bytes)")
-    hdr = load_json(raw, what="corrupt safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER,
-                    unique_keys=True)
-    data_start = 8 + n
-    data_len = size - data_start
-    meta = hdr.pop("__metadata__", None) or {}
-    entries: dict[str, STEntry] = {}
-    for name, e in hdr.items():
-        if not name.isprintable():  # a newline in a name would split every message that names it
-            raise CheckpointError(f"{path}: corrupt safetensors header: tensor name {clip(repr(name))} holds a control character")
-        bad = lambda msg: CheckpointError(f"{path}: tensor {clip(name)}: {msg}")  # noqa: E731
-        if not isinstance(e, dict):
-            raise bad("header entry is not an object")
-        dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-            raise bad(f"unknown dtype {clip(repr(dtype))}")
-        if not isinstance(shape, list) or len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
-            raise bad(f"invalid shape {clip(repr(shape))}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
-            raise bad(f"invalid data_offsets {clip(repr(offs))}")
-        b, en = offs
-        need = DTYPE_BYTES[dtype]
-        for d in shape:
-            need *= d
-        if not 0 <= b <= en:
-            raise bad(f"invalid data_offsets [{b}, {en}]")
-        if en - b != need:
-            raise bad(f"data_offsets [{b}, {en}] span {en - b} bytes but {dtype} {shape} needs {need}")
-        if en > data_len:
-            raise CheckpointError(
-                f"{path}: truncated safetensors: tensor {clip(name)} ends at data byte {en} but the file holds only "
-                f"{max(data_len, 0)} data bytes"
-            )
-        entries[name] = STEntry(name, dtype, tuple(shape), data_start + b, data_start + en)
-    # Zero-byte tensors share no bytes, and one sorted between two overlapping tensors hid their
-    # overlap; without them, any overlap shows between neighbours in offset order.
-    ordered = sorted((x for x in entries.values() if x.end > x.begin), key=lambda x: (x.begin, x.end))
-    for prev, cur in zip(ordered, ordered[1:]):
-        if cur.begin < prev.end:
-            raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {clip(cur.name)} (bytes {cur.begin - data_start}.."
-                f"{cur.end - data_start}) overlaps tensor {clip(prev.name)} (bytes {prev.begin - data_start}..{prev.end - data_start})"
-            )
-    return STHeader(path, size, data_start, entries, meta if isinstance(meta, dict) else {})
+    return size, n, raw
+
+
+def _entry(path: Path, name: str, e, data_start: int, data_len: int) -> STEntry:
+    """One header entry, checked: dtype, shape, offsets spanning exactly its bytes, inside the file."""
+    if not name.isprintable():  # a newline in a name would split every message that names it
+        raise CheckpointError(f"{path}: corrupt safetensors header: tensor name {clip(repr(name))} "
+                              "holds a control character")
+    bad = lambda msg: CheckpointError(f"{path}: tensor {clip(name)}: {msg}")  # noqa: E731
+    if not isinstance(e, dict):
+        raise bad("header entry is not an object")
+    dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise bad(f"unknown dtype {clip(repr(dtype))}")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"invalid shape {clip(repr(shape))}")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
+        raise bad(f"invalid data_offsets {clip(repr(offs))}")
+    b, en = offs
+    need = DTYPE_BYTES[dtype]
+    for d in shape:
+        need *= d
+    if not 0 <= b <= en:
+        raise bad(f"invalid data_offsets [{b}, {en}]")
+    if en - b != need:
+        raise bad(f"data_offsets [{b}, {en}] span {en - b} bytes but {dtype} {shape} needs {need}")
+    if en > data_len:
+        raise CheckpointError(
+            f"{path}: truncated safetensors: tensor {clip(name)} ends at data byte {en} but the file holds only "
+            f"{max(data_len, 0)} data bytes"
+        )
+    return STEntry(name, dtype, tuple(shape), data_start + b, data_start + en)
 
 
 def order_for_alignment(specs: list) -> list:

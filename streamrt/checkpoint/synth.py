@@ -448,7 +448,7 @@ def _disable(progress: bool | None) -> bool | None:
 def _check_space(out: Path, need: int) -> None:
     import shutil
 
-    from streamrt.fileio import nearest_existing
+    from streamrt.output_paths import nearest_existing
 
     free = shutil.disk_usage(nearest_existing(out)).free  # out and its parents may not exist yet
     if free < need:

@@ -20,7 +20,7 @@ def _check_int(value: int | None, flag: str, lo: int, hi: int) -> None:
 
 def _check_dst(dst: str) -> None:
     """DST must be a directory we can create files in (or creatable): one line, before any work."""
-    from streamrt.fileio import nearest_existing, writable_dir_error
+    from streamrt.output_paths import nearest_existing, writable_dir_error
 
     path = Path(dst)
     try:

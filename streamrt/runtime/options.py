@@ -230,7 +230,7 @@ class RuntimeOptions:
 
     def check_output_paths(self) -> "RuntimeOptions":
         """Before any work: --stats-json and --trace must be writable files (one line, exit 2)."""
-        from streamrt.fileio import check_output_path
+        from streamrt.output_paths import check_output_path
 
         for flag, path in (("--stats-json", self.stats_json), ("--trace", self.trace)):
             if path is not None:
