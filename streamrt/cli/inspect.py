@@ -28,14 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="with --gpu-mem: the expert-parallel placement on N such GPUs (dense replicated, experts "
                         "sharded): experts, slots and link bytes per rank, projected s/token")
-    p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache the plan reserves (default 4096)")
+    p.add_argument("--context", type=int, default=4096, metavar="TOKENS",
+                   help="KV cache the plan reserves (default 4096)")
     p.add_argument("--dense-buffers", type=int, default=2, metavar="N",
                    help="device buffers streamed layers rotate through (default 2: double buffer; 3: triple)")
     p.add_argument("--hbm-gbps", type=float, default=3350.0,
                    help="GPU memory bandwidth for the compute floor of the projection (default 3350, an H100 SXM)")
     # issue 21 (disk tier): the disk floor for a host RAM budget
     p.add_argument("--host-mem", default=None, metavar="BYTES",
-                   help="host RAM for experts (e.g. 64G): print the disk floor, bytes per token from the drive / --disk-gbps")
+                   help="host RAM for experts (e.g. 64G): print the disk floor, bytes per token from the drive "
+                        "/ --disk-gbps")
     p.add_argument("--disk-gbps", type=float, default=2.0, help="drive read rate for the disk floor (default 2.0)")
     p.set_defaults(func=run)
 
@@ -51,9 +53,11 @@ def _tensor_counts(cfg, path: Path) -> dict:
 
         names = read_index(path)
         text = sum(1 for n in names if is_text_tensor(n))
-        return {"tensor_count": len(names), "text_tensor_count": text, "vision_tensor_count": len(names) - text, "counted_from": "index"}
+        return {"tensor_count": len(names), "text_tensor_count": text, "vision_tensor_count": len(names) - text,
+                "counted_from": "index"}
     text, vision = tensor_count(cfg), len(vision_specs(cfg))
-    return {"tensor_count": text + vision, "text_tensor_count": text, "vision_tensor_count": vision, "counted_from": "config"}
+    return {"tensor_count": text + vision, "text_tensor_count": text, "vision_tensor_count": vision,
+            "counted_from": "config"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         ("indexer layers", _ranges(b["indexer_layers"]) if b["indexer_layers"] else "none (K3)"),
         ("dense FFN layers", _ranges(b["dense_ffn_layers"])),
         ("MoE layers", f"{_ranges(b['moe_layers'])} ({len(b['moe_layers'])})"),
-        ("AttnRes groups", f"{b['attnres_groups']} (starts {_ranges(b['attnres_block_starts'])}; embedding is one more source)"),
+        ("AttnRes groups",
+         f"{b['attnres_groups']} (starts {_ranges(b['attnres_block_starts'])}; embedding is one more source)"),
         ("experts", f"{b['experts_per_layer']} per layer, top-{b['experts_per_token']}"),
         ("working set", f"{b['working_set_experts']} experts per token"),
         ("expert (NVFP4)", f"{b['expert_bytes_nvfp4']:,} B = {b['expert_bytes_nvfp4'] / MIB:.2f} MiB"),
@@ -95,16 +100,21 @@ def run(args: argparse.Namespace) -> int:
         ("expert bytes per token", f"{b['expert_bytes_per_token'] / GIB:.2f} GiB"),
         ("expert files", f"{b['expert_files']:,} ({b['routed_bytes_total_nvfp4'] / GIB:,.1f} GiB NVFP4)"),
         ("MLA latent / token (ideal)", f"{b['mla_latent_bytes_per_token_idealized']:,} B (512-latent, bf16)"),
-        ("KV cache / token (this runtime)", f"{b['kv_cache_bytes_per_token']:,} B (latent + key dims + indexer keys, fp32)"),
-        ("KDA state / sequence", f"{b['kda_state_bytes']['bf16'] / MIB:.0f} MiB bf16, {b['kda_state_bytes']['fp32'] / MIB:.0f} MiB fp32"),
-        ("routed params / layer", f"{b['routed_params_per_layer'] / 1e9:.2f} B ({b['active_routed_params_per_token_per_layer'] / 1e6:.0f} M active per token)"),
-        (f"link floor @ {args.link_gbps:g} GB/s", f"{link_floor_s_per_token(cfg, args.link_gbps):.3f} s/token if every expert misses"),
+        ("KV cache / token (this runtime)",
+         f"{b['kv_cache_bytes_per_token']:,} B (latent + key dims + indexer keys, fp32)"),
+        ("KDA state / sequence",
+         f"{b['kda_state_bytes']['bf16'] / MIB:.0f} MiB bf16, {b['kda_state_bytes']['fp32'] / MIB:.0f} MiB fp32"),
+        ("routed params / layer", f"{b['routed_params_per_layer'] / 1e9:.2f} B "
+                                  f"({b['active_routed_params_per_token_per_layer'] / 1e6:.0f} M active per token)"),
+        (f"link floor @ {args.link_gbps:g} GB/s",
+         f"{link_floor_s_per_token(cfg, args.link_gbps):.3f} s/token if every expert misses"),
     ]
     if disk_row is not None:
         rows.append(disk_row)
     rows.append((
         "tensors (release)",
-        f"{b['tensor_count']:,} = {b['text_tensor_count']:,} text + {b['vision_tensor_count']:,} vision tower and projector "
+        f"{b['tensor_count']:,} = {b['text_tensor_count']:,} text + {b['vision_tensor_count']:,} "
+        "vision tower and projector "
         f"(from the {b['counted_from']})",
     ))
     width = max(len(k) for k, _ in rows)
@@ -172,8 +182,9 @@ def _placement(cfg, args: argparse.Namespace) -> int:
             print(f"| {size / GIB:g} GiB | does not fit: {str(e).split(': it needs ')[-1]} | | | | |")
             continue
         proj = p.projected_s_per_token(cfg, args.link_gbps, args.hbm_gbps)
-        print(f"| {size / GIB:g} GiB | {len(p.resident_layers)} of {cfg.num_layers} | {p.streamed_bytes_per_token / GIB:.1f} GiB "
-              f"| {p.expert_slots:,} | {p.link_bytes_per_token(cfg) / GIB:.1f} GiB | {proj['s_per_token']:.2f} |")
+        print(f"| {size / GIB:g} GiB | {len(p.resident_layers)} of {cfg.num_layers} "
+              f"| {p.streamed_bytes_per_token / GIB:.1f} GiB | {p.expert_slots:,} "
+              f"| {p.link_bytes_per_token(cfg) / GIB:.1f} GiB | {proj['s_per_token']:.2f} |")
     return 0
 
 
