@@ -83,7 +83,25 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(b, indent=2))
         return 0
-    rows = [
+    rows = _budget_rows(cfg, args, b)
+    if disk_row is not None:
+        rows.append(disk_row)
+    rows.append((
+        "tensors (release)",
+        f"{b['tensor_count']:,} = {b['text_tensor_count']:,} text + {b['vision_tensor_count']:,} "
+        "vision tower and projector "
+        f"(from the {b['counted_from']})",
+    ))
+    width = max(len(k) for k, _ in rows)
+    print(f"{cfg.name}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    return 0
+
+
+def _budget_rows(cfg, args: argparse.Namespace, b: dict) -> list[tuple[str, str]]:
+    """The geometry and budget rows of `streamrt inspect NAME`."""
+    return [
         ("variant", b["variant"]),
         ("layers", f"{b['num_layers']} ({len(b['kda_layers'])} KDA, {len(b['mla_layers'])} MLA)"),
         ("MLA layers (0-based)", _ranges(b["mla_layers"])),
@@ -109,19 +127,6 @@ def run(args: argparse.Namespace) -> int:
         (f"link floor @ {args.link_gbps:g} GB/s",
          f"{link_floor_s_per_token(cfg, args.link_gbps):.3f} s/token if every expert misses"),
     ]
-    if disk_row is not None:
-        rows.append(disk_row)
-    rows.append((
-        "tensors (release)",
-        f"{b['tensor_count']:,} = {b['text_tensor_count']:,} text + {b['vision_tensor_count']:,} "
-        "vision tower and projector "
-        f"(from the {b['counted_from']})",
-    ))
-    width = max(len(k) for k, _ in rows)
-    print(f"{cfg.name}")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-    return 0
 
 
 def _disk_floor(cfg, args: argparse.Namespace, b: dict):
