@@ -50,6 +50,20 @@ def test_greedy_stream_equals_the_cli(engine, capsys):
     assert message.get("reasoning_content", "") == cli["thinking"]
 
 
+def test_seeded_sampling_equals_the_cli(engine, capsys):
+    """temperature / top_p / seed reach the sampler as the flags do: the same logits and tokens."""
+    text = engine.generate(PROMPT, max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7)
+    api_hash = engine.stats.logits_hash
+    argv = ["run", "--prompt", PROMPT, "--json", "--max-new-tokens", "24", "--temperature", "0.8", "--top-p", "0.9",
+            "--seed", "7", "--device", "cpu"]
+    assert main(argv) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert (text, api_hash) == (cli["content"], cli["stats"]["logits_hash"])
+    sampling = streamrt.Sampling(temperature=0.8, top_p=0.9, seed=7)
+    assert engine.generate(PROMPT, max_new_tokens=24, sampling=sampling) == text
+    assert engine.stats.logits_hash == api_hash
+
+
 class _Scripted(Session):
     """A session that needs no model: counts closes."""
 
