@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     dev = torch.cuda.current_device()
     cu = drv.driver()
     drv.make_current(dev)
-    cubin = cc.nvrtc_compile(SOURCE, "bench_access.cu", cc._options(drv.device_arch(dev), ()))
+    cubin = cc.nvrtc_compile(SOURCE, "bench_access.cu", cc.compile_options(None, drv.device_arch(dev)))
     mod = drv.check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
     copy, _ = copy_rate(4 << 30, args.trials)
     rows, rb = 16 * 3584, 1536
