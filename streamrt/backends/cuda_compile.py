@@ -47,7 +47,9 @@ def kernel_dir() -> Path:
     for d in (package / "_kernels", package.parent / "kernels"):
         if (d / "common.cuh").is_file():
             return d
-    raise KernelCompileError(f"no kernel sources: neither {package / '_kernels'} nor {package.parent / 'kernels'} holds common.cuh")
+    raise KernelCompileError(
+        f"no kernel sources: neither {package / '_kernels'} nor {package.parent / 'kernels'} holds common.cuh"
+    )
 
 
 def programs(kdir: Path | None = None) -> list[str]:
@@ -130,7 +132,9 @@ def compile_options(program: str | None, arch: str = "sm_90", extra: tuple[str, 
                     kdir: Path | None = None) -> list[str]:
     """NVRTC options: arch, the base options, `program`'s -D defines, `extra`, include paths
     (`kdir` first). profiling/sass_diff.py compiles with these too."""
-    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *defines(program), *extra] + [f"-I{d}" for d in include_dirs(kdir)]
+    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *defines(program), *extra] + [
+        f"-I{d}" for d in include_dirs(kdir)
+    ]
 
 
 def cache_key(program: str, arch: str, extra_options: tuple[str, ...] = (), kdir: Path | None = None) -> str:
@@ -146,7 +150,11 @@ def cache_key(program: str, arch: str, extra_options: tuple[str, ...] = (), kdir
 
 
 def compile_cubin(
-    program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = (), use_cache: bool = True, kdir: Path | None = None
+    program: str,
+    arch: str = "sm_90",
+    extra_options: tuple[str, ...] = (),
+    use_cache: bool = True,
+    kdir: Path | None = None,
 ) -> bytes:
     """The cubin of `<kdir>/<program>.cu` (default `kernel_dir()`) for `arch` (e.g. "sm_90"),
     from the cache or NVRTC."""
