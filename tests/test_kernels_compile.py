@@ -181,6 +181,6 @@ def test_access_benchmark_source_compiles():
     spec = importlib.util.spec_from_file_location("bench_access", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    cubin = cc.nvrtc_compile(mod.SOURCE, "bench_access.cu", cc._options("sm_90", ()))
+    cubin = cc.nvrtc_compile(mod.SOURCE, "bench_access.cu", cc.compile_options(None, "sm_90"))
     for pb, rw in mod.PATTERNS:
         assert f"read_{pb}_{rw}".encode() + b"\0" in cubin
