@@ -18,8 +18,8 @@
 #endif
 #define GEMV_CH 1024  // multiple of 256: the lane <-> column map does not depend on the chunking
 
-// RPW (rows per warp) sets the grid: N / (4 * RPW) blocks; the host picks it so the last wave is
-// not a long tail (see GEMV_VARIANTS in backends/nvrtc.py).
+// RPW (rows per warp) sets the grid: N / (4 * RPW) blocks; at T=1 the host picks it so the last
+// wave is not a long tail (backends/gemv_plan.py).
 template <int NT, int WBF16, int RPW>
 SRT_DEV void gemv_l1(const void* __restrict__ xv, int x_bf16, int T, const void* __restrict__ Wv,
                      float* __restrict__ out, int N, int K) {
@@ -100,15 +100,13 @@ SRT_DEV void gemv_l1(const void* __restrict__ xv, int x_bf16, int T, const void*
     gemv_l1<NT, WB, RPW>(x, x_bf16, T, W, out, N, K);                                                \
   }
 
-// srt_gemv_<w dtype>_t<NT>_r<RPW>. Every variant gives the same bits for a row.
+// srt_gemv_<w dtype>_t<NT>_r<RPW>: the variants backends/gemv_plan.py picks. Every variant gives
+// the same bits for a row.
 SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t1_r1, 1, 1, 1)
 SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t1_r2, 1, 1, 2)
 SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t1_r4, 1, 1, 4)
 SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t2_r2, 2, 1, 2)
-SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t2_r4, 2, 1, 4)
 SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t4_r2, 4, 1, 2)
-SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t4_r4, 4, 1, 4)
-SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t8_r2, 8, 1, 2)
 SRT_GEMV_L1_ENTRY(srt_gemv_bf16_t8_r4, 8, 1, 4)
 SRT_GEMV_L1_ENTRY(srt_gemv_f32_t1_r2, 1, 0, 2)
 SRT_GEMV_L1_ENTRY(srt_gemv_f32_t2_r2, 2, 0, 2)
@@ -166,19 +164,19 @@ extern "C" __global__ void srt_gemv_scalar(const void* __restrict__ x, int x_bf1
 //    2-8 warps per block over K (the host's gemv_tc_split) give 0.83-0.91.
 // Requires K % 8 == 0, W and x 16-byte aligned (rows too: K % 8 == 0 does it).
 
-#ifndef GTC_COLS
-#error "GTC_COLS is passed by the host (-DGTC_COLS=..., streamrt/backends/kernel_defines.py)"
+#ifndef GEMV_TC_COLS
+#error "GEMV_TC_COLS is passed by the host (-DGEMV_TC_COLS=..., streamrt/backends/kernel_defines.py)"
 #endif
-#ifndef GTC_ROWS
-#error "GTC_ROWS is passed by the host (-DGTC_ROWS=..., streamrt/backends/kernel_defines.py)"
+#ifndef GEMV_TC_ROWS
+#error "GEMV_TC_ROWS is passed by the host (-DGEMV_TC_ROWS=..., streamrt/backends/kernel_defines.py)"
 #endif
-#ifndef GTC_PREFETCH
-#error "GTC_PREFETCH is passed by the host (-DGTC_PREFETCH=..., streamrt/backends/kernel_defines.py)"
+#ifndef GEMV_TC_PREFETCH
+#error "GEMV_TC_PREFETCH is passed by the host (-DGEMV_TC_PREFETCH=..., streamrt/backends/kernel_defines.py)"
 #endif
-#define GTC_WBYTES (GTC_ROWS * GTC_COLS * 2)
+#define GEMV_TC_WBYTES (GEMV_TC_ROWS * GEMV_TC_COLS * 2)
 
 // Shared-memory bytes of one stage of a warp's ring (x rows: T).
-SRT_DEV int gtc_stage_bytes(int T, int x_bf16) { return GTC_WBYTES + T * GTC_COLS * (x_bf16 ? 2 : 4); }
+SRT_DEV int gtc_stage_bytes(int T, int x_bf16) { return GEMV_TC_WBYTES + T * GEMV_TC_COLS * (x_bf16 ? 2 : 4); }
 
 SRT_DEV void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -206,17 +204,17 @@ SRT_DEV void split3_bf16x2(float a, float b, u32& hi, u32& mid, u32& lo) {
   lo = __byte_perm(__float_as_uint(la), __float_as_uint(lb), 0x7632);  // <= 8 significant bits: exact
 }
 
-// Up to GTC_MATS matrices that share x and K, one launch: matrix m's 32-row blocks are row
+// Up to GEMV_TC_MATS matrices that share x and K, one launch: matrix m's 32-row blocks are row
 // blocks block0[m] .. block0[m + 1] - 1 of the grid. Each output may take up to two addends of
 // its shape ([T, N_m] fp32, 0: none), added in order after the sum: out = (acc + add0) + add1
 // (a residual added by the epilogue, the bits of the separate adds).
-#ifndef GTC_MATS
-#error "GTC_MATS is passed by the host (-DGTC_MATS=..., streamrt/backends/kernel_defines.py)"
+#ifndef GEMV_TC_MATS
+#error "GEMV_TC_MATS is passed by the host (-DGEMV_TC_MATS=..., streamrt/backends/kernel_defines.py)"
 #endif
 struct GemvMats {
-  u64 w[GTC_MATS], out[GTC_MATS], add0[GTC_MATS], add1[GTC_MATS];
-  int n[GTC_MATS];
-  int block0[GTC_MATS + 1];
+  u64 w[GEMV_TC_MATS], out[GEMV_TC_MATS], add0[GEMV_TC_MATS], add1[GEMV_TC_MATS];
+  int n[GEMV_TC_MATS];
+  int block0[GEMV_TC_MATS + 1];
   int m;
 };
 
@@ -226,14 +224,14 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
   extern __shared__ __align__(128) unsigned char gtc_smem[];
   constexpr int NP = XBF16 ? 1 : 3;   // pieces of x
   constexpr int XE = XBF16 ? 2 : 4;   // bytes per x element
-  constexpr int XRB = GTC_COLS * XE;  // bytes of one token's row in a stage
+  constexpr int XRB = GEMV_TC_COLS * XE;  // bytes of one token's row in a stage
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   // T > 8 rows: block b takes token group b % groups (rows 8 (b % groups) ..) of row block
   // b / groups; a row block's groups are neighbours, so the second reads W from L2
   const int groups = (T + 7) / 8, tg = blockIdx.x % groups, rb = blockIdx.x / groups;
   int mat = 0;  // the matrix of row block rb
   while (mat + 1 < mats.m && rb >= mats.block0[mat + 1]) ++mat;
-  const int N = mats.n[mat], row0 = (rb - mats.block0[mat]) * GTC_ROWS;
+  const int N = mats.n[mat], row0 = (rb - mats.block0[mat]) * GEMV_TC_ROWS;
   const u16* __restrict__ W = (const u16*)mats.w[mat];
   const long long t_off = (long long)tg * 8 * N;
   float* __restrict__ out = (float*)mats.out[mat] + t_off;
@@ -241,7 +239,7 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
   const float* add1 = mats.add1[mat] ? (const float*)mats.add1[mat] + t_off : nullptr;
   xv = (const char*)xv + (long long)tg * 8 * K * XE;
   T = min(8, T - tg * 8);
-  const int nst = (K + GTC_COLS - 1) / GTC_COLS;
+  const int nst = (K + GEMV_TC_COLS - 1) / GEMV_TC_COLS;
   const int s0 = warp * nst / ks, s1 = (warp + 1) * nst / ks;
   const int sbytes = gtc_stage_bytes(T, XBF16);
   const u32 ring = smem_addr(gtc_smem) + warp * NS * sbytes;
@@ -250,13 +248,13 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
   const long long wrow = (long long)K * 2, xrow = (long long)K * XE;
 
   // Launched programmatically, this block may start while the kernel before still runs: it pulls
-  // its warp's first GTC_PREFETCH stages of W into L2 (one bulk prefetch per row; weights are
+  // its warp's first GEMV_TC_PREFETCH stages of W into L2 (one bulk prefetch per row; weights are
   // not that kernel's output), then waits. The ring's copies below find those bytes in L2, so
   // the previous kernel's tail and this launch's ramp overlap the weight stream.
 #if __CUDA_ARCH__ >= 900
   if (s0 < s1) {
-    const int c0 = s0 * GTC_COLS, c1 = min(min(s1, s0 + GTC_PREFETCH) * GTC_COLS, K);
-    for (int r = lane; r < GTC_ROWS && row0 + r < N; r += 32)
+    const int c0 = s0 * GEMV_TC_COLS, c1 = min(min(s1, s0 + GEMV_TC_PREFETCH) * GEMV_TC_COLS, K);
+    for (int r = lane; r < GEMV_TC_ROWS && row0 + r < N; r += 32)
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(Wb + (row0 + r) * wrow + c0 * 2),
                    "r"((c1 - c0) * 2)
                    : "memory");
@@ -267,20 +265,20 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
   auto issue = [&](int s) {
     if (s < s1) {
       const u32 dst = ring + ((s - s0) % NS) * sbytes;
-      const int c = lane & 15, col = s * GTC_COLS + c * 8;
+      const int c = lane & 15, col = s * GEMV_TC_COLS + c * 8;
       const bool ok = col < K;  // K % 8 == 0: a 16-byte chunk is all in or all out
 #pragma unroll
-      for (int i = 0; i < GTC_ROWS / 2; ++i) {  // rows 2i, 2i + 1: 16 lanes x 16 bytes each
+      for (int i = 0; i < GEMV_TC_ROWS / 2; ++i) {  // rows 2i, 2i + 1: 16 lanes x 16 bytes each
         const int r = 2 * i + (lane >> 4);
         const long long row = min(row0 + r, N - 1);
         cp_async16(dst + r * 256 + ((c ^ (r & 7)) << 4), Wb + row * wrow + (ok ? col * 2 : 0), ok ? 16 : 0);
       }
-      const u32 xdst = dst + GTC_WBYTES;
+      const u32 xdst = dst + GEMV_TC_WBYTES;
       if (XBF16) {  // 16 chunks per token row, two rows per instruction
         for (int t = lane >> 4; t < T; t += 2)
           cp_async16_ca(xdst + t * XRB + ((c ^ (t & 7)) << 4), Xb + t * xrow + (ok ? col * 2 : 0), ok ? 16 : 0);
       } else {  // 32 chunks per token row, one row per instruction
-        const int xcol = s * GTC_COLS + lane * 4;
+        const int xcol = s * GEMV_TC_COLS + lane * 4;
         const bool xok = xcol < K;
         for (int t = 0; t < T; ++t)
           cp_async16_ca(xdst + t * XRB + ((lane ^ ((t & 3) << 1)) << 4), Xb + t * xrow + (xok ? xcol * 4 : 0), xok ? 16 : 0);
@@ -297,7 +295,7 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
     issue(s + NS - 1);
     cp_async_wait<NS - 1>();
     __syncwarp();
-    const u32 st = ring + ((s - s0) % NS) * sbytes, xs = st + GTC_WBYTES;
+    const u32 st = ring + ((s - s0) % NS) * sbytes, xs = st + GEMV_TC_WBYTES;
     float d[2][4][4];
     u32 bnext[2] = {0u, 0u};  // bf16 x: B of the odd k-step, from the even step's ldmatrix
 #pragma unroll
@@ -380,10 +378,6 @@ SRT_DEV void gemv_tc(const GemvMats& mats, const void* __restrict__ xv, int T, i
     gemv_tc<XB, NS>(mats, x, T, K, ks);                                                                  \
   }
 
-// srt_gemv_tc_x<x dtype>_s<stages>, blocks of KS <= 8 warps: same bits for a row whichever runs.
+// srt_gemv_tc_x<x dtype>_s<stages>: a two-stage ring (it always fits), blocks of KS <= 8 warps.
 SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s2, 0, 2)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s3, 0, 3)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xf32_s4, 0, 4)
 SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s2, 1, 2)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s3, 1, 3)
-SRT_GEMV_TC_ENTRY(srt_gemv_tc_xbf16_s4, 1, 4)

@@ -2,26 +2,26 @@
 // q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; state S [T, H, K, V]; out o [T, H, V].
 //   S <- diag(exp g) S;  u = v - S^T k;  S <- S + (beta k) u^T;  o = S^T q  (updated state)
 // grid (ceil(V/32), H, T), KDA_WARPS warps per block: lane = one column v of S, warp w its rows
-// [w K / KDA_WARPS, (w + 1) K / KDA_WARPS), held in registers (K <= SRT_KDA_MAXK). Each sum over
+// [w K / KDA_WARPS, (w + 1) K / KDA_WARPS), held in registers (K <= KDA_MAXK). Each sum over
 // k runs in ascending k inside a warp's rows, then the warps' sums in warp order. One warp per
 // column took ~16 us a step at any H on an H200 (its K loads of a column one after another):
 // a decode step's 69 KDA layers spent 1.2 ms there (profiling/RESULTS.md §18).
 #include "common.cuh"
 
-#ifndef SRT_KDA_MAXK
-#error "SRT_KDA_MAXK is passed by the host (-DSRT_KDA_MAXK=..., streamrt/backends/kernel_defines.py)"
+#ifndef KDA_MAXK
+#error "KDA_MAXK is passed by the host (-DKDA_MAXK=..., streamrt/backends/kernel_defines.py)"
 #endif
 #ifndef KDA_WARPS
 #error "KDA_WARPS is passed by the host (-DKDA_WARPS=..., streamrt/backends/kernel_defines.py)"
 #endif
-#define KDA_ROWS ((SRT_KDA_MAXK + KDA_WARPS - 1) / KDA_WARPS)  // the most rows of S a warp holds
+#define KDA_ROWS ((KDA_MAXK + KDA_WARPS - 1) / KDA_WARPS)  // the most rows of S a warp holds
 
 extern "C" __global__ void __launch_bounds__(32 * KDA_WARPS)
     srt_kda_step(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                  const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
                  float* __restrict__ out, int H, int K, int V) {
   pdl_begin();
-  __shared__ float sq[SRT_KDA_MAXK], sk[SRT_KDA_MAXK], sdecay[SRT_KDA_MAXK], sbk[SRT_KDA_MAXK];
+  __shared__ float sq[KDA_MAXK], sk[KDA_MAXK], sdecay[KDA_MAXK], sbk[KDA_MAXK];
   __shared__ float part[KDA_WARPS][32];
   const long long th = (long long)blockIdx.z * H + blockIdx.y;  // (t, h)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -171,8 +171,8 @@ extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab 
 //   srt_attnres_apply: every block of a row reduces those sums in one fixed order (the same
 //   logits and bits in each), then mixes its slice.
 // The order of every sum depends on d and S only: a row's bits do not depend on T.
-#ifndef SRT_ATTNRES_MAXS
-#error "SRT_ATTNRES_MAXS is passed by the host (-DSRT_ATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
+#ifndef ATTNRES_MAXS
+#error "ATTNRES_MAXS is passed by the host (-DATTNRES_MAXS=..., streamrt/backends/kernel_defines.py)"
 #endif
 #ifndef ATTNRES_SLICE
 #error "ATTNRES_SLICE is passed by the host (-DATTNRES_SLICE=..., streamrt/backends/kernel_defines.py)"
@@ -182,7 +182,7 @@ extern "C" __global__ void srt_kda_conv_step(const __grid_constant__ KdaConvTab 
 #endif
 #define ATTNRES_LANE (ATTNRES_SLICE / 32)  // elements of a slice per lane
 struct AttnResSources {
-  u64 v[SRT_ATTNRES_MAXS];
+  u64 v[ATTNRES_MAXS];
 };
 
 // block ATTNRES_SLICE threads: warp w takes sources w, w + warps, ...; lane l elements l + 32 j
@@ -228,8 +228,8 @@ extern "C" __global__ void srt_attnres_apply(const __grid_constant__ AttnResSour
                                              const float* __restrict__ stats, float* __restrict__ out, int D,
                                              float eps) {
   pdl_begin();
-  __shared__ float logit[SRT_ATTNRES_MAXS];
-  __shared__ float prob[SRT_ATTNRES_MAXS];
+  __shared__ float logit[ATTNRES_MAXS];
+  __shared__ float prob[ATTNRES_MAXS];
   const int slices = (D + ATTNRES_SLICE - 1) / ATTNRES_SLICE;
   const long long t = blockIdx.x / slices;
   const int l = threadIdx.x & 31, d = (blockIdx.x % slices) * ATTNRES_SLICE + threadIdx.x;

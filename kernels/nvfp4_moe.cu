@@ -1,8 +1,8 @@
 // NVFP4 routed-expert FFN for decode, reading experts straight from their device slots.
 //
-// One launch covers up to SRT_MOE_MAXP (row t, expert) pairs of one layer whose slot pointers
+// One launch covers up to MOE_MAXP (row t, expert) pairs of one layer whose slot pointers
 // travel by value in a __grid_constant__ table (no host->device copy per step), or, in a CUDA
-// graph, up to SRT_MOE_MAXP_DT pairs in a table `srt_moe_tables` builds on the GPU from the
+// graph, up to MOE_MAXP_DT pairs in a table `srt_moe_tables` builds on the GPU from the
 // routed ids (the *_dt entries).
 // A pair's rows of h and y are named in the table (dst), so the host may launch resident experts
 // first and experts still in flight after their copy events, with the same result bits.
@@ -13,26 +13,26 @@
 // scales u8 [out, in/16] (E4M3), global fp32 [out]. A row's dot product is
 //   global[row] * sum_g e4m3(scale_g) * (sum_{i in g} e2m1_i * x_i)
 // (exactly the dequantised dot in real arithmetic; fp32 rounding in a fixed order).
-// Two implementations of steps 1-2: the tensor-core kernels (*_tc*, below; in % 128 == 0; *_r16:
-// up to 16 rows of one expert a block, the activation staged in phases) and the CUDA-core
+// Two implementations of steps 1-2: the tensor-core kernels (*_tc2x2 below up to 8 rows of one
+// expert a block, *_st2x1 from rows staged once per call; in % 128 == 0) and the CUDA-core
 // kernels (fp32 FMA; in % 32 == 0). In the CUDA-core kernels each warp owns 4 row
 // streams; each lane reads 16 bytes (32 weights = 2 scale groups) of each stream per step, the
 // activation comes from shared memory and is reused by the 4 streams.
 #include "common.cuh"
 
-#ifndef SRT_MOE_MAXP
-#error "SRT_MOE_MAXP is passed by the host (-DSRT_MOE_MAXP=..., streamrt/backends/kernel_defines.py)"
+#ifndef MOE_MAXP
+#error "MOE_MAXP is passed by the host (-DMOE_MAXP=..., streamrt/backends/kernel_defines.py)"
 #endif
 #ifndef MOE_WARPS
 #error "MOE_WARPS is passed by the host (-DMOE_WARPS=..., streamrt/backends/kernel_defines.py)"
 #endif
 
-#ifndef SRT_MOE_MAXP_DT
-#error "SRT_MOE_MAXP_DT is passed by the host (-DSRT_MOE_MAXP_DT=..., streamrt/backends/kernel_defines.py)"
+#ifndef MOE_MAXP_DT
+#error "MOE_MAXP_DT is passed by the host (-DMOE_MAXP_DT=..., streamrt/backends/kernel_defines.py)"
 #endif
 
-// The pointer tables of up to N pairs: by value N = SRT_MOE_MAXP (a launch's parameters are
-// small), in device memory N = SRT_MOE_MAXP_DT (a whole batch's pairs in one launch, so a block
+// The pointer tables of up to N pairs: by value N = MOE_MAXP (a launch's parameters are
+// small), in device memory N = MOE_MAXP_DT (a whole batch's pairs in one launch, so a block
 // can take up to TC_TOKENS rows of one expert from anywhere in the batch).
 template <int N>
 struct GateUpTableN {
@@ -48,10 +48,10 @@ struct DownTableN {
   int dst[N];  // which row of h each pair reads and of y it writes
 };
 
-typedef GateUpTableN<SRT_MOE_MAXP> GateUpTable;
-typedef DownTableN<SRT_MOE_MAXP> DownTable;
-typedef GateUpTableN<SRT_MOE_MAXP_DT> GateUpTableDt;
-typedef DownTableN<SRT_MOE_MAXP_DT> DownTableDt;
+typedef GateUpTableN<MOE_MAXP> GateUpTable;
+typedef DownTableN<MOE_MAXP> DownTable;
+typedef GateUpTableN<MOE_MAXP_DT> GateUpTableDt;
+typedef DownTableN<MOE_MAXP_DT> DownTableDt;
 
 // Dot products of 4 NVFP4 row streams with x (shared memory, `in` floats) for this lane's
 // chunks; returns per-lane partials in acc[4] (caller reduces across the warp).
@@ -170,7 +170,7 @@ SRT_DEV void down_cc(const Tab& tab, const float* __restrict__ h, float* __restr
 }
 
 // Entry points: the table by value (the host's), or in device memory (`srt_moe_tables`' output,
-// one table per SRT_MOE_MAXP_DT pairs; CUDA graphs replay these with tables rebuilt on the GPU).
+// one table per MOE_MAXP_DT pairs; CUDA graphs replay these with tables rebuilt on the GPU).
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     srt_nvfp4_gateup(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h,
                      int I, int Dl, float beta, int beta_inf, float lbeta, int has_lin) {
@@ -197,17 +197,17 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 }
 
 // The tables of P = T*k pairs in device memory, from the routed ids [T, k] and a layer's pointer
-// table experts [E, SRT_EXPERT_COLS] (u64: gate packed / scales / global, up ..., down ...;
+// table experts [E, EXPERT_COLS] (u64: gate packed / scales / global, up ..., down ...;
 // ExpertPointers' order, backends/expert_pointers.py). Pair p = t*k + j reads z row t and writes
 // h / y row p; the pairs are ordered by (expert, p), as the host orders them (a batch's pairs of
 // one expert adjacent; a pair's bits do not depend on its place). Pair p's place
-// r = #{q : (e_q, q) < (e_p, p)} is entry r % SRT_MOE_MAXP_DT of table r / SRT_MOE_MAXP_DT.
+// r = #{q : (e_q, q) < (e_p, p)} is entry r % MOE_MAXP_DT of table r / MOE_MAXP_DT.
 // With `groups`, each table's list of groups follows (moe_groups).
-#ifndef SRT_EXPERT_COLS
-#error "SRT_EXPERT_COLS is passed by the host (-DSRT_EXPERT_COLS=..., streamrt/backends/kernel_defines.py)"
+#ifndef EXPERT_COLS
+#error "EXPERT_COLS is passed by the host (-DEXPERT_COLS=..., streamrt/backends/kernel_defines.py)"
 #endif
-#if SRT_MOE_MAXP_DT > 1024
-#error "SRT_MOE_MAXP_DT > 1024: srt_moe_tables scans a table's entries a thread each"
+#if MOE_MAXP_DT > 1024
+#error "MOE_MAXP_DT > 1024: srt_moe_tables scans a table's entries a thread each"
 #endif
 
 // Inclusive max and exclusive sum over the block, in thread order (`red`: 32 ints of shared memory).
@@ -263,20 +263,20 @@ SRT_DEV void moe_groups(const u64* key, int n, int cap, int* __restrict__ out, i
   }
 }
 
-// grid 1, block a multiple of 32 up to 1024; with groups (SRT_MOE_MAXP_DT + 2 ints per table)
-// SRT_MOE_MAXP_DT, as the groups' scan takes a table's entries a thread each. The key is read
+// grid 1, block a multiple of 32 up to 1024; with groups (MOE_MAXP_DT + 2 ints per table)
+// MOE_MAXP_DT, as the groups' scan takes a table's entries a thread each. The key is read
 // without __restrict__: this kernel writes it (a non-coherent load could miss that).
-extern "C" __global__ void __launch_bounds__(SRT_MOE_MAXP_DT)
+extern "C" __global__ void __launch_bounds__(MOE_MAXP_DT)
     srt_moe_tables(const long long* __restrict__ ids, const u64* __restrict__ experts, int P, int k,
                    GateUpTableDt* __restrict__ gtab, DownTableDt* __restrict__ dtab, int cap, int* __restrict__ groups) {
-  __shared__ long long keys[SRT_MOE_MAXP_DT];  // (expert, pair) of a tile of pairs
+  __shared__ long long keys[MOE_MAXP_DT];  // (expert, pair) of a tile of pairs
   __shared__ int red[32];
   for (int p0 = 0; p0 < P; p0 += blockDim.x) {  // the same trip count in every thread (barriers)
     const int p = p0 + threadIdx.x;
     const long long kp = p < P ? (ids[p] << 32) | p : 0;
     int r = 0;
-    for (int q0 = 0; q0 < P; q0 += SRT_MOE_MAXP_DT) {
-      const int m = min(SRT_MOE_MAXP_DT, P - q0);
+    for (int q0 = 0; q0 < P; q0 += MOE_MAXP_DT) {
+      const int m = min(MOE_MAXP_DT, P - q0);
       __syncthreads();  // the tile before is read
       for (int j = threadIdx.x; j < m; j += blockDim.x) keys[j] = (ids[q0 + j] << 32) | (q0 + j);
       __syncthreads();
@@ -285,8 +285,8 @@ extern "C" __global__ void __launch_bounds__(SRT_MOE_MAXP_DT)
     }
     if (p >= P) continue;
     const long long ep = kp >> 32;
-    const int c = r / SRT_MOE_MAXP_DT, i = r - c * SRT_MOE_MAXP_DT;
-    const u64* e = experts + ep * SRT_EXPERT_COLS;
+    const int c = r / MOE_MAXP_DT, i = r - c * MOE_MAXP_DT;
+    const u64* e = experts + ep * EXPERT_COLS;
     GateUpTableDt& g = gtab[c];
     DownTableDt& d = dtab[c];
     g.gate_packed[i] = e[0];
@@ -304,9 +304,9 @@ extern "C" __global__ void __launch_bounds__(SRT_MOE_MAXP_DT)
   }
   if (groups == nullptr) return;
   __syncthreads();  // every table entry is written (and visible to the block)
-  for (int c = 0; c * SRT_MOE_MAXP_DT < P; ++c)
-    moe_groups(gtab[c].gate_packed, min(SRT_MOE_MAXP_DT, P - c * SRT_MOE_MAXP_DT), cap,
-               groups + c * (SRT_MOE_MAXP_DT + 2), red);
+  for (int c = 0; c * MOE_MAXP_DT < P; ++c)
+    moe_groups(gtab[c].gate_packed, min(MOE_MAXP_DT, P - c * MOE_MAXP_DT), cap,
+               groups + c * (MOE_MAXP_DT + 2), red);
 }
 
 // out[t, d] = w[t,0]*y[t*k, d] + w[t,1]*y[t*k+1, d] + ... (left to right, each product rounded).
@@ -380,14 +380,14 @@ extern "C" __global__ void srt_moe_combine(const float* __restrict__ y, const fl
 #elif TC_TOKENS > 8
 #error "TC_TOKENS > 8: the mma's 8 columns hold 4 rows (hi, lo), tc_rows two sets of them"
 #endif
-#ifndef MMA_XSTRIDE  // u32 words of one staged 32-element chunk (16 fp16 pairs, padded)
-#error "MMA_XSTRIDE is passed by the host (-DMMA_XSTRIDE=..., streamrt/backends/kernel_defines.py)"
+#ifndef TC_XSTRIDE  // u32 words of one staged 32-element chunk (16 fp16 pairs, padded)
+#error "TC_XSTRIDE is passed by the host (-DTC_XSTRIDE=..., streamrt/backends/kernel_defines.py)"
 #endif
 
 // u32 words of one staged hi (or lo) row, a multiple of 16 and not of 32: the 8 lanes of one
 // phase of a B load read a row's hi and lo arrays at the same chunks, in different banks.
 SRT_DEV int tc_xwords(int in) {
-  const int w = (in >> 5) * MMA_XSTRIDE;
+  const int w = (in >> 5) * TC_XSTRIDE;
   return w + ((w & 31) == 0 ? 16 : 0);
 }
 
@@ -419,7 +419,7 @@ SRT_DEV void stage_words(f32x4 a, f32x4 b, float up, u32x4& hh, u32x4& ll) {
 // One item (chunk ch, word w) of the staged activation: elements ch*32 + w*8 + 0..7 (a, b),
 // scaled by `up`, -> 4 u32 of xh and of xl at [ch][w*4 .. w*4+3].
 SRT_DEV void stage_item(u32* xh, u32* xl, int it, f32x4 a, f32x4 b, float up) {
-  const int off = (it >> 2) * MMA_XSTRIDE + (it & 3) * 4;
+  const int off = (it >> 2) * TC_XSTRIDE + (it & 3) * 4;
   stage_words(a, b, up, *(u32x4*)(xh + off), *(u32x4*)(xl + off));
 }
 
@@ -637,27 +637,14 @@ SRT_DEV u32 hmul2(u32 a, u32 b) {
   return r;
 }
 
-// The activation of a 16-row block, staged `kbp` column blocks (a phase) at a time (the 16-row
-// section below): where and from what tc_rows restages it when it has used up a phase.
-struct TcPhases {
-  u32* xs;          // the staged phase: the array tc_rows reads B from
-  const float* x;   // the rows in global memory: x + idx[j] * in, j < n
-  const int* idx;
-  int n, in, kbp;   // kbp: column blocks per phase, a multiple of the ring's KBS
-  const float* up;  // each row's prescale (shared memory)
-};
-
-SRT_DEV void stage_phase(const TcPhases& ph, int words, int kb0, int nkb);
-
 // acc[t][s]: tile t's sums for rows 4s..4s+3 of the group (n rows, staged at xs; s < SETS,
 // SETS = ceil(n / 4)), over the whole row: [0] / [1] row g hi / lo of group row 4s + c, [2] / [3]
 // row g + 8. Each word's two mmas feed two accumulators (one chain would put the mma latency
 // between every pair), added at the end: the same order for every n, so a row's bits do not
-// depend on SETS. PHASED: xs holds one phase of ph's columns, restaged by the whole block (every
-// warp runs every stage) when the loop reaches the next; the sums run in the same order.
-template <int S, int KBS, int SETS, int NSETS = 2, bool PHASED = false>
+// depend on SETS.
+template <int S, int KBS, int SETS>
 SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8* wring, const u8* sring,
-                     float acc[2][NSETS][4], const TcPhases* ph = nullptr) {
+                     float acc[2][2][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int nst = (R.nkb + KBS - 1) / KBS;
   const u32 wbuf = smem_addr(wring), sbuf = smem_addr(sring);
@@ -668,7 +655,7 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8*
   for (int s = 0; s < SETS; ++s) {
     const int j = 4 * s + (g >> 1);
     bval[s] = j < n;
-    bsrc[s] = xs + (2 * j + (g & 1)) * words + c * MMA_XSTRIDE;
+    bsrc[s] = xs + (2 * j + (g & 1)) * words + c * TC_XSTRIDE;
   }
   float part[2][SETS][2][4];  // [tile][set][first / second mma of a word][fragment]
 #pragma unroll
@@ -677,15 +664,7 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8*
     for (int s = 0; s < SETS; ++s)
 #pragma unroll
       for (int i = 0; i < 8; ++i) part[t][s][i >> 2][i & 3] = 0.0f;
-  int kb0 = 0;  // the first column block of the staged phase (PHASED), else 0
   for (int st = 0; st < nst; ++st) {
-    if constexpr (PHASED) {
-      if (st * KBS == kb0 + ph->kbp) {  // the phase is used up: the block moves on together
-        kb0 += ph->kbp;
-        __syncthreads();  // every warp has read the phase before
-        stage_phase(*ph, words, kb0, min(ph->kbp, R.nkb - kb0));
-      }
-    }
     tc_issue<S, KBS>(st + S - 1, R, wbuf, sbuf);
     cp_async_wait<S - 1>();
     __syncwarp();
@@ -720,7 +699,7 @@ SRT_DEV void tc_rows(const TcRows& R, const u32* xs, int words, int n, const u8*
           }
 #pragma unroll
           for (int s = 0; s < SETS; ++s) {  // B word wi of this lane's column (read per use: fewer live registers)
-            const u32x4 b = bval[s] ? *(const u32x4*)(bsrc[s] + (kb - kb0) * 4 * MMA_XSTRIDE + 4 * wi) : u32x4{0u, 0u, 0u, 0u};
+            const u32x4 b = bval[s] ? *(const u32x4*)(bsrc[s] + kb * 4 * TC_XSTRIDE + 4 * wi) : u32x4{0u, 0u, 0u, 0u};
             mma16816(part[t][s][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
             mma16816(part[t][s][1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
           }
@@ -746,71 +725,6 @@ SRT_DEV void tc_group(const TcRows& R, const u32* xs, int words, int n, const u8
   else tc_rows<S, KBS, 1>(R, xs, words, n, wring, sring, acc);
 }
 
-// ---- up to 16 rows of one expert per block (a batch's rows share one decode of the weights) ----
-//
-// The same kernels for groups of up to TC_ROWS16 pairs: the mma's 8 columns hold 4 rows, so up
-// to four sets of B per decoded A fragment, where the blocks above decode an expert's weights
-// once per 8 rows. Staged whole, 16 rows' hi / lo activation of a 3584-wide row is 289 KB, over
-// the 227 KB a block may have: the rows are staged `kbp` column blocks (a phase) at a time, and
-// every warp of the block moves from one phase to the next together. Each row's prescale comes
-// from its whole row first (rows_prescale), so a phase holds exactly the values the whole-row
-// staging would, and every row's sums run over the column blocks in the same order: a row's
-// bits are those of the 8-row blocks. One pipeline shape (2 stages of 2 column blocks); up to
-// 8 warps a block (the accumulators of four sets need more than 128 registers a thread).
-
-#ifndef TC_ROWS16  // the most pairs of one expert a 16-row block takes
-#error "TC_ROWS16 is passed by the host (-DTC_ROWS16=..., streamrt/backends/kernel_defines.py)"
-#elif TC_ROWS16 > 16
-#error "TC_ROWS16 > 16: four sets of 4 rows per decoded A fragment at most (tc_group16)"
-#endif
-
-// Each row's prescale from its whole row, as stage_rows_f16 takes it, into shared memory for
-// every thread: up[j] and unscale[j] (red: 32 * TC_ROWS16 floats).
-SRT_DEV void rows_prescale(const float* __restrict__ x, const int* idx, int n, int in, float* red, float* up,
-                           float* unscale) {
-  const int items = in >> 3, total = n * items, nt = blockDim.x;
-  f32x4 a[4], b[4];
-  float m[TC_ROWS16], u[TC_ROWS16], un[TC_ROWS16];
-#pragma unroll
-  for (int j = 0; j < TC_ROWS16; ++j) m[j] = 0.0f;
-  for (int i = threadIdx.x; i < total; i += 4 * nt) load_items_max<TC_ROWS16>(x, idx, in, items, total, i, nt, a, b, m);
-  row_prescales<TC_ROWS16>(m, red, u, un, nt);
-  if (threadIdx.x == 0)
-#pragma unroll
-    for (int j = 0; j < TC_ROWS16; ++j) {
-      up[j] = u[j];
-      unscale[j] = un[j];
-    }
-  __syncthreads();
-}
-
-// Stage column blocks kb0 .. kb0 + nkb - 1 of ph's rows as stage_rows_f16 stages a whole row
-// (row j's hi at xs + 2j * words, its lo one array on), then wait for the block.
-SRT_DEV void stage_phase(const TcPhases& ph, int words, int kb0, int nkb) {
-  const int items = nkb * 16, total = ph.n * items;  // an item: 8 elements, 16 to a column block
-  for (int iu = threadIdx.x; iu < total; iu += blockDim.x) {
-    const int j = iu / items, it = iu - j * items;
-    const f32x4* x4 = (const f32x4*)(ph.x + (long long)ph.idx[j] * ph.in) + (kb0 * 16 + it) * 2;
-    stage_item(ph.xs + 2 * j * words, ph.xs + (2 * j + 1) * words, it, ld_cg4(x4), ld_cg4(x4 + 1), ph.up[j]);
-  }
-  __syncthreads();
-}
-
-// A group of up to 16 rows x + idx[j] * in: their prescales (into sc), the first phase staged,
-// then tc_rows over every phase. Every warp of the block takes part (a warp past the matrix's
-// last row computes clamped rows nobody reads, to meet the phases' barriers).
-template <int S, int KBS>
-SRT_DEV void tc_group16(const TcRows& R, u32* xs, int words, const float* __restrict__ x, const int* idx, int n, int in,
-                        int kbp, const u8* wring, const u8* sring, float* red, float* sc, float acc[2][4][4]) {
-  const TcPhases ph = {xs, x, idx, n, in, kbp, sc};
-  rows_prescale(x, idx, n, in, red, sc, sc + TC_ROWS16);
-  stage_phase(ph, words, 0, min(kbp, R.nkb));
-  if (n > 12) tc_rows<S, KBS, 4, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-  else if (n > 8) tc_rows<S, KBS, 3, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-  else if (n > 4) tc_rows<S, KBS, 2, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-  else tc_rows<S, KBS, 1, 4, true>(R, ph.xs, words, n, wring, sring, acc, &ph);
-}
-
 // A tensor-core warp's rows of entry p's expert: gate rows r0..r0+15 (tile 0) and the same up rows
 // (tile 1), or down rows r0..r0+31.
 template <class Tab>
@@ -831,44 +745,37 @@ SRT_DEV TcRows down_rows(const Tab& tab, int p, int r0, int Dl, int I) {
 // KBS * (TC_WBYTES + TC_SBYTES). A block takes the group of up to cap pairs its entry leads
 // (group_size). With `ready`, each block counts itself done in ready[dst[its first pair]] once
 // its rows of h are written (the down kernel waits for its group's count, not for this grid).
-// ROWS = TC_ROWS16: groups of up to cap <= 16 pairs, staged kbp column blocks at a time (smem
-// cap * 8 * tc_xwords(kbp * 128) + the rings; `sc`: each row's prescale and unscale).
-template <int S, int KBS, int ROWS, class Tab>
+template <int S, int KBS, class Tab>
 SRT_DEV void gateup_tc(const Tab& tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,
-                       float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, int kbp, u8* smem,
-                       float* red, float* sc) {
-  constexpr bool PHASED = ROWS > TC_TOKENS;
+                       float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap, u8* smem, float* red) {
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.gate_packed, p, gridDim.y, cap);
   if (n == 0) return;
-  const int words = tc_xwords(PHASED ? kbp * 128 : Dl);
+  const int words = tc_xwords(Dl);
   u32* xs = (u32*)smem;
   const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
   const TcRows R = gateup_rows(tab, p, r0, I, Dl);
-  if (PHASED || r0 < I)  // weights do not depend on x: start the pipeline before staging it
+  if (r0 < I)  // weights do not depend on x: start the pipeline before staging it
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   pdl_wait();  // z may be the kernel before's output (when this one is launched programmatically)
   // The down kernel's blocks may now take SM slots this grid's last wave leaves free. Not before
   // pdl_wait(): they read `ready`, which the kernel before (the last call's sum) zeroes.
   pdl_launch_dependents();
   float unscale[TC_TOKENS];
-  float acc[2][ROWS / 4][4];
-  if constexpr (PHASED)  // every warp takes part in the phases
-    tc_group16<S, KBS>(R, xs, words, z, &tab.row[p], n, Dl, kbp, wring, sring, red, sc, acc);
-  else
-    stage_rows_f16(xs, z, &tab.row[p], n, Dl, red, unscale);
+  float acc[2][2][4];
+  stage_rows_f16(xs, z, &tab.row[p], n, Dl, red, unscale);
   if (r0 < I) {
-    if constexpr (!PHASED) tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
+    tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
     const int ra = min(r0 + g, I - 1), rc = min(r0 + g + 8, I - 1);
     const float* gg = (const float*)tab.gate_global[p];
     const float* ug = (const float*)tab.up_global[p];
 #pragma unroll
-    for (int s = 0; s < ROWS / 4; ++s) {
+    for (int s = 0; s < 2; ++s) {
       const int j = 4 * s + c;
       if (j >= n) break;
-      const float u = PHASED ? sc[TC_ROWS16 + j] : pick(unscale, j);
+      const float u = pick(unscale, j);
       const float* gt = acc[0][s];  // tile 0: gate rows, tile 1: up rows
       const float* ut = acc[1][s];
       float* hp = h + (long long)tab.dst[p + j] * I;
@@ -906,40 +813,35 @@ SRT_DEV void wait_count(const int* flag, int target) {
 // With `ready`, a block starts on its group once ready[dst[the first pair of the gate+up group
 // holding it]] reaches `target` (every gate+up block of that group is done) instead of waiting
 // for the whole gate+up grid: the down work of the first experts fills the slots the gate+up
-// grid's last wave leaves free. ROWS = TC_ROWS16: groups of up to 16, h staged kbp column blocks
-// at a time.
-template <int S, int KBS, int ROWS, class Tab>
+// grid's last wave leaves free.
+template <int S, int KBS, class Tab>
 SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,
-                     const int* ready, int target, int cap, int cap_gu, int kbp, u8* smem, float* red, float* sc) {
-  constexpr bool PHASED = ROWS > TC_TOKENS;
+                     const int* ready, int target, int cap, int cap_gu, u8* smem, float* red) {
   const int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = group_size(tab.packed, p, gridDim.y, cap);
   if (n == 0) return;
-  const int words = tc_xwords(PHASED ? kbp * 128 : I);
+  const int words = tc_xwords(I);
   u32* xs = (u32*)smem;
   const u8* wring = smem + cap * 8 * words + warp * S * KBS * (TC_WBYTES + TC_SBYTES);
   const u8* sring = wring + S * KBS * TC_WBYTES;
   const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 32;
   const TcRows R = down_rows(tab, p, r0, Dl, I);
   pdl_launch_dependents();
-  if (PHASED || r0 < Dl)
+  if (r0 < Dl)
     for (int st = 0; st < S - 1; ++st) tc_issue<S, KBS>(st, R, smem_addr(wring), smem_addr(sring));
   if (ready != nullptr) wait_count(ready + tab.dst[group_lead(tab.packed, p, cap_gu)], target);
   else pdl_wait();  // h is the gate+up kernel's output (launched programmatically, this block may be early)
   float unscale[TC_TOKENS];
-  float acc[2][ROWS / 4][4];
-  if constexpr (PHASED)  // every warp takes part in the phases
-    tc_group16<S, KBS>(R, xs, words, h, &tab.dst[p], n, I, kbp, wring, sring, red, sc, acc);
-  else
-    stage_rows_f16(xs, h, &tab.dst[p], n, I, red, unscale);
+  float acc[2][2][4];
+  stage_rows_f16(xs, h, &tab.dst[p], n, I, red, unscale);
   if (r0 < Dl) {
-    if constexpr (!PHASED) tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
+    tc_group<S, KBS>(R, xs, words, n, wring, sring, acc);
     const float* dg = (const float*)tab.global[p];
 #pragma unroll
-    for (int s = 0; s < ROWS / 4; ++s) {
+    for (int s = 0; s < 2; ++s) {
       const int j = 4 * s + c;
       if (j >= n) break;
-      const float u = PHASED ? sc[TC_ROWS16 + j] : pick(unscale, j);
+      const float u = pick(unscale, j);
       float* yp = y + (long long)tab.dst[p + j] * Dl;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {  // slot q: tile q / 2, its rows g (q even) or g + 8
@@ -952,75 +854,49 @@ SRT_DEV void down_tc(const Tab& tab, const float* __restrict__ h, float* __restr
   if (ready != nullptr) pdl_wait();  // end no earlier than the gate+up grid: the sum waits on this grid only
 }
 
-// Entry points of the 16-row blocks (the host's table by value, or srt_moe_tables' in device memory).
-#define SRT_TC16_ENTRY(GU_NAME, DN_NAME, GU_TAB, DN_TAB, GU_ARG, DN_ARG)                                          \
-  extern "C" __global__ void __launch_bounds__(256, 1)                                                            \
-      GU_NAME(GU_TAB, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, float beta, int beta_inf, \
-              float lbeta, int has_lin, int* ready, int cap, int kbp) {                                           \
-    extern __shared__ u32x4 smem_##GU_NAME[];                                                                    \
-    __shared__ float red[32 * TC_ROWS16], sc[2 * TC_ROWS16];                                                     \
-    gateup_tc<2, 2, TC_ROWS16>(GU_ARG, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, kbp,            \
-                               (u8*)smem_##GU_NAME, red, sc);                                                    \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(256, 1)                                                            \
-      DN_NAME(DN_TAB, const float* __restrict__ h, float* __restrict__ y, int Dl, int I, const int* ready,        \
-              int target, int cap, int cap_gu, int kbp) {                                                        \
-    extern __shared__ u32x4 smem_##DN_NAME[];                                                                    \
-    __shared__ float red[32 * TC_ROWS16], sc[2 * TC_ROWS16];                                                     \
-    down_tc<2, 2, TC_ROWS16>(DN_ARG, h, y, Dl, I, ready, target, cap, cap_gu, kbp, (u8*)smem_##DN_NAME, red, sc); \
-  }
-
-SRT_TC16_ENTRY(srt_nvfp4_gateup_r16, srt_nvfp4_down_r16, const __grid_constant__ GateUpTable tab,
-               const __grid_constant__ DownTable tab, tab, tab)
-SRT_TC16_ENTRY(srt_nvfp4_gateup_r16_dt, srt_nvfp4_down_r16_dt, const GateUpTableDt* __restrict__ tab,
-               const DownTableDt* __restrict__ tab, *tab, *tab)
-
-// Entry points per (stages S, blocks per stage KBS): the benchmark's variants; the backend picks one.
+// Entry points of one pipeline shape (stages S, blocks per stage KBS): srt_nvfp4_{gateup,down}_tc<S>x<KBS>;
 // *_dt: the same kernels reading their table from device memory (srt_moe_tables).
-#define SRT_TC_ENTRY(GU_NAME, DN_NAME, GU_DT, DN_DT, S, KBS)                                                       \
+#define SRT_TC_ENTRY(GU_NAME, DN_NAME, GU_DT, DN_DT, S, KBS)                                                        \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       GU_NAME(const __grid_constant__ GateUpTable tab, const float* __restrict__ z, float* __restrict__ h, int I,   \
-              int Dl, float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                   \
-    extern __shared__ u32x4 smem_##GU_NAME[];                                                                      \
-    __shared__ float red[32 * TC_TOKENS];                                                                          \
-    gateup_tc<S, KBS, TC_TOKENS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, 0,                 \
-                                 (u8*)smem_##GU_NAME, red, nullptr);                                             \
-  }                                                                                                                \
+              int Dl, float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                    \
+    extern __shared__ u32x4 smem_##GU_NAME[];                                                                       \
+    __shared__ float red[32 * TC_TOKENS];                                                                           \
+    gateup_tc<S, KBS>(tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,                                 \
+                                 (u8*)smem_##GU_NAME, red);                                                         \
+  }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
       DN_NAME(const __grid_constant__ DownTable tab, const float* __restrict__ h, float* __restrict__ y, int Dl,    \
-              int I, const int* ready, int target, int cap, int cap_gu) {                                          \
-    extern __shared__ u32x4 smem_##DN_NAME[];                                                                      \
-    __shared__ float red[32 * TC_TOKENS];                                                                          \
-    down_tc<S, KBS, TC_TOKENS>(tab, h, y, Dl, I, ready, target, cap, cap_gu, 0, (u8*)smem_##DN_NAME, red, nullptr); \
-  }                                                                                                                \
+              int I, const int* ready, int target, int cap, int cap_gu) {                                           \
+    extern __shared__ u32x4 smem_##DN_NAME[];                                                                       \
+    __shared__ float red[32 * TC_TOKENS];                                                                           \
+    down_tc<S, KBS>(tab, h, y, Dl, I, ready, target, cap, cap_gu, (u8*)smem_##DN_NAME, red);                        \
+  }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
-      GU_DT(const GateUpTableDt* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl, \
-            float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                             \
-    extern __shared__ u32x4 smem_##GU_DT[];                                                                        \
-    __shared__ float red[32 * TC_TOKENS];                                                                          \
-    gateup_tc<S, KBS, TC_TOKENS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap, 0,                \
-                                 (u8*)smem_##GU_DT, red, nullptr);                                               \
-  }                                                                                                                \
+      GU_DT(const GateUpTableDt* __restrict__ tab, const float* __restrict__ z, float* __restrict__ h, int I, int Dl,\
+            float beta, int beta_inf, float lbeta, int has_lin, int* ready, int cap) {                              \
+    extern __shared__ u32x4 smem_##GU_DT[];                                                                         \
+    __shared__ float red[32 * TC_TOKENS];                                                                           \
+    gateup_tc<S, KBS>(*tab, z, h, I, Dl, beta, beta_inf, lbeta, has_lin, ready, cap,                                \
+                                 (u8*)smem_##GU_DT, red);                                                           \
+  }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                              \
-      DN_DT(const DownTableDt* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I,   \
-            const int* ready, int target, int cap, int cap_gu) {                                                   \
-    extern __shared__ u32x4 smem_##DN_DT[];                                                                        \
-    __shared__ float red[32 * TC_TOKENS];                                                                          \
-    down_tc<S, KBS, TC_TOKENS>(*tab, h, y, Dl, I, ready, target, cap, cap_gu, 0, (u8*)smem_##DN_DT, red, nullptr); \
+      DN_DT(const DownTableDt* __restrict__ tab, const float* __restrict__ h, float* __restrict__ y, int Dl, int I, \
+            const int* ready, int target, int cap, int cap_gu) {                                                    \
+    extern __shared__ u32x4 smem_##DN_DT[];                                                                         \
+    __shared__ float red[32 * TC_TOKENS];                                                                           \
+    down_tc<S, KBS>(*tab, h, y, Dl, I, ready, target, cap, cap_gu, (u8*)smem_##DN_DT, red);                         \
   }
 
 SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x2, srt_nvfp4_down_tc2x2, srt_nvfp4_gateup_tc2x2_dt, srt_nvfp4_down_tc2x2_dt, 2, 2)
-SRT_TC_ENTRY(srt_nvfp4_gateup_tc3x2, srt_nvfp4_down_tc3x2, srt_nvfp4_gateup_tc3x2_dt, srt_nvfp4_down_tc3x2_dt, 3, 2)
-SRT_TC_ENTRY(srt_nvfp4_gateup_tc4x1, srt_nvfp4_down_tc4x1, srt_nvfp4_gateup_tc4x1_dt, srt_nvfp4_down_tc4x1_dt, 4, 1)
-SRT_TC_ENTRY(srt_nvfp4_gateup_tc2x1, srt_nvfp4_down_tc2x1, srt_nvfp4_gateup_tc2x1_dt, srt_nvfp4_down_tc2x1_dt, 2, 1)
 
 // ---- batch blocks: each row of z, then of h, staged once per call, in global memory ----
 //
 // The blocks above stage their rows' activation in shared memory, each block its own copy:
 // 8 rows of 3584 columns take 144 KB, so one block fits an SM and its warps wait at the
-// staging and the phases' barriers. Here srt_moe_stage_rows stages every row of z (and, after
+// staging barrier. Here srt_moe_stage_rows stages every row of z (and, after
 // the gate+up grid, of h) once per call (the same prescale and hi/lo words, so the same bits),
-// and a block of up to TC_ROWS16 pairs of one expert reads its B operand from there through L1,
+// and a block of up to 16 pairs of one expert (the host's `cap`) reads its B operand from there through L1,
 // which its warps share. Shared memory holds only the weight rings, no barrier stops the warps,
 // and 16 rows share one decode of the weights. The two tiles of a warp share each B load.
 // A staged row is `in` u32 words: per 128-column block kb, per word wi, hi then lo, per chunk c
@@ -1142,7 +1018,7 @@ SRT_DEV void tc_group_staged(const TcRows& R, const u32* __restrict__ xs, const 
 
 // grid (ceil(I / (16 * warps)), pairs or at least groups[0]), block warps*32, smem warps * S * KBS
 // * (TC_WBYTES + TC_SBYTES). xs / unscale: srt_moe_stage_rows' rows of z (zero_row: its zero
-// row). A block takes a group of up to cap <= TC_ROWS16 pairs (block_group_size) and, with `ready`,
+// row). A block takes a group of up to cap <= 16 pairs (block_group_size) and, with `ready`,
 // counts itself done in ready[dst[its first pair]] (gateup_tc's contract).
 template <int S, int KBS, class Tab>
 SRT_DEV void gateup_staged(const Tab& tab, const u32* __restrict__ xs, const float* __restrict__ unscale, int zero_row,
@@ -1271,5 +1147,3 @@ SRT_DEV void down_staged(const Tab& tab, const u32* __restrict__ hs, const float
   }
 
 SRT_TCS_ENTRY(srt_nvfp4_gateup_st2x1, srt_nvfp4_gateup_st2x1_dt, srt_nvfp4_down_st2x1, srt_nvfp4_down_st2x1_dt, 2, 1)
-SRT_TCS_ENTRY(srt_nvfp4_gateup_st4x1, srt_nvfp4_gateup_st4x1_dt, srt_nvfp4_down_st4x1, srt_nvfp4_down_st4x1_dt, 4, 1)
-SRT_TCS_ENTRY(srt_nvfp4_gateup_st6x1, srt_nvfp4_gateup_st6x1_dt, srt_nvfp4_down_st6x1, srt_nvfp4_down_st6x1_dt, 6, 1)

@@ -26,7 +26,15 @@ from streamrt.backends import cuda_compile as cc  # noqa: E402
 from streamrt.backends import cuda_driver as drv  # noqa: E402
 from streamrt.backends.nvrtc_args import i32, ptr  # noqa: E402
 
-PATTERNS = ((64, 32), (128, 32), (256, 16), (256, 32), (512, 8), (512, 16), (1536, 4))  # (bytes per row per step, rows per warp)
+PATTERNS = (
+    (64, 32),
+    (128, 32),
+    (256, 16),
+    (256, 32),
+    (512, 8),
+    (512, 16),
+    (1536, 4),
+)  # (bytes per row per step, rows per warp)
 
 SOURCE = r"""
 #include "common.cuh"
@@ -69,7 +77,7 @@ def main(argv=None) -> int:
     dev = torch.cuda.current_device()
     cu = drv.driver()
     drv.make_current(dev)
-    cubin = cc.nvrtc_compile(SOURCE, "bench_access.cu", cc._options(drv.device_arch(dev), ()))
+    cubin = cc.nvrtc_compile(SOURCE, "bench_access.cu", cc.compile_options(None, drv.device_arch(dev)))
     mod = drv.check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
     copy, _ = copy_rate(4 << 30, args.trials)
     rows, rb = 16 * 3584, 1536
@@ -94,7 +102,9 @@ def main(argv=None) -> int:
                 continue
             seen.add(resident)
             t = graph_time(lambda: kern((blocks,), (256,), kargs, smem=smem), args.reps, args.trials)  # runs now
-            print(f"| {pb} | {rw} | {resident} | {t * 1e6:.1f} | {W.numel() / t / 1e9:.0f} | {W.numel() / t / copy:.2f} |")
+            print(
+                f"| {pb} | {rw} | {resident} | {t * 1e6:.1f} | {W.numel() / t / 1e9:.0f} | {W.numel() / t / copy:.2f} |"
+            )
     return 0
 
 

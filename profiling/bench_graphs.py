@@ -16,13 +16,6 @@ once into the page cache (expert checksums off: setup, not what is measured). Ro
            rate measured from a page-locked file mapping, the runtime's source; staged guesses
            that were wrong count as bytes), the main thread's CPU time per token (the host's
            part), misses and staged guesses per token
-  graphs tcN (--tc-rows-also N) the graphs rows again with N-row expert FFN blocks, side by
-           side with the default's, their logits against the op-by-op rows'
-  graphs one-shape (--one-shape-also) the same with the few-row FFN block shape at every B
-  graphs unstaged (--unstaged-also) the same with every FFN block staging its own rows
-  graphs NAME (--also NAME=SETTINGS, repeatable) the same with other backend settings, e.g.
-           --also s8=staged:12,8,2,1 --also unst16=staged:none/tc_rows:16 (keys: staged,
-           tc_staged_shape or none; tc_rows)
 Each row: prefill B prompts, --warmup decode steps, then --tokens timed steps (s/step from the
 runtime's counters; tok/s = B / s per step). GPU busy per step: the union of the kernels'
 intervals under torch.profiler for --profile-steps steps of the B=1 graphs row and of the off
@@ -76,7 +69,9 @@ def decode_row(rt, model, prompts, steps, warmup: int, *, profile_steps: int = 0
         p = rt.payload()
         busy = None
         if profile_steps:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
             with prof:
                 for t in range(steps.shape[0] - profile_steps, steps.shape[0]):
                     run(t)
@@ -84,37 +79,19 @@ def decode_row(rt, model, prompts, steps, warmup: int, *, profile_steps: int = 0
             kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy = own_times(kern)[1] / 1e3 / profile_steps
     n = len(logits)
-    return {"B": B, "s_per_step": p["s_per_token"] * B, "tok_s": 1.0 / p["s_per_token"] if p["s_per_token"] else 0.0,
-            "host_cpu_s_per_step": cpu / n, "graph_steps": p["graph_steps"], "bytes_per_token": p["bytes_h2d"] / max(1, p["tokens"]),
-            "gpu_busy_ms": busy, "misses_per_token": p["device_misses"] / max(1, p["tokens"]),
-            "staged_per_token": p.get("staged", 0) / max(1, p["tokens"]), "predicted_recall": p["predicted_recall"],
-            "logits": [lg.float().cpu() for lg in logits]}
-
-
-ALSO_KEYS = {"tc_rows": "tc_rows", "staged": "tc_staged_shape"}  # --also key -> backend setting
-
-
-def also_spec(v: str) -> tuple[str, dict]:
-    """"NAME=key:value/key:value" (--also) -> (NAME, {backend setting: value})."""
-    name, _, spec = v.partition("=")
-    kv = {}
-    for item in filter(None, spec.split("/")):
-        key, _, val = item.partition(":")
-        try:
-            if key == "tc_rows" and int(val) in (8, 16):
-                kv[ALSO_KEYS[key]] = int(val)
-            elif key == "staged":
-                shape = None if val == "none" else tuple(int(t) for t in val.split(","))
-                if shape is not None and len(shape) != 4:
-                    raise ValueError
-                kv[ALSO_KEYS[key]] = shape
-            else:
-                raise ValueError
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--also {v!r}: {item!r} is not tc_rows:8|16 or staged:a,b,c,d|none") from None
-    if not name or not kv:
-        raise argparse.ArgumentTypeError(f"--also {v!r}: want NAME=key:value[/key:value]")
-    return name, kv
+    return {
+        "B": B,
+        "s_per_step": p["s_per_token"] * B,
+        "tok_s": 1.0 / p["s_per_token"] if p["s_per_token"] else 0.0,
+        "host_cpu_s_per_step": cpu / n,
+        "graph_steps": p["graph_steps"],
+        "bytes_per_token": p["bytes_h2d"] / max(1, p["tokens"]),
+        "gpu_busy_ms": busy,
+        "misses_per_token": p["device_misses"] / max(1, p["tokens"]),
+        "staged_per_token": p.get("staged", 0) / max(1, p["tokens"]),
+        "predicted_recall": p["predicted_recall"],
+        "logits": [lg.float().cpu() for lg in logits],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,23 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4,16", help="batch sizes of the graphs rows")
     ap.add_argument("--repeats", type=int, default=3, help="B=1 graphs and off rows, for the spread")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler for the GPU busy time")
-    ap.add_argument("--stream-slots", type=int, default=None, help="device slots of the streaming row (default: a third)")
+    ap.add_argument(
+        "--stream-slots", type=int, default=None, help="device slots of the streaming row (default: a third)"
+    )
     ap.add_argument("--stream-repeats", type=int, default=2, help="rows of each streaming mode")
-    ap.add_argument("--tc-rows", type=int, default=8, choices=(8, 16),
-                    help="rows of one expert a tensor-core FFN block takes (16: one weight decode per 16 rows)")
-    ap.add_argument("--tc-rows-also", type=int, default=None, choices=(8, 16),
-                    help="the graphs rows again with this many rows a tensor-core FFN block, in the same run")
-    ap.add_argument("--one-shape-also", action="store_true",
-                    help="the graphs rows again with the few-row expert FFN block shape at every batch size "
-                         "(tc_shape_batch = tc_shape), side by side with the default")
-    ap.add_argument("--staged-shape", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
-                    help="tc_staged_shape of the default rows: gate+up warps,down warps,stages,blocks a stage")
-    ap.add_argument("--unstaged-also", action="store_true",
-                    help="the graphs rows again with every expert-FFN block staging its own rows "
-                         "(tc_staged_shape = None), side by side with the default")
-    ap.add_argument("--also", type=also_spec, action="append", default=[], metavar="NAME=SETTINGS",
-                    help="the graphs rows again with other settings, side by side with the default: "
-                         "key:value pairs joined by '/', keys staged (4 ints or none), tc_rows (8|16)")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming rows")
     ap.add_argument("--torch", action="store_true", help="add a torch-backend all-resident row (B=1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -160,16 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     N = args.warmup + args.tokens + args.profile_steps
     steps = torch.randint(0, cfg.vocab_size - 256, (N, Bmax), generator=g)
     backend = NvrtcBackend(device.torch_device)
-    backend.tc_rows = args.tc_rows
-    if args.staged_shape is not None:
-        backend.tc_staged_shape = args.staged_shape
     model = load_model(tree, device.torch_device, dtype=torch.bfloat16, backend=backend)
     rows: dict[str, dict] = {}
 
     def resident(graphs: str, m=None):
-        rt = StreamingRuntime(tree, m or model, RuntimeOptions(device="cuda", gpu_experts=cfg.expert_files, cuda_graphs=graphs,
-                                                                verify_experts="off"),
-                              device=device)
+        rt = StreamingRuntime(
+            tree,
+            m or model,
+            RuntimeOptions(device="cuda", gpu_experts=cfg.expert_files, cuda_graphs=graphs, verify_experts="off"),
+            device=device,
+        )
         t = time.perf_counter()
         rt.preload()
         print(f"  {graphs}: {len(rt.gpu)} experts preloaded in {time.perf_counter() - t:.1f} s", flush=True)
@@ -182,19 +146,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_cpu_s_per_step'] * 1e3:.2f} ms/step, {r['graph_steps']} graph steps{busy}", flush=True)
 
     T = args.warmup + args.tokens
-    # each run: (--cuda-graphs, label, the backend settings in which it differs from the default rows)
-    runs = [("off", "off", {}), ("auto", "graphs", {})]
-    if args.tc_rows_also is not None:
-        runs.append(("auto", f"graphs tc{args.tc_rows_also}", {"tc_rows": args.tc_rows_also}))
-    if args.one_shape_also:
-        runs.append(("auto", "graphs one-shape", {"tc_shape_batch": backend.tc_shape, "tc_staged_shape": None}))
-    if args.unstaged_also:
-        runs.append(("auto", "graphs unstaged", {"tc_staged_shape": None}))
-    runs += [("auto", f"graphs {name}", kv) for name, kv in args.also]
-    default = {k: getattr(backend, k) for k in ("tc_shape_batch", *ALSO_KEYS.values())}
-    for graphs, label, settings in runs:
-        for k, v in {**default, **settings}.items():
-            setattr(backend, k, v)
+    for graphs, label in (("off", "off"), ("auto", "graphs")):  # (--cuda-graphs, label)
         with resident(graphs) as rt:
             for i in range(args.repeats):
                 record(f"{label} B=1 #{i + 1}", decode_row(rt, model, prompts, steps[:, :1], args.warmup,
@@ -203,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                 record(f"{label} B={B}", decode_row(rt, model, prompts, steps[:T, :B], args.warmup))
             if rt.graphs_line is not None:
                 print(f"  {label}: {rt.graphs_line}", flush=True)
-    for k, v in default.items():
-        setattr(backend, k, v)
     if args.torch:
         tmodel = load_model(tree, device.torch_device, dtype=torch.bfloat16)
         with resident("off", tmodel) as rt:
@@ -214,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         slots = args.stream_slots or cfg.expert_files // 3
         for i in range(args.stream_repeats):  # interleaved, each row from the same cold slots
             for graphs, label in (("resident", "stream"), ("auto", "stream graphs")):
-                with StreamingRuntime(tree, model, RuntimeOptions(device="cuda", gpu_experts=slots, verify_experts="off",
-                                                                  cuda_graphs=graphs), device=device) as rt:
+                with StreamingRuntime(
+                    tree,
+                    model,
+                    RuntimeOptions(device="cuda", gpu_experts=slots, verify_experts="off", cuda_graphs=graphs),
+                    device=device,
+                ) as rt:
                     rt.warm_host()
                     record(f"{label} #{i + 1}", decode_row(rt, model, prompts, steps[:T, :1], args.warmup))
                     if i == 0 and rt.graphs_line is not None:
@@ -228,11 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     identical = {f"B={B}": same(f"off B={B}" if B > 1 else "off B=1 #1", f"graphs B={B}" if B > 1 else "graphs B=1 #1")
                  for B in batches}
     identical["B=1 repeats"] = all(same("graphs B=1 #1", f"graphs B=1 #{i + 1}") for i in range(args.repeats))
-    also = [label for _, label, *_ in runs[2:]]
-    for label in also:
-        for B in batches:
-            identical[f"{label} B={B} vs op by op"] = same(f"off B={B}" if B > 1 else "off B=1 #1",
-                                                           f"{label} B={B}" if B > 1 else f"{label} B=1 #1")
     g1 = [rows[f"graphs B=1 #{i + 1}"]["s_per_step"] for i in range(args.repeats)]
     o1 = [rows[f"off B=1 #{i + 1}"]["s_per_step"] for i in range(args.repeats)]
     g_med, o_med = statistics.median(g1), statistics.median(o1)
@@ -245,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     if busy_g:  # --profile-steps 0: not measured
         checks["graphs B=1: s/token <= 1.3 x GPU busy (graph step)"] = (g_med * 1e3 / busy_g, 1.3, "le")
     if Bmax > 1:
-        for label in ("graphs", *also):
-            b1 = statistics.median(rows[f"{label} B=1 #{i + 1}"]["tok_s"] for i in range(args.repeats))
-            checks[f"{label} B={Bmax}: tok/s >= 8x B=1"] = (rows[f"{label} B={Bmax}"]["tok_s"] / b1, 8.0, "ge")
+        b1 = statistics.median(rows[f"graphs B=1 #{i + 1}"]["tok_s"] for i in range(args.repeats))
+        checks[f"graphs B={Bmax}: tok/s >= 8x B=1"] = (rows[f"graphs B={Bmax}"]["tok_s"] / b1, 8.0, "ge")
     if "torch B=1" in rows:
         checks["graphs B=1 NVRTC vs torch >= 15x"] = (rows["torch B=1"]["s_per_step"] / g_med, 15.0, "ge")
-    stream = {label: [r for n, r in rows.items() if n.startswith(label + " #")] for label in ("stream", "stream graphs")}
+    stream = {
+        label: [r for n, r in rows.items() if n.startswith(label + " #")] for label in ("stream", "stream graphs")
+    }
     stream = {label: rs for label, rs in stream.items() if rs}
     rate = link["registered"] or link["pinned"]  # the mapped tier copies from registered file mappings
     for rs in stream.values():
@@ -258,28 +208,63 @@ def main(argv: list[str] | None = None) -> int:
             r["floor_s"] = r["bytes_per_token"] / (rate * 1e9) if rate else 0.0
             r["vs_floor"] = r["s_per_step"] / r["floor_s"] if r["floor_s"] else 0.0
     for label, rs in stream.items():
-        checks[f"{label}: s/token <= 1.05 x its link floor (median row)"] = (statistics.median(r["vs_floor"] for r in rs), 1.05, "le")
+        checks[f"{label}: s/token <= 1.05 x its link floor (median row)"] = (
+            statistics.median(r["vs_floor"] for r in rs),
+            1.05,
+            "le",
+        )
     if len(stream) == 2:
         identical["stream graphs vs op by op"] = same("stream #1", "stream graphs #1")
 
-    header = (f"machine: {machine()}    date: {datetime.date.today()}    commit: {git_commit()}\n"
-              f"geometry: {cfg.name}    command: python profiling/bench_graphs.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    lines = [header,
-             f"link: H2D {link['registered']:.1f} GB/s from a registered mapping, {link['pinned']:.1f} from a pinned buffer; GPU busy per B=1 step (union of kernel intervals): graphs "
-             + (f"{busy_g:.2f} ms, op by op {busy_o:.2f} ms" if busy_g else "not profiled (--profile-steps 0)"),
-             f"graphs B=1 median {g_med * 1e3:.2f} ms/token (rows {', '.join(f'{x * 1e3:.2f}' for x in g1)}), op by op "
-             f"median {o_med * 1e3:.2f} (rows {', '.join(f'{x * 1e3:.2f}' for x in o1)}): {o_med / g_med:.1f}x"]
+    header = (
+        f"machine: {machine()}    date: {datetime.date.today()}    commit: {git_commit()}\n"
+        f"geometry: {cfg.name}    command: python profiling/bench_graphs.py "
+        + " ".join(argv if argv is not None else sys.argv[1:])
+    )
+    lines = [
+        header,
+        f"link: H2D {link['registered']:.1f} GB/s from a registered mapping, {link['pinned']:.1f} from a pinned "
+        "buffer; GPU busy per B=1 step (union of kernel intervals): graphs "
+        + (f"{busy_g:.2f} ms, op by op {busy_o:.2f} ms" if busy_g else "not profiled (--profile-steps 0)"),
+        f"graphs B=1 median {g_med * 1e3:.2f} ms/token (rows {', '.join(f'{x * 1e3:.2f}' for x in g1)}), op by op "
+        f"median {o_med * 1e3:.2f} (rows {', '.join(f'{x * 1e3:.2f}' for x in o1)}): {o_med / g_med:.1f}x",
+    ]
     for label, rs in stream.items():
-        lines.append(f"{label}: rows " + ", ".join(f"{r['s_per_step'] * 1e3:.1f}" for r in rs) + " ms/token over "
-                     + ", ".join(f"{r['bytes_per_token'] / 1e9:.2f}" for r in rs) + " GB/token (floors "
-                     + ", ".join(f"{r['floor_s'] * 1e3:.1f}" for r in rs) + " ms: x" + ", ".join(f"{r['vs_floor']:.3f}" for r in rs)
-                     + "); host CPU " + ", ".join(f"{r['host_cpu_s_per_step'] * 1e3:.1f}" for r in rs) + " ms/token; misses "
-                     + ", ".join(f"{r['misses_per_token']:.0f}" for r in rs) + ", staged " + ", ".join(f"{r['staged_per_token']:.0f}" for r in rs)
-                     + " per token; recall " + ", ".join(f"{r['predicted_recall']:.2f}" for r in rs))
-    lines.append("logits bit-identical graphs vs op by op: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in identical.items()))
+        lines.append(
+            f"{label}: rows "
+            + ", ".join(f"{r['s_per_step'] * 1e3:.1f}" for r in rs)
+            + " ms/token over "
+            + ", ".join(f"{r['bytes_per_token'] / 1e9:.2f}" for r in rs)
+            + " GB/token (floors "
+            + ", ".join(f"{r['floor_s'] * 1e3:.1f}" for r in rs)
+            + " ms: x"
+            + ", ".join(f"{r['vs_floor']:.3f}" for r in rs)
+            + "); host CPU "
+            + ", ".join(f"{r['host_cpu_s_per_step'] * 1e3:.1f}" for r in rs)
+            + " ms/token; misses "
+            + ", ".join(f"{r['misses_per_token']:.0f}" for r in rs)
+            + ", staged "
+            + ", ".join(f"{r['staged_per_token']:.0f}" for r in rs)
+            + " per token; recall "
+            + ", ".join(f"{r['predicted_recall']:.2f}" for r in rs)
+        )
+    lines.append(
+        "logits bit-identical graphs vs op by op: "
+        + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in identical.items())
+    )
     cols = ["row", "B", "ms/step", "tok/s", "host CPU ms/step", "graph steps", "GPU busy ms/step"]
-    body = [[n, str(r["B"]), f"{r['s_per_step'] * 1e3:.2f}", f"{r['tok_s']:.1f}", f"{r['host_cpu_s_per_step'] * 1e3:.2f}",
-             str(r["graph_steps"]), f"{r['gpu_busy_ms']:.2f}" if r["gpu_busy_ms"] is not None else "-"] for n, r in rows.items()]
+    body = [
+        [
+            n,
+            str(r["B"]),
+            f"{r['s_per_step'] * 1e3:.2f}",
+            f"{r['tok_s']:.1f}",
+            f"{r['host_cpu_s_per_step'] * 1e3:.2f}",
+            str(r["graph_steps"]),
+            f"{r['gpu_busy_ms']:.2f}" if r["gpu_busy_ms"] is not None else "-",
+        ]
+        for n, r in rows.items()
+    ]
     w = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
     print("\n" + "\n".join(lines) + "\n")
     print("\n".join("  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in [cols] + body))

@@ -5,7 +5,7 @@
    effective bytes/s = expert bytes read (nibbles + E4M3 scales + global scales) / time; and a
    batch of T = 4, 16 rows through 16 of 24 experts (each distinct expert's bytes counted once).
 3. BF16 GEMV at T=1 (7168x12288 and 12288x7168) and T=4, 8 (7168x12288): weight bytes / time
-   (with --variants every stage depth and K split of the tensor-core kernel, and the CUDA-core one);
+   (with --variants the expert FFN without programmatic launch, and where its time goes);
    deep-k3.1-pro's decode GEMV launches at T=1 and at T=16.
 4. A few other decode ops, for the record.
 Each timing replays a CUDA graph of `--reps` back-to-back calls (no Python in the loop),
@@ -27,9 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from streamrt.backends.gemv_plan import GEMV_VARIANTS, gemv_plan  # noqa: E402
 from streamrt.backends.nvrtc import NvrtcBackend  # noqa: E402
-from streamrt.backends.nvrtc_moe import tc_smem  # noqa: E402
+from streamrt.backends.nvrtc_moe import TC_SHAPE, tc_smem  # noqa: E402
 from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix  # noqa: E402
 
@@ -123,10 +122,13 @@ def diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes) -> None:
     pairs per launch through the same experts, and each kernel's own time as the distinct
     experts per launch grow (16, 32, 48): the slope is the kernel's streaming rate, the
     intercept its fixed cost (ramp, last wave, launch)."""
-    tg, td, st, kbs = nv.tc_shape
-    for name, threads, smem in ((f"srt_nvfp4_gateup_tc{st}x{kbs}", tg * 32, tc_smem(Dl, tg, st, kbs)),
-                                (f"srt_nvfp4_down_tc{st}x{kbs}", td * 32, tc_smem(I, td, st, kbs))):
-        print(f"diagnose: {name}: {threads} threads, {smem} B shared -> {nv._k('nvfp4_moe', name).blocks_per_sm(threads, smem)} blocks/SM")
+    tg, td, st, kbs = TC_SHAPE
+    for name, threads, smem in (("srt_nvfp4_gateup_tc2x2", tg * 32, tc_smem(Dl, tg, st, kbs)),
+                                ("srt_nvfp4_down_tc2x2", td * 32, tc_smem(I, td, st, kbs))):
+        print(
+            f"diagnose: {name}: {threads} threads, {smem} B shared -> "
+            f"{nv._k('nvfp4_moe', name).blocks_per_sm(threads, smem)} blocks/SM"
+        )
     for T in (2, 4):
         ids = torch.arange(k).repeat(T, 1)  # each token through the same 16 experts: T x the bytes per launch
         w = torch.softmax(torch.randn(T, k, device=dev), -1)
@@ -165,9 +167,13 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
     ap.add_argument("--torch", action="store_true", help="also time the torch backend for each op")
     ap.add_argument("--variants", action="store_true",
-                    help="also time every GEMV variant (rows per warp) and NVFP4 block shape, to check the defaults")
-    ap.add_argument("--ffn-only", action="store_true", help="only the NVFP4 expert FFN rows (with --variants: its diagnosis)")
-    ap.add_argument("--no-ffn", action="store_true", help="skip the NVFP4 expert FFN rows (GEMV and the other ops only)")
+                    help="also time the expert FFN without programmatic launch and diagnose where its time goes")
+    ap.add_argument(
+        "--ffn-only", action="store_true", help="only the NVFP4 expert FFN rows (with --variants: its diagnosis)"
+    )
+    ap.add_argument(
+        "--no-ffn", action="store_true", help="skip the NVFP4 expert FFN rows (GEMV and the other ops only)"
+    )
     ap.add_argument("--gemv-groups-only", action="store_true",
                     help="only deep-k3.1-pro's decode GEMV launches (T=1 and T=16) against cuBLAS")
     args = ap.parse_args(argv)
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
 
 
 def expert_ffn_rows(args, nv, tb, dev, bench) -> None:
-    """NVFP4 expert FFN at slice geometry, 16 experts in one launch (with --variants every block shape)."""
+    """NVFP4 expert FFN at slice geometry, 16 experts in one launch (with --variants plain launches too)."""
     Dl, I, k = 3584, 3072, 16
     experts = {e: ExpertWeights(rand_nvfp4(I, Dl), rand_nvfp4(I, Dl), rand_nvfp4(Dl, I)) for e in range(k)}
     ids = torch.arange(k).view(1, k)  # host ids: the graph captures launches, not a sync
@@ -211,16 +217,11 @@ def expert_ffn_rows(args, nv, tb, dev, bench) -> None:
           lambda: nv.expert_ffn(z, ids, w, experts, 4.0, 25.0),
           lambda: tb.expert_ffn(z, ids.to(dev), w, experts, 4.0, 25.0))
 
-    if args.variants:  # block and pipeline shapes of the tensor-core kernels (same bits)
-        for shape, pdl, pair in (((8, 7, 2, 2), False, False), ((8, 7, 2, 2), True, False), ((8, 7, 2, 2), False, True),
-                                 ((8, 7, 2, 2), True, True), ((8, 8, 2, 2), True, True), ((8, 4, 2, 2), True, True),
-                                 ((6, 7, 3, 2), True, True)):
-            nvw = NvrtcBackend()
-            nvw.tc_shape, nvw.pdl, nvw.pair_ready = shape, pdl and nv.pdl, pair
-            bench(f"  variant: nvfp4 FFN tc, warps/block gate-up {shape[0]}, down {shape[1]}, stages {shape[2]} x "
-                  f"{shape[3]} blocks, programmatic launch {'on' if nvw.pdl else 'off'}, down starts on "
-                  f"{'its pair' if pair else 'the whole gate+up grid'}", ex_bytes,
-                  lambda nvw=nvw: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+    if args.variants:  # programmatic launch off (same bits)
+        nvw = NvrtcBackend()
+        nvw.pdl = False
+        bench("  variant: nvfp4 FFN tc, programmatic launch off", ex_bytes,
+              lambda: nvw.expert_ffn(z, ids, w, experts, 4.0, 25.0))
         diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes)
     # a deep-k3.1-pro layer in a batch: T rows, each through 16 of 24 experts; bytes counted once
     # per distinct expert (the weights one launch must read at least)
@@ -232,32 +233,20 @@ def expert_ffn_rows(args, nv, tb, dev, bench) -> None:
         w_t = torch.softmax(torch.randn(T, k, device=dev), -1)
         z_t = torch.randn(T, Dl, device=dev)
         distinct = len(set(ids_t.flatten().tolist()))
-        bench(f"nvfp4 expert FFN batch, T={T} x 16 of 24 experts ({distinct} distinct, each counted once)",
-              distinct * ex_bytes // k, lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
-        if T > 8:  # the same call with 16-row blocks (one decode of an expert's weights per 16 rows)
-            nv16 = NvrtcBackend()
-            nv16.tc_rows = 16
-            out8 = nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0)
-            same = torch.equal(out8, nv16.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
-            bench(f"nvfp4 expert FFN batch, T={T}, 16-row blocks (bits {'the same' if same else 'DIFFERENT'})",
-                  distinct * ex_bytes // k, lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv16.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
-    nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
-    bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+        bench(
+            f"nvfp4 expert FFN batch, T={T} x 16 of 24 experts ({distinct} distinct, each counted once)",
+            distinct * ex_bytes // k,
+            lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0),
+        )
 
 
 def other_ops(args, nv, tb, dev, bench) -> None:
-    """The BF16 GEMV rows (with --variants every variant) and the other decode ops."""
+    """The BF16 GEMV rows and the other decode ops."""
 
     def bench_gemv(W, x):
-        """The default plan's GEMV (and the torch backend), then with --variants every variant of its T bucket."""
+        """The GEMV (and the torch backend)."""
         (N, K), T = W.shape, x.shape[0]
         bench(f"bf16 GEMV {N}x{K}, T={T}", W.numel() * 2, lambda: nv.linear(x, W), lambda: tb.linear(x, W))
-        for v in GEMV_VARIANTS[("bf16", T)] if args.variants else ():
-            for ks in (None, 1, 2, 4, 8) if v.startswith("tc") else (None,):
-                nvv = NvrtcBackend()
-                nvv.gemv_plan, nvv.gemv_tc_ks = gemv_plan(f"bf16:{T}={v}"), ks
-                bench(f"  variant: bf16 GEMV {N}x{K}, T={T}, {v}" + (f", K split {ks}" if ks else ""),
-                      W.numel() * 2, lambda nvv=nvv: nvv.linear(x, W))
 
     for N, K in ((7168, 12288), (12288, 7168)):
         bench_gemv(torch.randn(N, K, device=dev).to(torch.bfloat16), torch.randn(1, K, device=dev))
@@ -289,7 +278,11 @@ def other_ops(args, nv, tb, dev, bench) -> None:
     bench("rmsnorm D=7168", 2 * xr.numel() * 4, lambda: nv.rmsnorm(xr, wn, 1e-5))
     for E in (24, 896):  # deep-k3.1-pro's and the release's experts per layer
         lg, b = torch.randn(1, E, device=dev), 0.05 * torch.randn(E, device=dev)
-        bench(f"route E={E} k=16 (sigmoid + bias, top-k, renormalize)", E * 4, lambda lg=lg, b=b: nv.route(lg, b, 16, True, 2.5))
+        bench(
+            f"route E={E} k=16 (sigmoid + bias, top-k, renormalize)",
+            E * 4,
+            lambda lg=lg, b=b: nv.route(lg, b, 16, True, 2.5),
+        )
     for D, S in ((2048, 9), (7168, 9), (7168, 17)):  # a decode row's AttnRes sources: blocks so far + the partial
         srcs = [torch.randn(1, D, device=dev) for _ in range(S)]
         nw, pw = (1 + 0.1 * torch.randn(D, device=dev)).bfloat16(), (0.05 * torch.randn(D, device=dev)).bfloat16()
@@ -305,7 +298,10 @@ DEEP_GEMV_GROUPS = (
     ("shared expert down", ((2048, 6144),)),
     ("latent up", ((2048, 3584),)),
     ("KDA's x: q, k, v, g, f_a, b", ((1024, 2048),) * 4 + ((128, 2048), (8, 2048))),
-    ("MLA's x: q_a, kv_a, gate, indexer wk, weights", ((768, 2048), (576, 2048), (1024, 2048), (128, 2048), (32, 2048))),
+    (
+        "MLA's x: q_a, kv_a, gate, indexer wk, weights",
+        ((768, 2048), (576, 2048), (1024, 2048), (128, 2048), (32, 2048)),
+    ),
     ("MLA's cq: q_b, indexer wq_b", ((1536, 768), (4096, 768))),
     ("o_proj", ((2048, 1024),)),
     ("lm_head", ((163840, 2048),)),
@@ -315,8 +311,7 @@ DEEP_GEMV_GROUPS = (
 def decode_gemv_groups(args, nv, dev, bench) -> None:
     """The deep-k3.1-pro decode GEMV launches at T=1, each call on the next of enough weight
     copies that none is in L2 (as in a step, where a layer's 128 MB go by once), against cuBLAS
-    bf16 (torch, one matmul per matrix) on the same copies; with --variants every K split. Then
-    T=16 (a B=16 step)."""
+    bf16 (torch, one matmul per matrix) on the same copies. Then T=16 (a B=16 step)."""
     for name, shapes in DEEP_GEMV_GROUPS:
         nb = sum(n * k * 2 for n, k in shapes)
         copies = max(1, min(64, (400 << 20) // nb))
@@ -324,11 +319,7 @@ def decode_gemv_groups(args, nv, dev, bench) -> None:
         x = torch.randn(1, shapes[0][1], device=dev)
         xb = x.bfloat16()
         dims = "+".join(str(n) for n, _ in shapes) + f"x{shapes[0][1]}"
-        for ks in (None, 1, 2, 4, 8) if args.variants else (None,):
-            nvk = NvrtcBackend()
-            nvk.gemv_tc_ks = ks
-            bench(f"bf16 linears {dims} ({name}), T=1" + (f", K split {ks}" if ks else ""), nb,
-                  rotating(lambda w, nvk=nvk: nvk.linears(x, w), ws))
+        bench(f"bf16 linears {dims} ({name}), T=1", nb, rotating(lambda w: nv.linears(x, w), ws))
         bench(f"  cuBLAS bf16: {dims}, T=1, a matmul per matrix", nb,
               rotating(lambda w: [torch.nn.functional.linear(xb, m) for m in w], ws))
         x16 = torch.randn(16, shapes[0][1], device=dev)

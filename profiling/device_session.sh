@@ -89,9 +89,9 @@ if has deep; then
   [ -f "$DEEP/manifest.json" ] || python3 -m streamrt synth --config deep-k3.1-pro --format streamrt --out "$DEEP" 2>&1 | tail -1
 fi
 if has graphs-deep; then
-  stage "bench CUDA-graph decode (deep: graphs vs op by op, B 1/4/16, 8- and 16-row FFN blocks, a third streaming)"
+  stage "bench CUDA-graph decode (deep: graphs vs op by op, B 1/4/16, a third streaming)"
   [ -f "$DEEP/manifest.json" ] && timeout ${T_GRAPHS_DEEP:-420} python3 profiling/bench_graphs.py --workdir "$W" --config deep-k3.1-pro \
-    --tokens 16 --repeats 2 --tc-rows-also 16 --stream-repeats 3 --json "$OUT/graphs_deep.json" 2>&1 | grep -v USDT | tee "$L/graphs_deep.log" | tail -30
+    --tokens 16 --repeats 2 --stream-repeats 3 --json "$OUT/graphs_deep.json" 2>&1 | grep -v USDT | tee "$L/graphs_deep.log" | tail -30
 fi
 if has profile-deep; then
   stage "profile a deep decode step: op by op (cProfile: the host's functions), then streamed segment graphs"

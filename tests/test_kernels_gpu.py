@@ -20,10 +20,10 @@ import zlib
 import pytest
 import torch
 
+from streamrt.backends import nvrtc_linear
 from streamrt.backends.nvfp4_gemm import TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.torch_backend import TorchBackend
 from streamrt.backends.expert_pointers import ExpertTable
-from streamrt.backends.nvrtc_moe import TC_STAGED_SHAPE
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts
 
 CPU_DRY = os.environ.get("STREAMRT_KERNEL_TEST_CPU") == "1"
@@ -49,9 +49,13 @@ def e4m3_value(b: int) -> float:
 E4M3 = [e4m3_value(b) for b in range(256)]
 
 
-def _make_backend(**kw):
+def _make_backend(cuda_core: bool = False):
+    """The backend with poisoned outputs; `cuda_core`: its expert FFN always on the CUDA-core
+    kernels (which production runs for shapes the tensor-core ones do not take)."""
     if not HAS_CUDA:
         return None
+    from dataclasses import replace
+
     from streamrt.backends.nvrtc import NvrtcBackend
 
     class PoisonedNvrtc(NvrtcBackend):
@@ -59,11 +63,15 @@ def _make_backend(**kw):
             fill = float("nan") if dtype.is_floating_point else -7
             return torch.full(shape, fill, dtype=dtype, device=self.device)
 
-    return PoisonedNvrtc(**kw)
+    class CudaCoreNvrtc(PoisonedNvrtc):
+        def _launch_pairs(self, call, tabs):
+            super()._launch_pairs(replace(call, tc=False), tabs)
+
+    return (CudaCoreNvrtc if cuda_core else PoisonedNvrtc)()
 
 
 NV = _make_backend()
-NV_IMPLS = {i: _make_backend(nvfp4_impl=i) for i in ("tc", "cuda_core")}
+NV_IMPLS = {"tc": _make_backend(), "cuda_core": _make_backend(cuda_core=True)}
 TB = TorchBackend()
 
 
@@ -195,7 +203,9 @@ def test_linear_addends_give_the_bits_of_separate_adds(gen, T, wdt):
     x, w = randn(gen, T, 1536), randn(gen, 300, 1536, scale=0.03, dtype=wdt)
     a0, a1 = randn(gen, T, 300, scale=3.0), randn(gen, T, 300, scale=30.0)
     ref = (x.double() @ w.double().T + a0.double()) + a1.double()
-    out = check(f"linear + 2 addends T={T} {wdt}", gen, ref, TB.linear(x, w, (a0, a1)), lambda: NV.linear(x, w, (a0, a1)))
+    out = check(
+        f"linear + 2 addends T={T} {wdt}", gen, ref, TB.linear(x, w, (a0, a1)), lambda: NV.linear(x, w, (a0, a1))
+    )
     if out is not None:
         assert torch.equal(out, (NV.linear(x, w) + a0) + a1)
         assert torch.equal(NV.linear(x, w, (a0,)), NV.linear(x, w) + a0)
@@ -207,7 +217,9 @@ def test_linear_launch_built_once_gives_the_checked_bits(gen, T):
     call built (GemvLaunch): the same bits as that first, checked call, for another x and
     other addends too, and each output against float64."""
     K = 1024
-    ws = [randn(gen, n, K, scale=K**-0.5, dtype=torch.bfloat16) for n in (24, 2048, 700, 96, 64, 33, 512, 8, 300)]  # 9: two launches
+    ws = [
+        randn(gen, n, K, scale=K**-0.5, dtype=torch.bfloat16) for n in (24, 2048, 700, 96, 64, 33, 512, 8, 300)
+    ]  # 9: two launches
     xs = [randn(gen, T, K) for _ in range(2)]
     adds = [(randn(gen, T, 700), randn(gen, T, 700, scale=10.0)) for _ in range(2)]
     tb = [TB.linears(x, ws) for x in xs]
@@ -230,37 +242,39 @@ def test_linear_launch_built_once_gives_the_checked_bits(gen, T):
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
-def test_linear_every_gemv_variant_same_bits(gen):
-    """Every GEMV variant agrees with the float64 reference and gives the same bits for a row as
-    the first variant of its family at T=1 (tensor-core "tc<stages>", CUDA-core "r<rows>"):
-    batch invariance holds whichever variant a T bucket uses."""
-    from streamrt.backends.gemv_plan import GEMV_VARIANTS, gemv_plan
+def test_linear_every_gemv_entry_point_same_bits(gen):
+    """Every CUDA-core GEMV entry point (gemv_plan.GEMV_CUDA_CORE_KERNELS, run for fp32 weights
+    and for bf16 before sm_80) agrees with the float64 reference and gives the same bits for a
+    row as the first at T=1; the tensor-core GEMV (bf16 weights) likewise across T: batch
+    invariance holds whichever entry point a T bucket uses."""
+    from streamrt.backends.gemv_plan import GEMV_CUDA_CORE_KERNELS
 
+    cc = _make_backend()
+    cc._mma = False  # as before sm_80: bf16 weights on the CUDA-core kernels too
     x = randn(gen, 8, 1536)
     for wdt, dname in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         w = randn(gen, 203, 1536, scale=0.03, dtype=wdt)
         ref = x.double() @ w.double().T
-        base = {}
-        for (dt, nt), variants in sorted(GEMV_VARIANTS.items()):
+        base = None
+        for (dt, nt), cands in sorted(GEMV_CUDA_CORE_KERNELS.items()):
             if dt != dname:
                 continue
-            for v in variants:
-                NV.gemv_plan = gemv_plan(f"{dt}:{nt}={v}")
-                try:
-                    out = NV.linear(x[:nt], w)
-                finally:
-                    NV.gemv_plan = gemv_plan("")
-                assert rel(out, ref[:nt]) < TOL, f"GEMV {dt} T={nt} {v}: rel err {rel(out, ref[:nt]):.3g}"
-                fam = v.rstrip("0123456789")
-                base.setdefault(fam, out[0])
-                assert torch.equal(out[0], base[fam]), f"GEMV {dt} T={nt} {v}: row 0 bits differ from the {fam} family at T=1"
+            for cand in cands:
+                cc._gemv_cuda_core = lambda *_, c=cand: c
+                out = cc.linear(x[:nt], w)
+                assert rel(out, ref[:nt]) < TOL, f"GEMV {cand[0]}: rel err {rel(out, ref[:nt]):.3g}"
+                base = out[0] if base is None else base
+                assert torch.equal(out[0], base), f"GEMV {cand[0]}: row 0 bits differ from the first at T=1"
         if dname == "bf16":
-            assert torch.equal(base["tc"], NV.linear(x[:1], w)[0]), "the default bf16 GEMV is not the tensor-core one"
+            one = NV.linear(x[:1], w)[0]
+            assert rel(one[None], ref[:1]) < TOL
+            for nt in (2, 4, 8):
+                assert torch.equal(NV.linear(x[:nt], w)[0], one), f"tensor-core GEMV T={nt}: row 0 bits differ"
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
-def test_linear_tensor_core_shapes_and_range(gen, xdt):
+def test_linear_tensor_core_shapes_and_range(gen, xdt, monkeypatch):
     """The tensor-core GEMV: K not a multiple of its 128-column stage, N not a multiple of its
     32-row block, x over 40 binary orders of magnitude, every K split (1 to 8 warps per block,
     capped at the number of stages). With terms this uneven a sum can cancel, so each output is
@@ -273,13 +287,19 @@ def test_linear_tensor_core_shapes_and_range(gen, xdt):
         ref = x.double() @ w.double().T
         bound = x.double().abs() @ w.double().abs().T
         for ks in (None, 1, 2, 4, 8):
-            NV.gemv_tc_ks = ks
+            NV._gemv_launches.clear()
+            if ks is not None:  # a forced K split (the backend picks one per launch's matrices)
+                monkeypatch.setattr(nvrtc_linear, "gemv_tc_split", lambda row_blocks, ks=ks: ks)
             try:
                 out = NV.linear(x, w)
             finally:
-                NV.gemv_tc_ks = None
+                monkeypatch.undo()
+                NV._gemv_launches.clear()
             err = float(((out.double() - ref).abs() / bound.clamp_min(1e-300)).max())
-            assert err < TOL, f"tc GEMV T={T} N={N} K={K} x {xdt} K split {ks} (seed {gen.initial_seed()}): error {err:.3g} of the |terms| sum"
+            assert err < TOL, (
+                f"tc GEMV T={T} N={N} K={K} x {xdt} K split {ks} (seed {gen.initial_seed()}): "
+                f"error {err:.3g} of the |terms| sum"
+            )
     # one-hot rows: out[t, n] is the single product x[t, n] * 1, exact if the split is exact
     x = (randn(gen, 8, 1024) * torch.exp2(torch.randint(-30, 30, (8, 1024), generator=gen, device=DEV).float())).to(xdt)
     w = torch.eye(1000, 1024, device=DEV, dtype=torch.bfloat16)
@@ -302,7 +322,9 @@ def test_rmsnorm(gen, rows, D, wdt):
     out = check(f"rmsnorm {rows}x{D}", gen, rms_ref(x, w, 1e-5), TB.rmsnorm(x, w, 1e-5), lambda: NV.rmsnorm(x, w, 1e-5))
     if out is not None:  # the leading columns of a wider row (kv_a's latent), read in place: the same bits
         wide = torch.cat((x, randn(gen, rows, 37)), 1)
-        assert torch.equal(NV.rmsnorm(wide[:, :D], w, 1e-5), out), f"rmsnorm of a strided view (seed {gen.initial_seed()})"
+        assert torch.equal(NV.rmsnorm(wide[:, :D], w, 1e-5), out), (
+            f"rmsnorm of a strided view (seed {gen.initial_seed()})"
+        )
 
 
 @pytest.mark.parametrize("T,H,V", [(1, 96, 128), (3, 2, 16), (2, 5, 48)])
@@ -310,7 +332,13 @@ def test_gated_rmsnorm(gen, T, H, V):
     o, gate = randn(gen, T, H, V), randn(gen, T, H, V, scale=2.0)
     w = 1 + randn(gen, V, scale=0.2)
     ref = rms_ref(o, w, 1e-5) / (1 + torch.exp(-gate.double()))
-    check(f"gated_rmsnorm {T},{H},{V}", gen, ref, TB.gated_rmsnorm(o, gate, w, 1e-5), lambda: NV.gated_rmsnorm(o, gate, w, 1e-5))
+    check(
+        f"gated_rmsnorm {T},{H},{V}",
+        gen,
+        ref,
+        TB.gated_rmsnorm(o, gate, w, 1e-5),
+        lambda: NV.gated_rmsnorm(o, gate, w, 1e-5),
+    )
 
 
 @pytest.mark.parametrize("rows,D", [(1, 128), (4, 7168), (2, 33)])
@@ -406,7 +434,13 @@ def test_situ_glu(gen, beta, lbeta, shape):
     sig = 1 / (1 + torch.exp(-g))
     ga = g * sig if math.isinf(beta) else beta * torch.tanh(g / beta) * sig
     ua = u if lbeta is None else lbeta * torch.tanh(u / lbeta)
-    check(f"situ_glu beta={beta} lbeta={lbeta}", gen, ga * ua, TB.situ_glu(gate, up, beta, lbeta), lambda: NV.situ_glu(gate, up, beta, lbeta))
+    check(
+        f"situ_glu beta={beta} lbeta={lbeta}",
+        gen,
+        ga * ua,
+        TB.situ_glu(gate, up, beta, lbeta),
+        lambda: NV.situ_glu(gate, up, beta, lbeta),
+    )
 
 
 # ---- KDA ----------------------------------------------------------------------------------------
@@ -438,13 +472,21 @@ def test_inplace_ops_on_strided_state(gen):
     tb = TB.short_conv_step(z, st_tb, w)
     st_nv = randn(gen, T, W, P).transpose(1, 2)
     st_nv.copy_(st0)
-    check("short_conv_step strided state", gen, acc / (1 + torch.exp(-acc)), tb, lambda: NV.short_conv_step(z, st_nv, w))
+    check(
+        "short_conv_step strided state", gen, acc / (1 + torch.exp(-acc)), tb, lambda: NV.short_conv_step(z, st_nv, w)
+    )
     if NV is not None:
         assert not st_nv.is_contiguous() and torch.equal(st_nv, st_ref)
     q, k, v, g, beta, S0 = kda_inputs(gen, T, H, K, K)
     o_ref, S_ref = kda_ref(q, k, v, g, beta, S0)
     S_nv = S0.transpose(2, 3).contiguous().transpose(2, 3)  # same values, strided
-    check("kda_step strided state", gen, o_ref, TB.kda_step(q, k, v, g, beta, S0.clone()), lambda: NV.kda_step(q, k, v, g, beta, S_nv))
+    check(
+        "kda_step strided state",
+        gen,
+        o_ref,
+        TB.kda_step(q, k, v, g, beta, S0.clone()),
+        lambda: NV.kda_step(q, k, v, g, beta, S_nv),
+    )
     if NV is not None:
         assert not S_nv.is_contiguous() and rel(S_nv, S_ref) < TOL
 
@@ -467,7 +509,9 @@ def kda_ref(q, k, v, g, beta, S):
     return torch.einsum("thkv,thk->thv", S, q), S
 
 
-@pytest.mark.parametrize("T,H,K,V", [(1, 96, 128, 128), (1, 8, 128, 128), (2, 2, 16, 16), (3, 3, 64, 48), (2, 3, 30, 40)])
+@pytest.mark.parametrize(
+    "T,H,K,V", [(1, 96, 128, 128), (1, 8, 128, 128), (2, 2, 16, 16), (3, 3, 64, 48), (2, 3, 30, 40)]
+)
 def test_kda_step(gen, T, H, K, V):
     q, k, v, g, beta, S0 = kda_inputs(gen, T, H, K, V)
     o_ref, S_ref = kda_ref(q, k, v, g, beta, S0)
@@ -483,7 +527,16 @@ def test_kda_step(gen, T, H, K, V):
 # ---- MLA + indexer ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("H,R,Dr,n,m", [(96, 512, 64, 300, None), (96, 512, 64, 5000, 2048), (2, 32, 8, 1, None), (5, 48, 8, 130, 70), (9, 64, 16, 64, None)])
+@pytest.mark.parametrize(
+    "H,R,Dr,n,m",
+    [
+        (96, 512, 64, 300, None),
+        (96, 512, 64, 5000, 2048),
+        (2, 32, 8, 1, None),
+        (5, 48, 8, 130, 70),
+        (9, 64, 16, 64, None),
+    ],
+)
 def test_mla_decode(gen, H, R, Dr, n, m):
     q_lat, q_rot = randn(gen, H, R, scale=0.3), randn(gen, H, Dr, scale=0.3)
     c, kr = randn(gen, n, R), randn(gen, n, Dr)
@@ -503,7 +556,9 @@ def test_indexer_scores(gen, Hi, Di, n):
     check(f"indexer_scores {Hi},{Di},{n}", gen, ref, TB.indexer_scores(q, w, kc), lambda: NV.indexer_scores(q, w, kc))
 
 
-@pytest.mark.parametrize("B,H,R,Dr,cap,sparse", [(3, 8, 512, 64, 300, True), (5, 5, 48, 8, 130, False), (17, 2, 32, 8, 70, True)])
+@pytest.mark.parametrize(
+    "B,H,R,Dr,cap,sparse", [(3, 8, 512, 64, 300, True), (5, 5, 48, 8, 130, False), (17, 2, 32, 8, 70, True)]
+)
 def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, sparse):
     """One launch over B rows, each with its own cache, length and selection: row b against
     float64, and bit for bit the one-row call on that row (the decode path's batch invariance)."""
@@ -514,8 +569,14 @@ def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, spars
     m = min(40, cap)
     select = None
     if sparse:  # row b: m distinct positions below its length (fewer valid when length < m)
-        select = torch.stack([torch.cat((torch.randperm(int(n), generator=gen, device=DEV), torch.zeros(cap, dtype=torch.long, device=DEV)))[:m]
-                              for n in lengths])
+        select = torch.stack(
+            [
+                torch.cat(
+                    (torch.randperm(int(n), generator=gen, device=DEV), torch.zeros(cap, dtype=torch.long, device=DEV))
+                )[:m]
+                for n in lengths
+            ]
+        )
     scale = (R // 4 + Dr) ** -0.5
     refs = []
     for b in range(B):
@@ -523,12 +584,21 @@ def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, spars
         pos = torch.arange(n, device=DEV) if select is None else select[b, : min(m, n)]
         cs, ks = c[b, pos].double(), kr[b, pos].double()
         refs.append(torch.softmax((q_lat[b].double() @ cs.T + q_rot[b].double() @ ks.T) * scale, dim=-1) @ cs)
-    out = check(f"mla_decode rows B={B} H={H} R={R}", gen, torch.stack(refs), TB.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths),
-                lambda: NV.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths))
+    out = check(
+        f"mla_decode rows B={B} H={H} R={R}",
+        gen,
+        torch.stack(refs),
+        TB.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths),
+        lambda: NV.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths),
+    )
     if out is not None:
         for b in range(B):
-            alone = NV.mla_decode(q_lat[b], q_rot[b], c[b], kr[b], scale, None if select is None else select[b], lengths[b : b + 1])
-            assert torch.equal(out[b], alone), f"row {b} of {B}: bits differ from the one-row call (seed {gen.initial_seed()})"
+            alone = NV.mla_decode(
+                q_lat[b], q_rot[b], c[b], kr[b], scale, None if select is None else select[b], lengths[b : b + 1]
+            )
+            assert torch.equal(out[b], alone), (
+                f"row {b} of {B}: bits differ from the one-row call (seed {gen.initial_seed()})"
+            )
         dense = NV.mla_decode(q_lat, q_rot.contiguous(), c, kr, scale, select, lengths)
         assert torch.equal(out, dense), f"q_rot read in place against a dense copy (seed {gen.initial_seed()})"
 
@@ -548,7 +618,9 @@ def test_indexer_scores_and_topk_rows_give_each_row_its_own_bits(gen, B, Hi, Di,
         assert rel(tb[b, :n], ref) < TOL, f"torch backend row {b} (seed {gen.initial_seed()})"
         if got is not None:
             assert rel(got[b, :n], ref) < TOL, f"nvrtc row {b} (seed {gen.initial_seed()})"
-            assert torch.equal(got[b, :n], NV.indexer_scores(q[b], w[b], kc[b], lengths[b : b + 1])[:n]), f"row {b}: one-row bits"
+            assert torch.equal(got[b, :n], NV.indexer_scores(q[b], w[b], kc[b], lengths[b : b + 1])[:n]), (
+                f"row {b}: one-row bits"
+            )
     if got is not None:  # the head-weight scale in the kernel: the bits of torch's w * scale passed in
         s = Hi**-0.5 * Di**-0.5
         scaled = NV.indexer_scores(q, w, kc, lengths, s)
@@ -576,8 +648,10 @@ def test_mla_absorb_and_expand_read_the_kv_b_view(gen, B, H, dn, dv, R, wdt):
     q, o_lat = randn(gen, B, H, dn + 16)[..., :dn], randn(gen, B, H, R)  # q_nope: a view of q, as the model passes it
     ref_q = torch.einsum("bhd,hdr->bhr", q.double(), w_uk.double())
     ref_o = torch.einsum("hvr,bhr->bhv", w_uv.double(), o_lat.double())
-    for what, ref, tb, nv, x, w in [("mla_absorb", ref_q, TB.mla_absorb(q, w_uk), lambda: NV.mla_absorb(q, w_uk), q, w_uk),
-                                   ("mla_expand", ref_o, TB.mla_expand(o_lat, w_uv), lambda: NV.mla_expand(o_lat, w_uv), o_lat, w_uv)]:
+    for what, ref, tb, nv, x, w in [
+        ("mla_absorb", ref_q, TB.mla_absorb(q, w_uk), lambda: NV.mla_absorb(q, w_uk), q, w_uk),
+        ("mla_expand", ref_o, TB.mla_expand(o_lat, w_uv), lambda: NV.mla_expand(o_lat, w_uv), o_lat, w_uv),
+    ]:
         out = check(f"{what} B={B} H={H} {wdt}", gen, ref, tb, nv)
         if out is not None:
             op = getattr(NV, what)
@@ -610,10 +684,14 @@ def test_select_topk(gen, n, k, kind):
     assert tb.tolist() == want, f"torch backend disagrees with the tie rule (seed {gen.initial_seed()})"
     if NV is not None:
         got = NV.select_topk(s, k)
-        assert got.dtype == torch.int64 and got.tolist() == want, f"nvrtc select_topk n={n} k={k} {kind} (seed {gen.initial_seed()})"
+        assert got.dtype == torch.int64 and got.tolist() == want, (
+            f"nvrtc select_topk n={n} k={k} {kind} (seed {gen.initial_seed()})"
+        )
 
 
-@pytest.mark.parametrize("T,E,k,D", [(1, 256, 16, 7168), (8, 896, 16, 512), (2, 2080, 8, 256), (3, 32, 4, 64), (2, 64, 1, 128)])
+@pytest.mark.parametrize(
+    "T,E,k,D", [(1, 256, 16, 7168), (8, 896, 16, 512), (2, 2080, 8, 256), (3, 32, 4, 64), (2, 64, 1, 128)]
+)
 @pytest.mark.parametrize("renorm,scale", [(True, 1.0), (False, 2.446)])
 def test_router(gen, T, E, k, D, renorm, scale):
     x = randn(gen, T, D)
@@ -629,10 +707,14 @@ def test_router(gen, T, E, k, D, renorm, scale):
     wr = wr * scale
     ids_tb, w_tb = TB.route(TB.linear(x, w), bias, k, renorm, scale)
     assert torch.equal(ids_tb, ids_ref), f"torch backend router ids (seed {gen.initial_seed()})"
-    out = check(f"router T={T} E={E} k={k}", gen, wr, w_tb, lambda: NV.route(NV.linear(x, w), bias, k, renorm, scale)[1])
+    out = check(
+        f"router T={T} E={E} k={k}", gen, wr, w_tb, lambda: NV.route(NV.linear(x, w), bias, k, renorm, scale)[1]
+    )
     if NV is not None:
         ids_nv, _ = NV.route(NV.linear(x, w), bias, k, renorm, scale)
-        assert ids_nv.dtype == torch.int64 and torch.equal(ids_nv, ids_tb), f"router ids differ (seed {gen.initial_seed()})"
+        assert ids_nv.dtype == torch.int64 and torch.equal(ids_nv, ids_tb), (
+            f"router ids differ (seed {gen.initial_seed()})"
+        )
         assert out is not None
 
 
@@ -686,7 +768,9 @@ def dequant64(m: NVFP4Matrix) -> torch.Tensor:
 
 def ffn_case(gen, T, k, E, Dl, I):
     """E random NVFP4 experts, T rows routed to k distinct of them, normalised weights, z."""
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights = rand(gen, T, k, lo=0.01, hi=1.0)
     weights = weights / weights.sum(-1, keepdim=True)
@@ -730,7 +814,13 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
     experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
     ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    out = check(f"expert_ffn[{impl}] T={T} k={k} Dl={Dl} I={I}", gen, ref, tb, lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+    out = check(
+        f"expert_ffn[{impl}] T={T} k={k} Dl={Dl} I={I}",
+        gen,
+        ref,
+        tb,
+        lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0),
+    )
     if out is not None:
         assert torch.equal(nv.expert_ffn(z, ids.cpu(), weights, experts, 4.0, 25.0), out), "host ids / rerun differ"
     if out is not None and T > 1:  # batch invariance: each row alone gives the same bits
@@ -779,118 +869,45 @@ def test_expert_ffn_device_table_gives_the_host_bits(gen, T, k, impl):
         assert torch.equal(out, nv.expert_ffn(z, ids.cpu(), weights, experts, 4.0, 25.0)), "device table vs host tables"
 
 
-NV16 = _make_backend()  # 16-row tensor-core blocks (tc_rows = 16), poisoned outputs as the others
-if NV16 is not None:
-    NV16.tc_rows, NV16.tc_staged_shape = 16, None
-NV8 = _make_backend()  # every block stages its own 8 rows (the staged gate+up off)
-if NV8 is not None:
-    NV8.tc_staged_shape = None
-
-
 @pytest.mark.parametrize(
-    "T,k,E,Dl,I,phase",
-    [(16, 16, 24, 3584, 3072, None),  # deep-k3.1-pro at B=16: ~11 rows an expert, two phases each matrix
-     (9, 16, 16, 3584, 3072, None),  # 9 rows an expert: three sets
-     (20, 6, 8, 256, 384, None),  # up to 20 rows an expert: groups of 16 and 4, one phase
-     (12, 4, 5, 640, 896, 2),  # phases of 2 column blocks, 5 and 7 blocks: a short last phase
-     (40, 8, 10, 128, 256, 2)],  # more pairs than a by-value table (64): groups cut at chunks
+    "T,k,E,Dl,I",
+    [(16, 16, 24, 3584, 3072),  # deep-k3.1-pro at B=16: ~11 rows an expert
+     (9, 16, 16, 3584, 3072),  # 9 rows an expert: three sets
+     (20, 6, 8, 256, 384),  # up to 20 rows an expert: groups of 16 and 4; partial last blocks
+     (8, 4, 5, 640, 896),  # the fewest rows that take the staged blocks
+     (40, 8, 10, 128, 256),  # more pairs than a by-value table (64): groups cut at chunks
+     (70, 16, 24, 128, 256)],  # two device tables (1,120 pairs), each with its list of groups
 )
-def test_expert_ffn_16_row_blocks_give_the_8_row_bits(gen, T, k, E, Dl, I, phase):
-    """Blocks of up to 16 rows of one expert (one decode of its weights for them), their
-    activation staged in phases of column blocks: within the float64 reference, and every row's
-    bits those of the 8-row blocks, on the host tables and on the device table."""
-    if CPU_DRY and Dl > 1000:
-        pytest.skip("slice geometry: GPU only")
-    experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
-    ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
-    tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    if NV16 is not None:
-        NV16.tc_phase_blocks = phase
-    try:
-        out = check(f"expert_ffn 16-row T={T} k={k} Dl={Dl} I={I} phase {phase}", gen, ref, tb,
-                    lambda: NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
-        if out is None:
-            return
-        launched = _launched(NV16, lambda: NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
-        assert "srt_nvfp4_gateup_r16" in launched and "srt_nvfp4_down_r16" in launched, launched
-        eight = NV8.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-        assert torch.equal(out, eight), "16-row blocks differ from the 8-row blocks"
-        resident = _resident(experts, ids, E, Dl, z.device)
-        assert torch.equal(NV16.expert_ffn(z, resident.ids, weights, resident, 4.0, 25.0), out), "device table"
-    finally:
-        if NV16 is not None:
-            NV16.tc_phase_blocks = None
-
-
-@pytest.mark.parametrize("pdl,pair_ready", [(False, True), (True, False), (False, False)])
-def test_expert_ffn_16_row_blocks_without_pdl_or_pair_counts(gen, pdl, pair_ready):
-    """The 16-row blocks launched plainly (no programmatic dependent launch) and with the down
-    kernel waiting for the whole gate+up grid (no per-pair counts): the bits of the default."""
-    if NV16 is None:
-        pytest.skip("needs a CUDA GPU")
-    experts, ids, weights, z = ffn_case(gen, 20, 6, 8, 256, 384)
-    default = NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    saved = NV16.pdl, NV16.pair_ready
-    NV16.pdl, NV16.pair_ready = pdl, pair_ready
-    try:
-        out = NV16.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    finally:
-        NV16.pdl, NV16.pair_ready = saved
-    assert torch.equal(out, default), f"pdl={pdl} pair_ready={pair_ready}"
-    assert rel(out, ffn_ref(z, ids, weights, experts, 4.0, 25.0)) < TOL
-
-
-@pytest.mark.parametrize(
-    "T,k,E,Dl,I,shape",
-    [(16, 16, 24, 3584, 3072, (12, 8, 4, 1)),  # deep-k3.1-pro at B=16: ~11 rows an expert
-     (16, 16, 24, 3584, 3072, (12, 0, 4, 1)),  # ... down blocks of 8 that stage their own rows of h
-     (16, 16, 24, 3584, 3072, (6, 4, 2, 1)),  # ... two blocks an SM
-     (16, 16, 24, 3584, 3072, (12, 4, 2, 1)),  # ... the default
-     (9, 16, 16, 3584, 3072, (12, 8, 2, 1)),  # 9 rows an expert: three sets
-     (20, 6, 8, 256, 384, (5, 3, 6, 1)),  # up to 20 rows an expert: groups of 16 and 4; partial last blocks
-     (20, 6, 8, 256, 384, (5, 0, 6, 1)),
-     (8, 4, 5, 640, 896, (3, 2, 4, 1)),  # the fewest rows that take the staged blocks
-     (40, 8, 10, 128, 256, (12, 8, 4, 1)),  # more pairs than a by-value table (64): groups cut at chunks
-     (40, 8, 10, 128, 256, (12, 0, 4, 1)),
-     (70, 16, 24, 128, 256, (12, 4, 2, 1))],  # two device tables (1,120 pairs), each with its list of groups
-)
-def test_expert_ffn_staged_rows_give_the_8_row_bits(gen, T, k, E, Dl, I, shape):
+def test_expert_ffn_staged_rows_give_the_8_row_bits(gen, T, k, E, Dl, I):
     """From 8 rows on, gate+up reads rows of z staged once per call (srt_moe_stage_rows), up to 16
-    rows of one expert a block; down reads h's rows staged the same way over gate+up's groups, or
-    (down warps 0) its blocks of 8 stage their own and wait on the gate+up group that holds them:
-    within the float64 reference, and every row's bits those of the blocks that stage their own
-    8 rows, on the host tables and on the device table, with and without programmatic launch and
-    pair counts."""
+    rows of one expert a block; down reads h's rows staged the same way over gate+up's groups:
+    within the float64 reference, and every row's bits those of the row alone (the blocks that
+    stage their own rows), on the host tables and on the device table, with and without
+    programmatic launch."""
     if CPU_DRY and Dl > 1000:
         pytest.skip("slice geometry: GPU only")
     experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
     ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     nv = NV_IMPLS["tc"]
-    if nv is not None:
-        nv.tc_staged_shape = shape
+    out = check(f"expert_ffn staged T={T} k={k} Dl={Dl} I={I}", gen, ref, tb,
+                lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+    if out is None:
+        return
+    launched = _launched(nv, lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+    assert launched[0] == "srt_moe_stage_rows" and "srt_nvfp4_gateup_st2x1" in launched, launched
+    assert "srt_nvfp4_down_st2x1" in launched, launched
+    for t in range(T):
+        alone = nv.expert_ffn(z[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts, 4.0, 25.0)
+        assert torch.equal(alone[0], out[t]), f"staged row {t} differs from the row alone (8-row blocks)"
+    resident = _resident(experts, ids, E, Dl, z.device)
+    assert torch.equal(nv.expert_ffn(z, resident.ids, weights, resident, 4.0, 25.0), out), "device table"
+    pdl = nv.pdl
     try:
-        out = check(f"expert_ffn staged T={T} k={k} Dl={Dl} I={I} {shape}", gen, ref, tb,
-                    lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
-        if out is None:
-            return
-        launched = _launched(nv, lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
-        st = f"st{shape[2]}x{shape[3]}"
-        assert launched[0] == "srt_moe_stage_rows" and f"srt_nvfp4_gateup_{st}" in launched, launched
-        assert (f"srt_nvfp4_down_{st}" in launched) == (shape[1] > 0), launched
-        assert torch.equal(out, NV8.expert_ffn(z, ids, weights, experts, 4.0, 25.0)), "staged differs from 8-row blocks"
-        resident = _resident(experts, ids, E, Dl, z.device)
-        assert torch.equal(nv.expert_ffn(z, resident.ids, weights, resident, 4.0, 25.0), out), "device table"
-        saved = nv.pdl, nv.pair_ready
-        try:
-            for pdl, pair_ready in ((False, True), (True, False)):
-                nv.pdl, nv.pair_ready = pdl, pair_ready
-                assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), out), f"pdl={pdl} ready={pair_ready}"
-        finally:
-            nv.pdl, nv.pair_ready = saved
+        nv.pdl = not pdl
+        assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), out), f"pdl={not pdl}"
     finally:
-        if nv is not None:
-            nv.tc_staged_shape = TC_STAGED_SHAPE
+        nv.pdl = pdl
 
 
 # The grouped prefill GEMMs' single fp16 row mode rounds each row once (2^-11 of each element,
@@ -923,8 +940,12 @@ def test_expert_ffn_grouped_prefill(gen, T, k, E, Dl, I, rows):
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     twin = _grouped_twin(z, ids, weights, experts, rows)
     tol = TOL if rows == "split" else GROUPED_FP16_TOL
-    assert rel(twin, ref) < tol, f"grouped twin [{rows}] vs float64 rel err {rel(twin, ref):.3g} (seed {gen.initial_seed()})"
-    assert rows == "split" or rel(twin, ref) > TOL, f"grouped twin [fp16] as accurate as the split (seed {gen.initial_seed()})"
+    assert rel(twin, ref) < tol, (
+        f"grouped twin [{rows}] vs float64 rel err {rel(twin, ref):.3g} (seed {gen.initial_seed()})"
+    )
+    assert rows == "split" or rel(twin, ref) > TOL, (
+        f"grouped twin [fp16] as accurate as the split (seed {gen.initial_seed()})"
+    )
     if NV is None:
         return
     pre = NV.for_prefill()
@@ -1005,27 +1026,23 @@ def test_grouped_conversions_match_the_twin(gen, split):
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
-def test_expert_ffn_tc_shapes_same_bits(gen):
-    """Warps per block, pipeline shape and programmatic launch of the tensor-core kernels change
-    timing only: same bits."""
-    from streamrt.backends.nvrtc_moe import TC_PIPES, TC_SHAPE
+def test_expert_ffn_tc_without_pdl_same_bits(gen):
+    """Programmatic launch of the tensor-core kernels changes timing only: same bits."""
 
     E, T, k, Dl, I = 8, 6, 4, 640, 896  # 5 and 7 column blocks: partial last stages; up to 6 rows per expert
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights, z = rand(gen, T, k, lo=0.01, hi=1.0), randn(gen, T, Dl)
     nv = NV_IMPLS["tc"]
     base = nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    shapes = [(w1, w2, s, kbs) for s, kbs in TC_PIPES for (w1, w2) in ((8, 8), (4, 2), (1, 8))] + [(16, 16, 2, 2)]
     pdl0 = nv.pdl
-    for shape in shapes:
-        for pdl, pair_ready in ((not pdl0, True), (pdl0, True), (pdl0, False)):
-            nv.tc_shape, nv.pdl, nv.pair_ready = shape, pdl, pair_ready
-            try:
-                got = nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-                assert torch.equal(got, base), f"tc shape {shape}, pdl {pdl}, pair_ready {pair_ready}"
-            finally:
-                nv.tc_shape, nv.pdl, nv.pair_ready = TC_SHAPE, pdl0, True
+    try:
+        nv.pdl = not pdl0
+        assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), base), f"pdl {not pdl0}"
+    finally:
+        nv.pdl = pdl0
 
 
 @pytest.mark.skipif(NV is None, reason="kernel property")
@@ -1036,7 +1053,9 @@ def test_expert_ffn_back_to_back_same_bits(gen, T):
     the same bits as one call alone (each call routes z to other experts: a down block reading h
     before its gate+up blocks wrote it would see the call before's)."""
     E, k, Dl, I = 6, 4, 256, 384  # a grid small enough for every block of a launch to be resident
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     nv = NV_IMPLS["tc"]
     ids = [torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)]).cpu() for _ in range(20)]
     weights = [rand(gen, T, k, lo=0.01, hi=1.0) for _ in range(20)]
@@ -1061,7 +1080,9 @@ def test_expert_ffn_error_after_launch_leaves_no_counts(gen):
     """An error raised once the resident experts' kernels are queued (a late expert of another
     intermediate size) leaves no gate+up counts behind for the next call to trust."""
     k, Dl, I = 4, 256, 384
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(k)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(k)
+    }
     bad = dict(experts)
     bad[3] = ExpertWeights(rand_nvfp4(gen, 512, Dl), rand_nvfp4(gen, 512, Dl), rand_nvfp4(gen, Dl, 512))
     nv = NV_IMPLS["tc"]
@@ -1093,7 +1114,9 @@ def test_expert_ffn_late_experts_same_bits(gen, impl):
     the result bits do not depend on that split."""
     nv = NV_IMPLS[impl]
     E, T, k, Dl, I = 12, 3, 4, 256, 384
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights = rand(gen, T, k, lo=0.01, hi=1.0)
     z = randn(gen, T, Dl)
@@ -1122,8 +1145,13 @@ def test_attnres_mix(gen, T, nb, D, wdt):
     kn = V / torch.sqrt((V * V).mean(-1, keepdim=True) + 1e-5)
     p = torch.softmax((kn * (norm_w.double() * proj_w.double())).sum(-1), dim=-1)
     ref = (p[..., None] * V).sum(1)
-    mix = check(f"attnres_mix T={T} nb={nb} D={D} {wdt}", gen, ref, TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
-                lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5))
+    mix = check(
+        f"attnres_mix T={T} nb={nb} D={D} {wdt}",
+        gen,
+        ref,
+        TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
+        lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
+    )
     # then the layer's RMSNorm (out_w): float64, and the bits of the two ops in turn
     out_w = (1 + randn(gen, D, scale=0.2)).to(wdt)
     ref_n = ref / torch.sqrt((ref * ref).mean(-1, keepdim=True) + 1e-6) * out_w.double()
@@ -1136,7 +1164,9 @@ def test_attnres_mix(gen, T, nb, D, wdt):
         assert torch.equal(last, mix[-1:]), "row T-1 alone: bits differ from the batch's"
         last_n = NV.attnres_mix(prefix[-1:], [b[-1:] for b in blocks], norm_w, proj_w, 1e-5, out_w, 1e-6)
         assert torch.equal(last_n, normed[-1:]), "normed row T-1 alone: bits differ from the batch's"
-        assert torch.equal(NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6), normed), "not deterministic"
+        assert torch.equal(NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6), normed), (
+            "not deterministic"
+        )
 
 
 # ---- the decode's cache append -------------------------------------------------------------------

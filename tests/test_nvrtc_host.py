@@ -39,7 +39,9 @@ class _Recorder:
         self.launches, self.name = launches, name
 
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
-        self.launches.append((self.name, np.frombuffer(args[0], np.uint8) if "gateup" in self.name else [_int(a) for a in args[1:]]))
+        self.launches.append(
+            (self.name, np.frombuffer(args[0], np.uint8) if "gateup" in self.name else [_int(a) for a in args[1:]])
+        )
 
 
 def _int(arg: bytes) -> int:
@@ -50,7 +52,7 @@ def _int(arg: bytes) -> int:
 def _host_backend(capability=(9, 0), smem_optin=227 * 1024):
     """The backend's host side on the CPU, with an H200's properties (no CUDA device)."""
     nv = object.__new__(nvm.NvrtcBackend)
-    nv._configure(torch.device("cpu"), 64, "tc", capability=capability, smem_optin=smem_optin, sms=132)
+    nv._configure(nvm.DeviceProps(torch.device("cpu"), capability, smem_optin, 132), 64)
     return nv
 
 
@@ -90,7 +92,11 @@ def test_tables_put_each_pointer_where_the_kernel_structs_have_it():
     assert g[: 6 * M * 8].view(np.uint64).reshape(6, M)[:, 0].tolist() == [
         pe.gate_packed, pe.gate_scales, pe.gate_global, pe.up_packed, pe.up_scales, pe.up_global]
     assert g[6 * M * 8 :].view(np.int32).reshape(2, M)[:, 0].tolist() == [2, 5]
-    assert d[: 3 * M * 8].view(np.uint64).reshape(3, M)[:, 0].tolist() == [pe.down_packed, pe.down_scales, pe.down_global]
+    assert d[: 3 * M * 8].view(np.uint64).reshape(3, M)[:, 0].tolist() == [
+        pe.down_packed,
+        pe.down_scales,
+        pe.down_global,
+    ]
     assert int(d[3 * M * 8 :].view(np.int32)[0]) == 5
     assert scales_aligned8([(0, 0, 7)], {7: pe})
     assert not scales_aligned8([(0, 0, 7)], {7: pe._replace(up_scales=pe.up_scales + 4)})
@@ -101,8 +107,13 @@ def test_bad_expert_is_refused_after_good_ones_were_seen():
     ids, w, z = torch.arange(K).view(1, K), torch.rand(1, K), torch.randn(1, DL)
     experts = {e: _expert() for e in range(K)}
     nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
-    bad = ExpertWeights(_mat(I, DL), _mat(I, DL), NVFP4Matrix(torch.zeros(DL, I // 2, dtype=torch.int8),
-                                                               torch.zeros(DL, I // 16, dtype=torch.uint8), torch.rand(DL)))
+    bad = ExpertWeights(
+        _mat(I, DL),
+        _mat(I, DL),
+        NVFP4Matrix(
+            torch.zeros(DL, I // 2, dtype=torch.int8), torch.zeros(DL, I // 16, dtype=torch.uint8), torch.rand(DL)
+        ),
+    )
     experts[1] = bad
     with pytest.raises(ValueError, match=r"expert 1 down\.packed"):
         nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
@@ -117,7 +128,9 @@ def test_router_launch_shared_memory_and_its_limit():
     launches = []
     nv = _backend(launches)
     smems = []
-    nv._k = lambda program, name: (lambda grid, block, args, smem=0, stream=None, pdl=False: smems.append((name, grid, smem)))
+    nv._k = lambda program, name: (
+        lambda grid, block, args, smem=0, stream=None, pdl=False: smems.append((name, grid, smem))
+    )
     for E in (24, 896, 4053):
         ids, wts = nv.route(torch.randn(3, E), torch.randn(E), 16, True, 2.5)
         assert ids.shape == wts.shape == (3, 16)
@@ -134,7 +147,9 @@ def test_counts_only_where_the_sum_can_zero_them():
         nv = _backend(launches)
         experts = {e: ExpertWeights(_mat(i, dl), _mat(i, dl), _mat(dl, i)) for e in range(k)}
         nv.expert_ffn(torch.randn(1, dl), torch.arange(k).view(1, k), torch.rand(1, k), experts, 4.0, 25.0)
-        return [args[4] for name, args in launches if "down" in name], [args[5] for name, args in launches if "combine" in name]
+        return [args[4] for name, args in launches if "down" in name], [
+            args[5] for name, args in launches if "combine" in name
+        ]
 
     down, combine = ready_ptrs(4, 128, 128)
     assert all(down) and all(combine)
@@ -181,84 +196,34 @@ def _ffn_launches(nv, T, k, E, dl, i):
     return launches
 
 
-def test_16_row_blocks_launch_shape_phases_and_fallbacks():
-    """tc_rows = 16: a call of more than 8 rows takes the 16-row kernels, groups of up to
-    min(16, T) pairs, each matrix's activation in the fewest phases of column blocks whose
-    staged rows (16 x 2 x tc_xwords(phase) words) and ring fit the block's shared memory; 8 rows
-    or fewer, more than 8 warps or another pipeline shape keep the 8-row kernels. (With the staged
-    gate+up off: it comes first, test_staged_gate_up_from_eight_rows.)"""
+def test_tensor_core_blocks_below_eight_rows():
+    """Up to 7 rows a tensor-core block takes up to min(8, T) rows of an expert, stages their
+    activation itself and runs 8 warps of gate+up and 7 of down, each with a ring of two
+    two-block stages (the 2x2 kernels). deep-k3.1-pro's expert shape: gate+up over 3584
+    columns, down over 3072; a staged row is 2 x 2,256 words (2,240 and a pad of 16), a stage
+    32 x 64 bytes of weights and 32 x 8 of scales."""
     nv = _backend([])
-    nv.tc_rows, nv.tc_staged_shape = 16, None
-    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)  # deep-k3.1-pro's shape; 64 pairs over 6 experts: ~11 rows each
-    names = [n for n, *_ in launches]
-    assert names == ["srt_nvfp4_gateup_r16", "srt_nvfp4_down_r16", "srt_moe_combine"], names
-    (_, gu_grid, gu_block, gu_smem, gu_ints), (_, dn_grid, dn_block, dn_smem, dn_ints), _ = launches
-    # words of a staged 1792-column phase: 56 chunks x 20, a multiple of 32 so 16 more
-    words_gu, words_dn = 56 * 20 + 16, 48 * 20 + 16  # 1792 and 1536 columns: two phases each
-    assert gu_grid == (3072 // (16 * 8), 64) and gu_block == (256,) and dn_grid == (-(-3584 // (32 * 7)), 64)
-    assert gu_smem == 16 * 8 * words_gu + 8 * 2 * 2 * (32 * 64 + 32 * 8)
-    assert dn_smem == 16 * 8 * words_dn + 7 * 2 * 2 * (32 * 64 + 32 * 8)
-    assert gu_smem + 34 * 16 * 4 <= 227 * 1024 and dn_smem + 34 * 16 * 4 <= 227 * 1024
-    assert gu_ints[-2:] == [16, 14] and dn_ints[-4:] == [3072 // (16 * 8), 16, 16, 12]  # caps, column blocks a phase
-    for T, kernel in ((4, "tc2x2"), (8, "tc2x1")):  # a block of 8 rows holds every row of one expert already
-        assert [n for n, *_ in _ffn_launches(nv, T, 4, 6, 3584, 3072)][:2] == [f"srt_nvfp4_gateup_{kernel}",
-                                                                               f"srt_nvfp4_down_{kernel}"]
-    nv.tc_phase_blocks = 4
-    *_, gu_ints = _ffn_launches(nv, 12, 2, 3, 640, 896)[0]
-    assert gu_ints[-2:] == [12, 4]  # forced: 4 column blocks a phase, cap min(16, T)
-    nv.tc_phase_blocks = 3
-    with pytest.raises(ValueError, match="multiple of 2"):
-        _ffn_launches(nv, 12, 2, 3, 640, 896)
-    nv.tc_phase_blocks = 28  # deep's 3584 columns in one phase: 16 x 2 x 9,024 B of rows alone, over 227 KB
-    with pytest.raises(ValueError, match="tc_phase_blocks 28: 16 rows of 28 column blocks need .* over the block's 232448"):
-        _ffn_launches(nv, 16, 4, 6, 3584, 3072)
-    nv.tc_phase_blocks = None
-    for shape in ((16, 7, 2, 2), (8, 7, 3, 2)):
-        nv.tc_shape = shape
-        assert "r16" not in _ffn_launches(nv, 16, 4, 6, 3584, 3072)[0][0], shape
-    nv.tc_shape = nvm.TC_SHAPE
-    nv.tc_rows = 8
-    assert _ffn_launches(nv, 16, 4, 6, 3584, 3072)[0][0] == "srt_nvfp4_gateup_tc2x1"
-
-
-def test_blocks_of_eight_rows_take_sixteen_warps():
-    """A tensor-core block that takes up to 8 rows of an expert (min(8, T)) runs 16 warps of
-    gate+up and 14 of down, each with a ring of two one-block stages (the 2x1 kernels): the
-    rows' staged activation leaves room for one block an SM, so the block holds twice the warps;
-    up to 7 rows keep 8 and 7 warps with two-block stages (2x2). deep-k3.1-pro's expert shape:
-    gate+up over 3584 columns, down over 3072; a staged row is 2 x 2,256 words (2,240 and a pad
-    of 16), a stage 32 x 64 bytes of weights and 32 x 8 of scales. (With the staged gate+up off:
-    test_staged_gate_up_from_eight_rows.)"""
-    nv = _backend([])
-    nv.tc_staged_shape = None
-    stage = 32 * 64 + 32 * 8
-    for T, warps, ring, kernel in ((1, (8, 7), 2 * 2 * stage, "tc2x2"), (7, (8, 7), 2 * 2 * stage, "tc2x2"),
-                                   (8, (16, 14), 2 * 1 * stage, "tc2x1"), (16, (16, 14), 2 * 1 * stage, "tc2x1")):
+    ring = 2 * 2 * (32 * 64 + 32 * 8)
+    for T in (1, 4, 7):
         cap = min(8, T)
         (gu, gu_grid, gu_block, gu_smem, gu_ints), (dn, dn_grid, dn_block, dn_smem, dn_ints), _ = \
             _ffn_launches(nv, T, 4, 6, 3584, 3072)
-        assert (gu, dn) == (f"srt_nvfp4_gateup_{kernel}", f"srt_nvfp4_down_{kernel}")
-        assert gu_block == (warps[0] * 32,) and dn_block == (warps[1] * 32,)
-        assert gu_grid[0] == -(-3072 // (16 * warps[0])) and dn_grid[0] == -(-3584 // (32 * warps[1]))
-        assert gu_smem == cap * 8 * 2256 + warps[0] * ring
-        assert dn_smem == cap * 8 * (96 * 20 + 16) + warps[1] * ring
+        assert (gu, dn) == ("srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2")
+        assert gu_block == (8 * 32,) and dn_block == (7 * 32,)
+        assert gu_grid == (-(-3072 // (16 * 8)), T * 4) and dn_grid == (-(-3584 // (32 * 7)), T * 4)
+        assert gu_smem == cap * 8 * 2256 + 8 * ring
+        assert dn_smem == cap * 8 * (96 * 20 + 16) + 7 * ring
         assert gu_smem + 32 * 8 * 4 <= 227 * 1024 and dn_smem + 32 * 8 * 4 <= 227 * 1024
         assert gu_ints[-1] == cap  # the most rows of one expert a block takes
         assert dn_ints[-3:] == [gu_grid[0], cap, cap]  # a down block waits for its group's gate+up blocks
-    nv.tc_shape_batch = (16, 14, 3, 1)  # no kernels for three one-block stages: said, naming the setting
-    with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
-        _ffn_launches(nv, 8, 4, 6, 3584, 3072)
-    assert _ffn_launches(nv, 7, 4, 6, 3584, 3072)[0][0] == "srt_nvfp4_gateup_tc2x2"  # 7 rows: not the batch shape
 
 
 def test_staged_rows_from_eight_rows():
-    """From 8 rows on (the default tc_staged_shape (12, 4, 2, 1)): z's rows staged once per call
+    """From 8 rows on (TC_STAGED_SHAPE (12, 4, 2, 1)): z's rows staged once per call
     (srt_moe_stage_rows: a block a row and one for the zero row T), gate+up over them in blocks of
     12 warps of 16 rows with a ring of two one-block stages and nothing else in shared memory,
     groups of up to 16 pairs; then h's rows (all P) staged the same way and down over them in
-    blocks of 4 warps of 32 rows, gate+up's groups. With down warps 0, down keeps tc_shape_batch's
-    blocks of up to 8 pairs that wait on the gate+up group of 16 holding them. Up to 7 rows: no
-    staging. A bad shape is said, naming the setting."""
+    blocks of 4 warps of 32 rows, gate+up's groups. Up to 7 rows: no staging."""
     nv = _backend([])
     stage = 32 * 64 + 32 * 8
     for T in (8, 16):
@@ -274,24 +239,10 @@ def test_staged_rows_from_eight_rows():
         assert gu_ints[:3] == [T, 3072, 3584] and gu_ints[-1] == 16  # the zero row, I, Dl ... the group cap
         assert dn_grid == (3584 // (32 * 4), P) and dn_block == (4 * 32,) and dn_smem == 4 * 2 * stage
         assert dn_ints == [P, 3584, 3072, 16]  # the zero row of h, Dl, I, the group cap
-    nv.tc_staged_shape = (12, 0, 4, 1)
-    launches = _ffn_launches(nv, 16, 4, 6, 3584, 3072)
-    assert [n for n, *_ in launches] == ["srt_moe_stage_rows", "srt_nvfp4_gateup_st4x1", "srt_nvfp4_down_tc2x1",
-                                         "srt_moe_combine"]
-    (_, dn_grid, dn_block, dn_smem, dn_ints) = launches[2]
-    assert dn_grid == (-(-3584 // (32 * 14)), 64) and dn_block == (14 * 32,)
-    assert dn_smem == 8 * 8 * (96 * 20 + 16) + 14 * 2 * stage
-    assert dn_ints[-3:] == [3072 // (16 * 12), 8, 16]  # gate+up blocks a group, down's cap, gate+up's cap
-    assert [n for n, *_ in _ffn_launches(nv, 7, 4, 6, 3584, 3072)][:2] == ["srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2"]
-    nv.tc_shape_batch = (16, 14, 3, 1)  # the 8-row down blocks' shape, checked as the unstaged path checks it
-    with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
-        _ffn_launches(nv, 8, 4, 6, 3584, 3072)
-    nv.tc_shape_batch = nvm.TC_SHAPE_BATCH
-    for bad in ((13, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1)):
-        nv.tc_staged_shape = bad
-        with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "
-                                             r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\)"):
-            _ffn_launches(nv, 8, 4, 6, 3584, 3072)
+    assert [n for n, *_ in _ffn_launches(nv, 7, 4, 6, 3584, 3072)][:2] == [
+        "srt_nvfp4_gateup_tc2x2",
+        "srt_nvfp4_down_tc2x2",
+    ]
 
 
 def _table_launches(nv, T, k, E, dl, i):
@@ -399,16 +350,20 @@ def test_gemv_tensor_core_launch_shape():
     assert smem == 4 * 2 * (32 * 128 * 2 + 8 * 128 * 4) + 3 * 8 * 32 * 4
     launches.clear()
     nv.linear(torch.empty(1, 12288, dtype=torch.bfloat16), w)
-    assert launches[0][0] == "srt_gemv_tc_xbf16_s2" and launches[0][3] == 4 * 2 * (32 * 128 * 2 + 128 * 2) + 3 * 8 * 32 * 4
+    assert (
+        launches[0][0] == "srt_gemv_tc_xbf16_s2" and launches[0][3] == 4 * 2 * (32 * 128 * 2 + 128 * 2) + 3 * 8 * 32 * 4
+    )
 
 
 def test_gemv_launches_are_built_once_per_matrices_and_x_shape():
     """A call of matrices seen before, at an x shape seen before, reuses the launches the first
     call checked and built: the same kernels, grids, K splits and weight rows, with this call's
-    x, outputs and addends filled in; another T, other matrices or forced variants build anew."""
+    x, outputs and addends filled in; another T or other matrices build anew."""
     launches = []
     nv = _gemv_backend(launches)
-    ws = [torch.empty(n, 512, dtype=torch.bfloat16) for n in (24, 700, 64, 300, 32, 96, 128, 40, 256)]  # 9: two launches
+    ws = [
+        torch.empty(n, 512, dtype=torch.bfloat16) for n in (24, 700, 64, 300, 32, 96, 128, 40, 256)
+    ]  # 9: two launches
     built = []
     real = nv._gemv_tc_launch
     nv._gemv_tc_launch = lambda *a, **kw: built.append(a[0]) or real(*a, **kw)
@@ -429,7 +384,9 @@ def test_gemv_launches_are_built_once_per_matrices_and_x_shape():
         assert not built, "the second call rebuilt its launches"
         assert len(again) == len(first)
         for (n1, g1, b1, s1, i1, m1), (n2, g2, b2, s2, i2, m2) in zip(first, again):
-            assert (n1, g1, b1, s1, i1) == (n2, g2, b2, s2, i2) and m1[-1] == m2[-1]  # kernel, grid, T/N/K/split, blocks
+            assert (n1, g1, b1, s1, i1) == (n2, g2, b2, s2, i2) and m1[-1] == m2[
+                -1
+            ]  # kernel, grid, T/N/K/split, blocks
             for a, b in zip(m1[:-1], m2[:-1]):
                 assert a[0] == b[0] and a[4:] == b[4:]  # weight address, rows, first row block
         # this call's outputs and addends, each once, in the tables
@@ -441,11 +398,6 @@ def test_gemv_launches_are_built_once_per_matrices_and_x_shape():
     built.clear()
     call(5, ws[:4])  # another T
     assert built
-    nv.gemv_plan = {("bf16", 4): "tc3"}
-    built.clear()
-    call(3, ws)
-    call(3, ws)
-    assert len(built) == 4  # forced variants: built every call
 
 
 def test_gemv_k_split_depends_on_the_matrix_not_on_t():
@@ -453,7 +405,14 @@ def test_gemv_k_split_depends_on_the_matrix_not_on_t():
     invariance), also for a longer batch (its 8-row groups are blocks of one launch)."""
     launches = []
     nv = _gemv_backend(launches)
-    for N, K, ks in ((2048, 4096, 8), (7168, 12288, 4), (12288, 7168, 2), (163840, 7168, 1), (4096, 256, 2), (64, 8, 1)):
+    for N, K, ks in (
+        (2048, 4096, 8),
+        (7168, 12288, 4),
+        (12288, 7168, 2),
+        (163840, 7168, 1),
+        (4096, 256, 2),
+        (64, 8, 1),
+    ):
         w = torch.empty(N, K, dtype=torch.bfloat16)
         for T in (1, 3, 8, 11):
             launches.clear()
@@ -463,22 +422,18 @@ def test_gemv_k_split_depends_on_the_matrix_not_on_t():
             assert grid == (-(-N // 32) * -(-T // 8),)  # a block per 32 rows of w and 8 rows of x
 
 
-def test_gemv_stages_and_split_fit_shared_memory():
-    """Fewer stages where the rings would not fit (same bits); a K split capped by what fits two
-    stages of 8 fp32 x rows, whatever this call's T (the cap must not change a row's bits)."""
+def test_gemv_split_fits_shared_memory():
+    """A K split capped by what fits two stages of 8 fp32 x rows, whatever this call's T (the
+    cap must not change a row's bits)."""
     launches = []
     nv = _gemv_backend(launches, smem_optin=80 * 1024)
-    nv.gemv_plan = nvm.gemv_plan("bf16:8=tc4,bf16:1=tc4")
     w = torch.empty(203, 1536, dtype=torch.bfloat16)
     for T in (8, 1):
         nv.linear(torch.randn(T, 1536), w)  # K split 8 wanted; 3 fit
     (n8, _, b8, s8, i8, _), (n1, _, b1, s1, i1, _) = launches
     assert i8[-1] == i1[-1] == 3 and b8 == b1 == (96,)
-    assert n8 == "srt_gemv_tc_xf32_s2" and s8 <= 80 * 1024  # 4 and 3 stages would not fit
-    assert n1 == "srt_gemv_tc_xf32_s3" and s1 <= 80 * 1024  # one x row: 3 stages fit
-    launches.clear()
-    nv.linear(torch.randn(8, 1536), torch.empty(12288, 1536, dtype=torch.bfloat16))  # K split 2: 3 stages fit
-    assert launches[0][0] == "srt_gemv_tc_xf32_s3" and launches[0][4][-1] == 2 and launches[0][3] <= 80 * 1024
+    assert n8 == n1 == "srt_gemv_tc_xf32_s2" and s8 <= 80 * 1024 and s1 <= 80 * 1024
+    assert s8 == 3 * 2 * (32 * 128 * 2 + 8 * 128 * 4) + 2 * 8 * 32 * 4
 
 
 def test_gemv_unaligned_k_launches_the_scalar_kernel_per_8_rows():
@@ -496,11 +451,14 @@ def test_gemv_without_bf16_mma_uses_cuda_cores():
     w = torch.empty(300, 2048, dtype=torch.bfloat16)
     nv.linear(torch.randn(8, 2048), w)
     assert launches[0][0] == "srt_gemv_bf16_t8_r4"
-    nv.gemv_plan = nvm.gemv_plan("bf16:8=tc2")
-    with pytest.raises(ValueError, match="needs bf16 mma"):
-        nv.linear(torch.randn(8, 2048), w)
-    with pytest.raises(ValueError, match="variants for"):
-        nvm.gemv_plan("bf16:8=tc9")
+    launches.clear()
+    for T, name in ((2, "srt_gemv_bf16_t2_r2"), (3, "srt_gemv_bf16_t4_r2")):
+        nv.linear(torch.randn(T, 2048), w)
+        assert launches[-1][0] == name and launches[-1][1] == (-(-300 // 8),)  # 4 warps of 2 rows a block
+    nv.linear(torch.randn(1, 2048), w)  # T=1: the fullest last wave, 75 of 132 x 16 slots at one row a warp
+    assert launches[-1][0] == "srt_gemv_bf16_t1_r1"
+    nv.linear(torch.randn(5, 2048), w.float())
+    assert launches[-1][0] == "srt_gemv_f32_t8_r2"
 
 
 def test_linears_share_one_tensor_core_launch_split_by_its_rows():
@@ -524,7 +482,10 @@ def test_linears_share_one_tensor_core_launch_split_by_its_rows():
         assert [m[5] for m in mats[:-1]] == [0, 32, 144, 145, 177] and mats[-1] == 369  # first blocks, then the total
     # few rows: more warps per block; nine matrices: a second launch, split by its own rows
     launches.clear()
-    nv.linears(torch.randn(1, K), [torch.empty(1024, K, dtype=torch.bfloat16)] * 4 + [torch.empty(128, K, dtype=torch.bfloat16)])
+    nv.linears(
+        torch.randn(1, K),
+        [torch.empty(1024, K, dtype=torch.bfloat16)] * 4 + [torch.empty(128, K, dtype=torch.bfloat16)],
+    )
     assert launches[0][4][-1] == 4  # 4 * 32 + 4 = 132 blocks: 4 warps make 528
     launches.clear()
     nv.linears(torch.randn(1, K), [torch.empty(2048, K, dtype=torch.bfloat16)] * 9)
@@ -643,11 +604,19 @@ def test_indexer_scores_pass_the_head_weight_scale():
     nv._k = lambda program, name: (lambda grid, block, args, smem=0, stream=None, pdl=False: calls.append((name, args)))
     B, Hi, Di, n = 2, 4, 16, 33
     w_scale = 64**-0.5 * 128**-0.5
-    nv.indexer_scores(torch.randn(B, Hi, Di), torch.randn(B, Hi), torch.randn(B, n, Di), torch.full((B,), n, dtype=torch.int32), w_scale)
+    nv.indexer_scores(
+        torch.randn(B, Hi, Di),
+        torch.randn(B, Hi),
+        torch.randn(B, n, Di),
+        torch.full((B,), n, dtype=torch.int32),
+        w_scale,
+    )
     assert [name for name, _ in calls] == ["srt_indexer_scores"]
     assert calls[0][1][-1] == struct.pack("<f", w_scale) and struct.unpack("<f", calls[0][1][-1])[0] != w_scale
     w = torch.randn(1000)
-    assert torch.equal(w * w_scale, w * torch.tensor(struct.unpack("<f", calls[0][1][-1])[0]))  # torch's rounding of the scalar
+    assert torch.equal(
+        w * w_scale, w * torch.tensor(struct.unpack("<f", calls[0][1][-1])[0])
+    )  # torch's rounding of the scalar
     nv.indexer_scores(torch.randn(Hi, Di), torch.randn(Hi), torch.randn(n, Di))
     assert struct.unpack("<f", calls[-1][1][-1]) == (1.0,)
 
@@ -658,9 +627,21 @@ DECODE_OPS = ("linear", "linears", "rmsnorm", "gated_rmsnorm", "layernorm", "l2n
               "kda_conv_step", "kda_gates", "kda_step", "cache_append", "attnres_mix", "route", "expert_ffn",
               "mla_absorb", "mla_decode", "mla_expand", "indexer_scores", "select_topk")
 # what a host path may do without a launch of its own: views, allocations, and the few it needs
-NO_LAUNCH = {"aten.empty.memory_format", "aten.view.default", "aten.slice.Tensor", "aten.select.int", "aten.detach.default",
-             "aten.unsqueeze.default", "aten.alias.default", "aten.view.dtype", "aten.expand.default", "aten.t.default",
-             "aten.transpose.int", "aten.as_strided.default", "aten._reshape_alias.default"}
+NO_LAUNCH = {
+    "aten.empty.memory_format",
+    "aten.view.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.detach.default",
+    "aten.unsqueeze.default",
+    "aten.alias.default",
+    "aten.view.dtype",
+    "aten.expand.default",
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.as_strided.default",
+    "aten._reshape_alias.default",
+}
 
 
 def test_a_decode_step_launches_nothing_but_its_kernels(tmp_path):
@@ -717,8 +698,17 @@ def test_a_decode_step_launches_nothing_but_its_kernels(tmp_path):
     kernels.clear()
     with Count():
         run_sync(model.forward_steps(ids[:, 1:2], cache, last_only=True), provider)
-    for k in ("srt_mla_absorb", "srt_mla_partial", "srt_indexer_scores", "srt_kda_step", "srt_attnres_apply", "srt_router_topk",
-              "srt_moe_combine", "srt_rmsnorm", "srt_cache_append"):
+    for k in (
+        "srt_mla_absorb",
+        "srt_mla_partial",
+        "srt_indexer_scores",
+        "srt_kda_step",
+        "srt_attnres_apply",
+        "srt_router_topk",
+        "srt_moe_combine",
+        "srt_rmsnorm",
+        "srt_cache_append",
+    ):
         assert k in kernels, f"{k} not launched: the step did not take the path this test is about"
     assert [o for o in ops if o != "aten.add_.Tensor"] == [], sorted(set(ops))
     assert ops.count("aten.add_.Tensor") <= kernels.count("srt_gemv_scalar")
@@ -784,8 +774,15 @@ def test_launch_passes_a_pointer_to_each_arguments_bytes(monkeypatch, pdl, known
     rng = np.random.default_rng()
     table = rng.integers(0, 2**63, 41, dtype=np.uint64).tobytes()
     t = torch.randn(5)
-    args = [table, ptr(t), i32(int(rng.integers(-2**31, 2**31))), f32(float(rng.standard_normal())), i64(int(rng.integers(0, 2**62))),
-            i32(3), ptr(None)]
+    args = [
+        table,
+        ptr(t),
+        i32(int(rng.integers(-(2**31), 2**31))),
+        f32(float(rng.standard_normal())),
+        i64(int(rng.integers(0, 2**62))),
+        i32(3),
+        ptr(None),
+    ]
     sizes = [len(a) for a in args]
     drv = _Driver()
     k = _kernel(monkeypatch, drv, sizes if known_sizes else None)
@@ -805,6 +802,9 @@ def test_launch_passes_a_pointer_to_each_arguments_bytes(monkeypatch, pdl, known
 def test_a_failed_launch_names_the_kernel_and_its_shape(monkeypatch):
     drv = _Driver(fail=719)
     k = _kernel(monkeypatch, drv, [4])
-    with pytest.raises(nvm.CudaError, match=r"cuLaunchKernelEx\(srt_probe, grid=\(3,\), block=\(32,\), smem=0, programmatic\) "
-                                            r"failed: CUDA_ERROR_LAUNCH_FAILED \(719\)"):
+    with pytest.raises(
+        nvm.CudaError,
+        match=r"cuLaunchKernelEx\(srt_probe, grid=\(3,\), block=\(32,\), smem=0, programmatic\) "
+        r"failed: CUDA_ERROR_LAUNCH_FAILED \(719\)",
+    ):
         k((3,), (32,), [struct.pack("<i", 1)], pdl=True)

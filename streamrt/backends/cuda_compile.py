@@ -47,7 +47,9 @@ def kernel_dir() -> Path:
     for d in (package / "_kernels", package.parent / "kernels"):
         if (d / "common.cuh").is_file():
             return d
-    raise KernelCompileError(f"no kernel sources: neither {package / '_kernels'} nor {package.parent / 'kernels'} holds common.cuh")
+    raise KernelCompileError(
+        f"no kernel sources: neither {package / '_kernels'} nor {package.parent / 'kernels'} holds common.cuh"
+    )
 
 
 def programs(kdir: Path | None = None) -> list[str]:
@@ -126,9 +128,13 @@ def cache_dir() -> Path:
     return Path(root) / "cubin"
 
 
-def _options(arch: str, extra: tuple[str, ...], program: str | None = None, kdir: Path | None = None) -> list[str]:
-    """NVRTC options: arch, the base options, `program`'s -D defines, `extra`, include paths."""
-    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *defines(program), *extra] + [f"-I{d}" for d in include_dirs(kdir)]
+def compile_options(program: str | None, arch: str = "sm_90", extra: tuple[str, ...] = (),
+                    kdir: Path | None = None) -> list[str]:
+    """NVRTC options: arch, the base options, `program`'s -D defines, `extra`, include paths
+    (`kdir` first). profiling/sass_diff.py compiles with these too."""
+    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *defines(program), *extra] + [
+        f"-I{d}" for d in include_dirs(kdir)
+    ]
 
 
 def cache_key(program: str, arch: str, extra_options: tuple[str, ...] = (), kdir: Path | None = None) -> str:
@@ -144,7 +150,11 @@ def cache_key(program: str, arch: str, extra_options: tuple[str, ...] = (), kdir
 
 
 def compile_cubin(
-    program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = (), use_cache: bool = True, kdir: Path | None = None
+    program: str,
+    arch: str = "sm_90",
+    extra_options: tuple[str, ...] = (),
+    use_cache: bool = True,
+    kdir: Path | None = None,
 ) -> bytes:
     """The cubin of `<kdir>/<program>.cu` (default `kernel_dir()`) for `arch` (e.g. "sm_90"),
     from the cache or NVRTC."""
@@ -156,7 +166,7 @@ def compile_cubin(
         data = path.read_bytes()
         if data[:4] == b"\x7fELF":
             return data
-    data = nvrtc_compile(_source(program, kdir), f"{program}.cu", _options(arch, extra_options, program, kdir))
+    data = nvrtc_compile(_source(program, kdir), f"{program}.cu", compile_options(program, arch, extra_options, kdir))
     if use_cache:
         try:
             atomic_write(path, data)
@@ -196,7 +206,7 @@ def nvrtc_compile(source: str, name: str, options: list[str]) -> bytes:
 def compile_log(program: str, arch: str = "sm_90", extra_options: tuple[str, ...] = ()) -> str:
     """Compile without the cache and return NVRTC's log (e.g. with --ptxas-options=-v)."""
     nvrtc = _nvrtc()
-    opts = [o.encode() for o in _options(arch, extra_options, program)]
+    opts = [o.encode() for o in compile_options(program, arch, extra_options)]
     err, prog = nvrtc.nvrtcCreateProgram(_source(program).encode(), f"{program}.cu".encode(), 0, [], [])
     try:
         nvrtc.nvrtcCompileProgram(prog, len(opts), opts)

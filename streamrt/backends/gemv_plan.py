@@ -1,21 +1,29 @@
-"""The dense GEMV plan: which `kernels/gemv.cu` variant a (weight dtype, T bucket) may run, how
-the tensor-core kernel splits K, and forced variants for tests and benchmarks.
+"""The dense GEMV plan: which `kernels/gemv.cu` entry point a (weight dtype, T bucket) runs and
+how the tensor-core kernel splits K.
 
-Every variant of one family gives the same bits for a row. bf16 weights: "tc<S>", the
-tensor-core kernel with an S-stage cp.async ring per warp (sm_80+), then "r<R>", the CUDA-core
-kernel with R rows per warp (the fallback before sm_80; at T=1 the one whose grid wastes least
-of its last wave). Two stages always fit; more are cut where they would not. Measurements
-behind the order: `profiling/RESULTS.md` (bench_kernels.py --variants).
+Every entry point of one family gives the same bits for a row. bf16 weights run the
+tensor-core kernel (sm_80+) with a two-stage cp.async ring per warp (two stages always fit a
+block's shared memory); fp32 weights, and bf16 before sm_80, the CUDA-core kernel with R rows per
+warp (at T=1 the R whose grid wastes least of its last wave). Measurements behind the choice:
+`profiling/RESULTS.md` (bench_kernels.py).
 """
 
 from __future__ import annotations
 
-# GEMV variants per (weight dtype, T bucket), best first
-GEMV_TC_FAMILY = ("tc2", "tc3", "tc4")
-GEMV_VARIANTS = {("bf16", 1): GEMV_TC_FAMILY + ("r2", "r1", "r4"), ("bf16", 2): GEMV_TC_FAMILY + ("r2", "r4"),
-                 ("bf16", 4): GEMV_TC_FAMILY + ("r2", "r4"), ("bf16", 8): GEMV_TC_FAMILY + ("r4", "r2"),
-                 ("f32", 1): ("r2",), ("f32", 2): ("r2",), ("f32", 4): ("r2",), ("f32", 8): ("r2",)}
-
+# the tensor-core GEMV by x dtype (bf16 x?)
+GEMV_TC_KERNELS = {0: "srt_gemv_tc_xf32_s2", 1: "srt_gemv_tc_xbf16_s2"}
+# the CUDA-core GEMV per (weight dtype, T bucket): (entry point, rows per warp), best first; at T=1
+# the candidates are compared by how full their grid's last wave is
+GEMV_CUDA_CORE_KERNELS = {
+    ("bf16", 1): (("srt_gemv_bf16_t1_r2", 2), ("srt_gemv_bf16_t1_r1", 1), ("srt_gemv_bf16_t1_r4", 4)),
+    ("bf16", 2): (("srt_gemv_bf16_t2_r2", 2),),
+    ("bf16", 4): (("srt_gemv_bf16_t4_r2", 2),),
+    ("bf16", 8): (("srt_gemv_bf16_t8_r4", 4),),
+    ("f32", 1): (("srt_gemv_f32_t1_r2", 2),),
+    ("f32", 2): (("srt_gemv_f32_t2_r2", 2),),
+    ("f32", 4): (("srt_gemv_f32_t4_r2", 2),),
+    ("f32", 8): (("srt_gemv_f32_t8_r2", 2),),
+}
 
 GEMV_TC_WARPS_WANTED = 512  # warps a tensor-core GEMV launch wants in flight (fewer: HBM idles)
 
@@ -24,29 +32,11 @@ def gemv_tc_split(row_blocks: int) -> int:
     """Warps sharing a 32-row block of the tensor-core GEMV, each a slice of K, for a launch of
     `row_blocks` such blocks (all its matrices'): the fewest, as a power of two up to 8, that
     put GEMV_TC_WARPS_WANTED warps in flight, so a launch of few rows still streams at HBM rate
-    and one of many keeps its blocks' K slices long. The deep-k3.1-pro decode groups on the
-    H200 (profiling/RESULTS.md §17): the MoE layer's four matrices of x (495 blocks) 28.8 us at
-    splits 8 and 4 against 18.6 at 2; KDA's six (133 blocks) 11.0 at 8 against 8.6 at 4. The
+    and one of many keeps its blocks' K slices long (the deep-k3.1-pro decode groups: the MoE
+    layer's four matrices of x, 495 blocks, run fastest at 2; KDA's six, 133 blocks, at 4). The
     split sets the order of a row's sum: it depends on the launch's matrices (fixed by the
     caller) and never on T."""
     ks = 1
     while ks < 8 and row_blocks * ks < GEMV_TC_WARPS_WANTED:
         ks *= 2
     return ks
-
-
-def gemv_plan(spec: str) -> dict[tuple[str, int], str]:
-    """Forced GEMV variants from "bf16:8=tc3,f32:1=r2" (benchmarks, tests; set as a backend's
-    `gemv_plan`); empty = automatic."""
-    plan = {}
-    for item in filter(None, (p.strip() for p in spec.split(","))):
-        try:
-            key, variant = item.split("=")
-            dt, nt = key.split(":")
-            k = (dt, int(nt))
-        except ValueError:
-            raise ValueError(f"gemv_plan: cannot parse {item!r} (want e.g. bf16:8=tc3)") from None
-        if variant not in GEMV_VARIANTS.get(k, ()):
-            raise ValueError(f"gemv_plan: {item!r}: variants for {k} are {GEMV_VARIANTS.get(k, ())}")
-        plan[k] = variant
-    return plan

@@ -16,7 +16,6 @@ EXPERT_COLS = 9  # u64 columns per expert of a device pointer table (ExpertPoint
 TC_WBYTES = 32 * 64  # tensor-core NVFP4 kernels: one 128-column block of 32 rows, weights ...
 TC_SBYTES = 32 * 8  # ... and its E4M3 scales
 TC_TOKENS = 8  # the most (row, expert) pairs of one expert one tensor-core block takes
-TC_ROWS16 = 16  # ... and one of the 16-row blocks (activation staged in phases of column blocks)
 TC_XSTRIDE = 20  # u32 words of one staged 32-element activation chunk (16 fp16 pairs + 4 of padding)
 TC_STAGED_THREADS = 384  # the most threads of a gate+up block reading staged rows (its registers: 65536 / it)
 TC_STAGED_DOWN_THREADS = 256  # ... and of a down block reading them (four row slots a warp: more registers)
@@ -42,19 +41,21 @@ GEMV_TC_PREFETCH = 4  # stages of W per warp pulled into L2 before the programma
 TOPK_THREADS = 1024  # threads per block (one row) of srt_select_topk
 ROUTER_THREADS = 256  # threads per block (one token) of srt_router_topk
 
+# program -> the constants it is compiled with, each passed as -D<NAME>=<value> under the
+# name it has here (one name across Python and CUDA)
+PROGRAM_CONSTANTS: dict[str, tuple[str, ...]] = {
+    "attention": ("MLA_CHUNK", "MLA_HG", "MLA_THREADS", "IDX_WARPS", "IDX_PPW"),
+    "gemv": ("GEMV_WARPS", "GEMV_TC_COLS", "GEMV_TC_ROWS", "GEMV_TC_MATS", "GEMV_TC_PREFETCH"),
+    "kda": ("KDA_MAXK", "KDA_WARPS"),
+    "norms": ("ATTNRES_MAXS", "ATTNRES_SLICE"),
+    "nvfp4_moe": ("MOE_MAXP", "MOE_MAXP_DT", "MOE_WARPS", "EXPERT_COLS", "TC_WBYTES", "TC_SBYTES", "TC_TOKENS",
+                  "TC_XSTRIDE", "TC_STAGED_THREADS", "TC_STAGED_DOWN_THREADS"),
+    "topk": ("TOPK_THREADS", "ROUTER_THREADS"),
+}
+
 # program -> macro -> value
 DEFINES: dict[str, dict[str, int]] = {
-    "attention": {"MLA_CHUNK": MLA_CHUNK, "MLA_HG": MLA_HG, "MLA_THREADS": MLA_THREADS,
-                  "IDX_WARPS": IDX_WARPS, "IDX_PPW": IDX_PPW},
-    "gemv": {"GEMV_WARPS": GEMV_WARPS, "GTC_COLS": GEMV_TC_COLS, "GTC_ROWS": GEMV_TC_ROWS, "GTC_MATS": GEMV_TC_MATS,
-             "GTC_PREFETCH": GEMV_TC_PREFETCH},
-    "kda": {"SRT_KDA_MAXK": KDA_MAXK, "KDA_WARPS": KDA_WARPS},
-    "norms": {"SRT_ATTNRES_MAXS": ATTNRES_MAXS, "ATTNRES_SLICE": ATTNRES_SLICE},
-    "nvfp4_moe": {"SRT_MOE_MAXP": MOE_MAXP, "SRT_MOE_MAXP_DT": MOE_MAXP_DT, "MOE_WARPS": MOE_WARPS, "SRT_EXPERT_COLS": EXPERT_COLS, "TC_WBYTES": TC_WBYTES, "TC_SBYTES": TC_SBYTES,
-                  "TC_TOKENS": TC_TOKENS, "TC_ROWS16": TC_ROWS16, "MMA_XSTRIDE": TC_XSTRIDE,
-                  "TC_STAGED_THREADS": TC_STAGED_THREADS,
-                  "TC_STAGED_DOWN_THREADS": TC_STAGED_DOWN_THREADS},
-    "topk": {"TOPK_THREADS": TOPK_THREADS, "ROUTER_THREADS": ROUTER_THREADS},
+    program: {name: globals()[name] for name in names} for program, names in PROGRAM_CONSTANTS.items()
 }
 
 

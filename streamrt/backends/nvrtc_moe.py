@@ -1,35 +1,39 @@
 """The nvrtc backend's MoE ops: the router and the routed NVFP4 expert FFN.
 
-`MoeOps` is a base of `NvrtcBackend` (it uses the backend's `device`, `_k`, `_empty`, `linear`
-and the expert-FFN settings `nvfp4_impl`, `tc_shape`, `tc_shape_batch`, `tc_staged_shape`, `tc_rows`,
-`tc_phase_blocks`, `pdl`, `pair_ready`, `grouped_prefill` the backend sets; `prefill_rows` is its
-own). Decode runs the NVFP4 kernels over (row, expert) pairs, a tensor-core block taking up to
-`TC_TOKENS` pairs of one expert (one weight read for them; each row's bits its own:
-batch-invariant); from `TC_BATCH_ROWS` rows on, up to `TC_ROWS16` from rows staged once per call
-(`tc_staged_shape`), or with `tc_rows = 16` staged by each block in phases; the prefill view
-(`for_prefill`) runs grouped GEMMs per expert (`nvfp4_gemm.py`).
-Per launch up to `MOE_MAXP` (row, expert) pairs, their pointers in by-value tables, or in a
-CUDA graph up to `MOE_MAXP_DT` in tables built on the GPU (`expert_pointers.py`); the kernels:
-`kernels/nvfp4_moe.cu`. Measurements behind `TC_SHAPE`: `profiling/RESULTS.md`
-(bench_kernels.py --variants).
+Decode runs the NVFP4 kernels (`kernels/nvfp4_moe.cu`) over (row, expert) pairs. Below
+`TC_STAGED_MIN_ROWS` rows a tensor-core block takes up to `TC_TOKENS` pairs of one expert and
+stages their activation itself (one weight read for them; each row's bits its own:
+batch-invariant); from there on gate+up reads rows staged once per call and a block takes up to
+`TC_STAGED_ROWS` pairs. Shapes the tensor-core kernels do not take (a width not a multiple of
+128, unaligned scale rows) run the CUDA-core kernels, one pair a block; the same bits. The
+prefill view (`for_prefill`) runs grouped GEMMs per expert (`nvfp4_gemm.py`).
+Per launch up to `MOE_MAXP` pairs, their pointers in by-value tables, or in a CUDA graph up to
+`MOE_MAXP_DT` in tables built on the GPU (`expert_pointers.py`). Measurements behind the block
+shapes: `profiling/RESULTS.md` (bench_kernels.py).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 from torch import Tensor
 
 from streamrt.backends.cuda_driver import SMEM_DEFAULT
-from streamrt.backends.expert_pointers import down_table_bytes, gate_up_table_bytes, scales_aligned8, tables
+from streamrt.backends.expert_pointers import (
+    ExpertPointerCache,
+    down_table_bytes,
+    gate_up_table_bytes,
+    scales_aligned8,
+    tables,
+)
 from streamrt.backends.kernel_defines import (
     MOE_MAXP,
     MOE_MAXP_DT,
     MOE_WARPS,
     ROUTER_THREADS,
-    TC_ROWS16,
     TC_SBYTES,
     TC_STAGED_DOWN_THREADS,
     TC_STAGED_THREADS,
@@ -37,43 +41,89 @@ from streamrt.backends.kernel_defines import (
     TC_WBYTES,
     TC_XSTRIDE,
 )
+from streamrt.backends.kernel_host import KernelHost
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts, as_routed
 from streamrt.ops import route, sigmoid
 
-# Tensor-core NVFP4 kernels: warps per block (gate+up, down), cp.async stages per warp, 128-column
-# blocks per stage; entry points exist for TC_PIPES. Every shape gives the same bits. Seven down
-# warps make 16 x 16 = 256 blocks at the slice layer (16 experts, T=1), which fit the 264
+# The 8-row tensor-core blocks (srt_nvfp4_{gateup,down}_tc2x2): warps per block (gate+up, down),
+# cp.async stages per warp, 128-column blocks per stage. Every shape gives the same bits. Seven
+# down warps make 16 x 16 = 256 blocks at the slice layer (16 experts, T=1), which fit the 264
 # two-per-SM slots of an H200 in one wave.
 TC_SHAPE = (8, 7, 2, 2)
-# Once a block takes TC_BATCH_ROWS rows of an expert, their staged activation leaves shared
-# memory for one block an SM: 16 warps sharing it (a one-stage ring each) keep four warps a
-# scheduler to hide the decode's latencies, where 8 keep two. H200, deep-k3.1-pro's expert
-# shape, 16 of 24 experts a row (RESULTS.md §23): at T=16 0.86-0.89x the time of TC_SHAPE, and
-# B=16 decode 0.92x; at T=4 1.03x, at T=1 1.45x (TC_SHAPE's two blocks an SM keep more bytes in
-# flight).
-TC_SHAPE_BATCH = (16, 14, 2, 1)
-TC_BATCH_ROWS = 8
-# From TC_BATCH_ROWS rows on, gate+up reads its activation from rows staged once per call
-# (srt_moe_stage_rows) instead of a copy in each block: a block takes up to TC_ROWS16 rows of an
-# expert (one decode of its weights for them), its shared memory holds only the weight rings.
-# (gate+up warps, down warps, stages, blocks per stage). Down warps 0: the down kernel keeps
-# TC_SHAPE_BATCH's blocks of 8 that stage their own rows of h; else h's rows are staged too, once
-# the gate+up grid is done, and down blocks take gate+up's groups. H200, deep-k3.1-pro's expert
-# shape, T=16 x 16 of 24 experts (RESULTS.md §24): 0.72-0.75x the time of TC_SHAPE_BATCH's
-# blocks; 8 gate+up warps take 1.15x the time of 12, 4 or 8 down warps the same; B=16 decode 0.81x.
+# From TC_STAGED_MIN_ROWS rows on, gate+up reads its activation from rows staged once per call
+# (srt_moe_stage_rows) instead of a copy in each block, and down reads h's rows staged after the
+# gate+up grid: a block takes up to TC_STAGED_ROWS rows of an expert (one decode of its weights
+# for them), its shared memory holds only the weight rings (srt_nvfp4_{gateup,down}_st2x1).
+# (gate+up warps, down warps, stages, blocks per stage); at T=16 x 16 of 24 experts of
+# deep-k3.1-pro's shape it takes about three quarters of the time of 8-row blocks.
 TC_STAGED_SHAPE = (12, 4, 2, 1)
-TC_STAGED_PIPES = ((2, 1), (4, 1), (6, 1))
-TC_PIPES = ((2, 2), (3, 2), (4, 1), (2, 1))
+TC_STAGED_MIN_ROWS = 8
+TC_STAGED_ROWS = 16  # a multiple of TC_TOKENS, at most 16 (four sets of 4 rows per decoded weight fragment)
 TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
-# "tc": tensor cores where the shape allows (in % 128 == 0), else CUDA cores; "cuda_core": always
-NVFP4_IMPLS = ("tc", "cuda_core")
+assert TC_STAGED_SHAPE[0] * 32 <= TC_STAGED_THREADS and TC_STAGED_SHAPE[1] * 32 <= TC_STAGED_DOWN_THREADS
 
 
-TC16_PIPE = (2, 2)  # the 16-row blocks' one pipeline shape (stages, blocks per stage)
-TC16_MAX_WARPS = 8  # their accumulators take more than 128 registers a thread: 256 threads a block
-TC16_STATIC_SMEM = (32 + 2) * TC_ROWS16 * 4  # their static shared memory: the row max reduction, scales
+@dataclass(frozen=True)
+class MoeEntries:
+    """The expert-FFN entry points for one kind of pointer table (kernels/nvfp4_moe.cu)."""
+
+    gateup: str  # CUDA-core
+    down: str
+    gateup_tc: str  # 8-row tensor-core blocks
+    down_tc: str
+    gateup_staged: str  # from staged rows
+    down_staged: str
+
+
+HOST_TABLES = MoeEntries("srt_nvfp4_gateup", "srt_nvfp4_down", "srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2",
+                         "srt_nvfp4_gateup_st2x1", "srt_nvfp4_down_st2x1")
+DEVICE_TABLES = MoeEntries("srt_nvfp4_gateup_dt", "srt_nvfp4_down_dt", "srt_nvfp4_gateup_tc2x2_dt",
+                           "srt_nvfp4_down_tc2x2_dt", "srt_nvfp4_gateup_st2x1_dt", "srt_nvfp4_down_st2x1_dt")
+
+
+@dataclass(frozen=True)
+class FfnCall:
+    """One expert_ffn call, as its launches share it: z [T, Dl], h [P, I], y [P, Dl]; `act` the
+    SiTU constants; `ready` the per-pair gate+up counts (None: the down blocks wait for the
+    whole gate+up grid); `staged` `_staged_rows(z)` or None; `tc` whether the tensor-core
+    kernels take it; `entries` the kernels of its kind of table."""
+
+    z: Tensor
+    h: Tensor
+    y: Tensor
+    act: list[bytes]
+    ready: Tensor | None
+    staged: tuple[Tensor, Tensor] | None
+    tc: bool
+    entries: MoeEntries
+
+    @property
+    def T(self) -> int:
+        return self.z.shape[0]
+
+    @property
+    def I(self) -> int:  # noqa: E743
+        return self.h.shape[1]
+
+    @property
+    def Dl(self) -> int:
+        return self.z.shape[1]
+
+
+@dataclass(frozen=True)
+class PairTables:
+    """Up to MOE_MAXP (host) or MOE_MAXP_DT (device) pairs of a call: their gate+up and down
+    tables (struct bytes, or a device table's address); `groups`: srt_moe_tables' list of
+    groups and the most it can hold (device tables with staged rows), else None;
+    `pdl_gateup`: whether gate+up may launch programmatically."""
+
+    gate_up: bytes
+    down: bytes
+    pairs: int
+    pdl_gateup: bool
+    groups: tuple[Tensor, int] | None = None
 
 
 def most_groups(pairs: int, experts: int, cap: int) -> int:
@@ -93,51 +143,33 @@ def tc_smem(in_features: int, warps: int, stages: int, blocks: int, rows: int = 
     return rows * 8 * words + warps * stages * blocks * TC_STAGE_SMEM
 
 
-def tc16_phase_blocks(in_features: int, warps: int, rows: int, smem_limit: int, forced: int | None = None) -> int | None:
-    """Column blocks per phase of a 16-row block over `in_features` columns: the fewest phases
-    whose staged rows and ring fit `smem_limit` (a phase other than the last a whole number of
-    stages), or `forced` (ValueError if it does not fit); None if not even one stage's columns fit."""
-    nkb = in_features // 128
-    _, kbs = TC16_PIPE
-    smem = lambda kbp: tc_smem(kbp * 128, warps, *TC16_PIPE, rows) + TC16_STATIC_SMEM  # noqa: E731
-    fits = lambda kbp: smem(kbp) <= smem_limit  # noqa: E731
-    if forced is not None:
-        if forced < kbs or forced % kbs:
-            raise ValueError(f"tc_phase_blocks {forced}: a positive multiple of {kbs} column blocks")
-        if not fits(min(forced, nkb)):  # said, not a quiet fall back to the 8-row blocks
-            raise ValueError(f"tc_phase_blocks {forced}: {rows} rows of {min(forced, nkb)} column blocks need "
-                             f"{smem(min(forced, nkb))} B of shared memory, over the block's {smem_limit}")
-        return min(forced, nkb)
-    for phases in range(1, nkb + 1):
-        per = -(-nkb // phases)  # ceil(nkb / phases)
-        kbp = nkb if phases == 1 else -(-per // kbs) * kbs  # whole stages
-        if fits(kbp):
-            return kbp
-    return None
-
-
 def router_smem_bytes(experts: int) -> int:
     """Dynamic shared memory of srt_router_topk (kernels/topk.cu): per expert its score, key and
     candidate slot, per chunk of 32 its maximum key."""
     return experts * 12 + (experts + 31) // 32 * 4
 
 
-class MoeOps:
-    """The router and expert FFN of `NvrtcBackend` (see the module doc)."""
+class MoeOps(KernelHost):
+    """The router and expert FFN of the nvrtc backend (see the module doc); its state is set by
+    `_init_moe`, the rest comes from `KernelHost`."""
 
-    prefill_rows = PREFILL_ROWS[0]  # the grouped prefill GEMMs' row mode: "fp16" or "split" (nvfp4_gemm.py)
-    # A prefill chunk takes the grouped GEMMs only with at least this many (row, expert) pairs per
-    # routed expert: each expert costs a weight expansion and about six launches there, against a
-    # per-pair weight read on the decode kernels. One deep-k3.1-pro layer on the H200
-    # (bench_prefill_experts.py, 2026-12-02): 32 pairs per expert 8.6 ms grouped against 4.3 ms
-    # per-pair, 85 pairs 8.7 against 10.8.
-    grouped_min_pairs = 64
-    _ready_outgrown: list  # earlier, smaller `ready` sets (the backend sets it)
+    def _init_moe(self) -> None:
+        self.grouped_prefill = False  # True on the prefill view (for_prefill): expert FFN as grouped GEMMs
+        self.prefill_rows = PREFILL_ROWS[0]  # the grouped prefill GEMMs' row mode: "fp16" or "split" (nvfp4_gemm.py)
+        # A prefill chunk takes the grouped GEMMs only with at least this many (row, expert) pairs
+        # per routed expert: each expert costs a weight expansion and about six launches there,
+        # against a per-pair weight read on the decode kernels (bench_prefill_experts.py: one
+        # deep-k3.1-pro layer is faster per-pair at 32 pairs an expert, grouped at 85).
+        self.grouped_min_pairs = 64
+        self._ptr_cache = ExpertPointerCache(self.device)
+        self._ready: Tensor | None = None
+        self._ready_outgrown: list[Tensor] = []  # earlier, smaller `_ready` sets
 
     def _ready_counts(self, n: int) -> Tensor:
         """Per pair of an expert-FFN call, how many gate+up blocks are done (the down kernel's
-        blocks wait on their pair's count). Zero between calls: the weighted sum zeroes them.
-        One set per backend: calls on one stream (the runtime's compute stream)."""
+        blocks wait on their pair's count: the first experts' down work runs while the last
+        experts' gate+up does). Zero between calls: the weighted sum zeroes them. One set per
+        backend: calls on one stream (the runtime's compute stream)."""
         if self._ready is None or self._ready.numel() < n:
             if self._ready is not None:  # a captured CUDA graph may point at it: kept, not freed
                 self._ready_outgrown.append(self._ready)
@@ -168,15 +200,29 @@ class MoeOps:
         if bias.numel() != E:
             raise ValueError(f"route: bias has {bias.numel()} entries, logits {E} experts")
         if router_smem_bytes(E) > SMEM_DEFAULT:
-            raise ValueError(f"route: E={E} experts need {router_smem_bytes(E)} bytes of the router kernel's shared memory, "
-                             f"over its {SMEM_DEFAULT} (at most 4053 experts)")
+            raise ValueError(
+                f"route: E={E} experts need {router_smem_bytes(E)} bytes of the router kernel's shared memory, "
+                f"over its {SMEM_DEFAULT} (at most 4053 experts)"
+            )
         ids = self._empty(T, k, dtype=torch.int64)
         wts = self._empty(T, k, dtype=torch.float32)
         if T:
             self._k("topk", "srt_router_topk")(
-                (T,), (ROUTER_THREADS,),
-                [ptr(logits), ptr(bias), i32(bb), ptr(ids), ptr(wts), i32(E), i32(k), i32(bool(renormalize)), f32(scale)],
-                smem=router_smem_bytes(E), pdl=self.pdl
+                (T,),
+                (ROUTER_THREADS,),
+                [
+                    ptr(logits),
+                    ptr(bias),
+                    i32(bb),
+                    ptr(ids),
+                    ptr(wts),
+                    i32(E),
+                    i32(k),
+                    i32(bool(renormalize)),
+                    f32(scale),
+                ],
+                smem=router_smem_bytes(E),
+                pdl=self.pdl,
             )
         return ids, wts
 
@@ -197,15 +243,16 @@ class MoeOps:
         the host (no sync; CUDA-graph capturable) or on the device (one sync for the ids);
         `experts` is RoutedExperts (the model's) or a plain {id: ExpertWeights}.
         """
-        dev = self.device
-        z = as_act(z, "expert_ffn.z", dev)
+        z = as_act(z, "expert_ffn.z", self.device)
         if not aligned(z, 16):
             z = z.clone()
         T, Dl = z.shape
         if ids.shape[0] != T or weights.shape != ids.shape:
-            raise ValueError(f"expert_ffn: z {tuple(z.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} do not agree")
+            raise ValueError(
+                f"expert_ffn: z {tuple(z.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} do not agree"
+            )
         k = ids.shape[1]
-        w = as_act(weights, "expert_ffn.weights", dev)
+        w = as_act(weights, "expert_ffn.weights", self.device)
         if isinstance(experts, ResidentExperts) and ids is experts.ids and not self.grouped_prefill:
             return self._expert_ffn_table(z, experts, w, beta, linear_beta)
         experts = as_routed(experts, ids)
@@ -215,51 +262,56 @@ class MoeOps:
         # Experts whose copy is still in flight (a streamed layer) go last: the compute stream
         # waits for their events only after the resident ones are queued (overlap within the layer).
         late = {e for e in experts.unique if experts.pending(e)}
-        P = T * k
         out = self._empty(T, Dl, dtype=torch.float32)
-        if P == 0:
+        if T * k == 0:
             return out.zero_()
-        if self.grouped_prefill and P >= self.grouped_min_pairs * len(experts.unique):
+        if self.grouped_prefill and T * k >= self.grouped_min_pairs * len(experts.unique):
             # a prefill chunk with many rows per expert: one GEMM per expert and matrix (nvfp4_gemm.py)
             y = grouped_expert_pairs(z, experts.host_ids, experts, beta, linear_beta, late, conv=self,
                                      rows=self.prefill_rows)
             self._combine(y, w, out, T, k, Dl, None)
             return out
-        staged = self._staged_rows(z) if self._takes_staged(T) else None
-        id_rows = experts.host_ids.tolist()
-        pairs = [(p, t, e) for t, row in enumerate(id_rows) for p, e in enumerate(row, start=t * k)]
-        # by expert within each group, as srt_moe_tables orders them (a batch's pairs of one expert
-        # adjacent; a pair's bits do not depend on its place)
-        groups = [sorted((q for q in pairs if (q[2] in late) == is_late), key=lambda q: (q[2], q[0]))
-                  for is_late in (False, True)]
-        ptrs, I = {}, None
-        act = situ_args(beta, linear_beta)
-        h = y = None
-        # Per-pair gate+up counts for the tensor-core kernels; the sum zeroes them for the next
-        # call with its first T * k threads of T * Dl (k <= Dl).
-        ready = self._ready_counts(P) if self.pair_ready and k <= Dl else None
+        ready = self._ready_counts(T * k) if k <= Dl else None
         try:
-            for late_group, group in enumerate(groups):
-                if not group:
-                    continue
-                for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
-                    ptrs[e] = self._ptr_cache.get(experts.take(e), e, Dl)
-                    if I is None:
-                        I = ptrs[e].inter
-                    elif ptrs[e].inter != I:
-                        raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e].inter}, another has {I}")
-                if h is None:
-                    h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
-                for c0 in range(0, len(group), MOE_MAXP):
-                    chunk = group[c0 : c0 + MOE_MAXP]
-                    self._launch_experts(chunk, ptrs, z, h, y, I, Dl, act, ready, T, staged,
-                                         pdl_gateup=not late_group)
+            y = self._expert_pairs_host(z, experts, late, k, situ_args(beta, linear_beta), ready)
         except BaseException:
             if ready is not None:  # the sum that zeroes the counts will not run (queued after any launch made)
                 ready.zero_()
             raise
         self._combine(y, w, out, T, k, Dl, ready)
         return out
+
+    def _expert_pairs_host(self, z: Tensor, experts: RoutedExperts, late: set, k: int, act: list[bytes],
+                           ready: Tensor | None) -> Tensor:
+        """y [T*k, Dl] of expert_ffn's pairs, their tables built on the host and passed by value:
+        the resident experts' pairs first, then the late ones', each group by expert (as
+        srt_moe_tables orders them: a batch's pairs of one expert adjacent; a pair's bits do not
+        depend on its place). The sum counts into `ready` are zeroed by the caller's sum."""
+        T, Dl = z.shape
+        staged = self._staged_rows(z) if self._takes_staged(T) else None
+        pairs = [(p, t, e) for t, row in enumerate(experts.host_ids.tolist()) for p, e in enumerate(row, start=t * k)]
+        groups = [sorted((q for q in pairs if (q[2] in late) == is_late), key=lambda q: (q[2], q[0]))
+                  for is_late in (False, True)]
+        ptrs, I, h, y = {}, None, None, None
+        for late_group, group in enumerate(groups):
+            if not group:
+                continue
+            for e in sorted({q[2] for q in group}):  # taking a late expert queues its event wait
+                ptrs[e] = self._ptr_cache.get(experts.take(e), e, Dl)
+                if I is None:
+                    I = ptrs[e].inter
+                elif ptrs[e].inter != I:
+                    raise ValueError(f"expert_ffn: expert {e} has intermediate size {ptrs[e].inter}, another has {I}")
+            if h is None:
+                h, y = self._empty(T * k, I, dtype=torch.float32), self._empty(T * k, Dl, dtype=torch.float32)
+            for c0 in range(0, len(group), MOE_MAXP):
+                chunk = group[c0 : c0 + MOE_MAXP]
+                gtab, dtab = (t.tobytes() for t in tables(chunk, ptrs))
+                # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
+                tc = Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs)
+                call = FfnCall(z, h, y, act, ready, staged, tc, HOST_TABLES)
+                self._launch_pairs(call, PairTables(gtab, dtab, len(chunk), pdl_gateup=not late_group))
+        return y
 
     def _expert_ffn_table(self, z: Tensor, experts: ResidentExperts, w: Tensor, beta: float,
                           linear_beta: float | None) -> Tensor:
@@ -278,7 +330,7 @@ class MoeOps:
             return out.zero_()
         chunks = math.ceil(P / MOE_MAXP_DT)
         staged = self._staged_rows(z) if self._takes_staged(T) else None  # before the tables: see below
-        tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and experts.tensor_core
+        tc = Dl % 128 == 0 and I % 128 == 0 and experts.tensor_core
         gtab = self._empty(chunks, gate_up_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
         dtab = self._empty(chunks, down_table_bytes(MOE_MAXP_DT), dtype=torch.uint8)
         # The staged blocks take their groups from a list (a block row per group there can be);
@@ -287,18 +339,18 @@ class MoeOps:
         threads = MOE_MAXP_DT if groups is not None else min(1024, 32 * math.ceil(P / 32))
         self._k("nvfp4_moe", "srt_moe_tables")(
             (1,), (threads,),
-            [ptr(ids), ptr(experts.table), i32(P), i32(k), ptr(gtab), ptr(dtab), i32(TC_ROWS16), ptr(groups)])
+            [ptr(ids), ptr(experts.table), i32(P), i32(k), ptr(gtab), ptr(dtab), i32(TC_STAGED_ROWS), ptr(groups)])
         h, y = self._empty(P, I, dtype=torch.float32), self._empty(P, Dl, dtype=torch.float32)
-        ready = self._ready_counts(P) if self.pair_ready and k <= Dl else None
-        act = situ_args(beta, linear_beta)
+        ready = self._ready_counts(P) if k <= Dl else None
+        call = FfnCall(z, h, y, situ_args(beta, linear_beta), ready, staged, tc, DEVICE_TABLES)
         for c in range(chunks):
             n = min(MOE_MAXP_DT, P - c * MOE_MAXP_DT)
-            g, d = ptr(gtab[c]), ptr(dtab[c])
-            chunk_groups = None if groups is None else (groups[c], most_groups(n, experts.table.shape[0], TC_ROWS16))
+            chunk_groups = (
+                None if groups is None else (groups[c], most_groups(n, experts.table.shape[0], TC_STAGED_ROWS))
+            )
             # the gate+up kernel reads its table before pdl_wait(), and the table is the kernel
             # before's output here: a plain launch (the down kernel and the sum stay programmatic)
-            self._launch_pairs(g, d, n, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup=False, suffix="_dt",
-                               groups=chunk_groups)
+            self._launch_pairs(call, PairTables(ptr(gtab[c]), ptr(dtab[c]), n, pdl_gateup=False, groups=chunk_groups))
         self._combine(y, w, out, T, k, Dl, ready)
         return out
 
@@ -314,9 +366,19 @@ class MoeOps:
         w16 = self._empty(rows, in2 * 2, dtype=torch.float16)
         words0, words = m0.packed.numel() // 4, rows * in2 // 4
         self._k("nvfp4_gemm", "srt_nvfp4_to_f16")(
-            (min(math.ceil(words / 256), 8192),), (256,),
-            [ptr(m0.packed), ptr(m0.scales), ptr(m1.packed), ptr(m1.scales), ptr(w16), i32(words0 if len(mats) > 1 else words),
-             i32(words), i32(in2 // 4)])
+            (min(math.ceil(words / 256), 8192),),
+            (256,),
+            [
+                ptr(m0.packed),
+                ptr(m0.scales),
+                ptr(m1.packed),
+                ptr(m1.scales),
+                ptr(w16),
+                i32(words0 if len(mats) > 1 else words),
+                i32(words),
+                i32(in2 // 4),
+            ],
+        )
         return w16
 
     def fp16_rows(self, x: Tensor, split: bool) -> tuple[Tensor, Tensor]:
@@ -325,7 +387,9 @@ class MoeOps:
         rows = self._empty((1 + split) * n, cols, dtype=torch.float16)
         scale = self._empty(n, dtype=torch.float32)
         if n:
-            self._k("nvfp4_gemm", "srt_f16_rows")((n,), (256,), [ptr(x), ptr(rows), ptr(scale), i32(n), i32(cols), i32(split)])
+            self._k("nvfp4_gemm", "srt_f16_rows")(
+                (n,), (256,), [ptr(x), ptr(rows), ptr(scale), i32(n), i32(cols), i32(split)]
+            )
         return rows, scale
 
     def situ_rows(self, gu: Tensor, xscale: Tensor, gate_glob: Tensor, up_glob: Tensor, beta: float,
@@ -361,7 +425,7 @@ class MoeOps:
 
     def _takes_staged(self, T: int) -> bool:
         """Whether a T-row call's gate+up reads rows staged once per call (TC_STAGED_SHAPE)."""
-        return self.nvfp4_impl == "tc" and self.tc_staged_shape is not None and T >= TC_BATCH_ROWS
+        return T >= TC_STAGED_MIN_ROWS
 
     def _staged_rows(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """z [T, Dl] as the staged gate+up blocks read it (srt_moe_stage_rows): per row its
@@ -376,109 +440,70 @@ class MoeOps:
                 (T + 1,), (256,), [ptr(z), i32(T), i32(Dl), ptr(xs), ptr(unscale)], pdl=self.pdl)
         return xs, unscale
 
-    def _launch_experts(self, chunk, ptrs, z, h, y, I, Dl, act, ready, T, staged, pdl_gateup) -> None:
-        """gate+up+SiTU into h and down into y for up to 64 pairs, their tables by value."""
-        gtab, dtab = (t.tobytes() for t in tables(chunk, ptrs))
-        # (slot sections are 4096-byte aligned, so every chunk of a layer takes the same kernels)
-        tc = self.nvfp4_impl == "tc" and Dl % 128 == 0 and I % 128 == 0 and scales_aligned8(chunk, ptrs)
-        self._launch_pairs(gtab, dtab, len(chunk), z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup)
-
-    def _launch_pairs(self, gtab, dtab, np_, z, h, y, I, Dl, act, ready, tc, T, staged, pdl_gateup, suffix="",
-                      groups=None) -> None:
-        """The gate+up and down kernels for np_ pairs of a T-row call: tables by value (the
-        struct bytes), or `suffix="_dt"` and pointers to tables in device memory. A tensor-core
-        block takes up to min(TC_TOKENS, T) pairs of one expert (an expert has at most one pair
-        per row; min(TC_ROWS16, T) in the 16-row blocks, `_tc16_phases`; TC_ROWS16 in the staged
-        gate+up blocks, given `staged` = `_staged_rows(z)`) and counts into `ready`; the
-        CUDA-core kernels take one pair per block and leave `ready` alone. `groups`: see
-        `_launch_staged`."""
-        if tc and staged is not None:
-            self._launch_staged(gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix, groups)
+    def _launch_pairs(self, call: FfnCall, tabs: PairTables) -> None:
+        """The gate+up and down kernels for `tabs.pairs` pairs of `call`. A tensor-core block
+        takes up to min(TC_TOKENS, T) pairs of one expert (an expert has at most one pair per
+        row; TC_STAGED_ROWS in the staged blocks, given `call.staged`) and counts into `ready`;
+        the CUDA-core kernels take one pair per block and leave `ready` alone."""
+        if call.tc and call.staged is not None:
+            self._launch_staged(call, tabs)
             return
-        hp, yp = ptr(h), ptr(y)
-        if tc:
-            phases = self._tc16_phases(I, Dl, T)
-            batch = phases is None and min(TC_TOKENS, T) >= TC_BATCH_ROWS
-            # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
-            tg, td, st, kbs = self._tc_shape("tc_shape_batch" if batch else "tc_shape")
-            if phases is not None:  # 16-row blocks: phases of column blocks, one more argument each
-                kernel, cap, (kbp_gu, kbp_dn) = "r16", min(TC_ROWS16, T), phases
-                gu_in, dn_in, gu_extra, dn_extra = kbp_gu * 128, kbp_dn * 128, [i32(kbp_gu)], [i32(kbp_dn)]
-            else:
-                kernel, cap = f"tc{st}x{kbs}", min(TC_TOKENS, T)
-                gu_in, dn_in, gu_extra, dn_extra = Dl, I, [], []
-            gu_blocks = math.ceil(I / (16 * tg))
-            self._k("nvfp4_moe", f"srt_nvfp4_gateup_{kernel}{suffix}")(
-                (gu_blocks, np_), (tg * 32,), [gtab, ptr(z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap), *gu_extra],
-                smem=tc_smem(gu_in, tg, st, kbs, cap),
+        (T, Dl), I, E, act, ready = call.z.shape, call.I, call.entries, call.act, call.ready
+        hp, yp = ptr(call.h), ptr(call.y)
+        if call.tc:
+            tg, td, st, kbs = TC_SHAPE
+            cap = min(TC_TOKENS, T)
+            gu_blocks = math.ceil(I / (16 * tg))  # 16 rows per warp (gate+up tiles), 32 rows per warp (down)
+            self._k("nvfp4_moe", E.gateup_tc)(
+                (gu_blocks, tabs.pairs), (tg * 32,),
+                [tabs.gate_up, ptr(call.z), hp, i32(I), i32(Dl), *act, ptr(ready), i32(cap)],
+                smem=tc_smem(Dl, tg, st, kbs, cap),
                 # programmatic: reads z after pdl_wait(); before it only weights, and only of
                 # resident experts (a late expert's copy is waited for by an event before this)
-                pdl=self.pdl and pdl_gateup)
-            self._k("nvfp4_moe", f"srt_nvfp4_down_{kernel}{suffix}")(
-                (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-                [dtab, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), i32(cap), *dn_extra],
-                smem=tc_smem(dn_in, td, st, kbs, cap), pdl=self.pdl)
+                pdl=self.pdl and tabs.pdl_gateup)
+            self._k("nvfp4_moe", E.down_tc)(
+                (math.ceil(Dl / (32 * td)), tabs.pairs), (td * 32,),
+                [tabs.down, hp, yp, i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), i32(cap)],
+                smem=tc_smem(I, td, st, kbs, cap), pdl=self.pdl)
             return
-        self._k("nvfp4_moe", f"srt_nvfp4_gateup{suffix}")(
-            (math.ceil(I / (MOE_WARPS * 2)), np_), (MOE_WARPS * 32,),
-            [gtab, ptr(z), hp, i32(I), i32(Dl), *act], smem=Dl * 4)
-        self._k("nvfp4_moe", f"srt_nvfp4_down{suffix}")(
-            (math.ceil(Dl / (MOE_WARPS * 4)), np_), (MOE_WARPS * 32,), [dtab, hp, yp, i32(Dl), i32(I)], smem=I * 4)
+        self._k("nvfp4_moe", E.gateup)(
+            (math.ceil(I / (MOE_WARPS * 2)), tabs.pairs), (MOE_WARPS * 32,),
+            [tabs.gate_up, ptr(call.z), hp, i32(I), i32(Dl), *act], smem=Dl * 4)
+        self._k("nvfp4_moe", E.down)(
+            (math.ceil(Dl / (MOE_WARPS * 4)), tabs.pairs), (MOE_WARPS * 32,), [tabs.down, hp, yp, i32(Dl), i32(I)],
+            smem=I * 4)
 
-    def _tc_shape(self, setting: str) -> tuple[int, int, int, int]:
-        """The backend's `tc_shape` or `tc_shape_batch` (gate+up warps, down warps, stages, blocks
-        per stage), checked against the kernels there are (TC_PIPES)."""
-        tg, td, st, kbs = getattr(self, setting)
-        if not (1 <= tg <= 16 and 1 <= td <= 16 and (st, kbs) in TC_PIPES):
-            raise ValueError(f"{setting} {(tg, td, st, kbs)}: warps 1..16, (stages, blocks) one of {TC_PIPES}")
-        return tg, td, st, kbs
-
-    def _launch_staged(self, gtab, dtab, np_, staged, h, y, I, Dl, act, ready, T, pdl_gateup, suffix,
-                       groups=None) -> None:
-        """_launch_pairs' staged gate+up (groups of up to TC_ROWS16 pairs, `tc_staged_shape`),
-        then either h's rows staged (all of them: on the host tables each chunk of pairs stages
-        them again, as it has written its own) and the staged down kernel over gate+up's groups,
-        or (down warps 0) the down kernel of `tc_shape_batch`: groups of up to TC_TOKENS, each
-        inside one gate+up group (TC_ROWS16 is a multiple of TC_TOKENS), whose blocks wait on it.
-        `groups` (the device tables'): srt_moe_tables' list of groups and the most it can hold; a
-        block row of the staged kernels takes a group of the list (else the group a pair leads)."""
-        gw, dw, st, kbs = self.tc_staged_shape
-        if not (1 <= gw <= TC_STAGED_THREADS // 32 and 0 <= dw <= TC_STAGED_DOWN_THREADS // 32
-                and (st, kbs) in TC_STAGED_PIPES):
-            raise ValueError(f"tc_staged_shape {self.tc_staged_shape}: gate+up warps 1..{TC_STAGED_THREADS // 32}, "
-                             f"down warps 0..{TC_STAGED_DOWN_THREADS // 32}, (stages, blocks) one of {TC_STAGED_PIPES}")
-        _, td, st_d, kbs_d = self._tc_shape("tc_shape_batch") if dw == 0 else self.tc_shape_batch
-        xs, unscale = staged
-        cap, cap_gu = min(TC_TOKENS, T), TC_ROWS16
-        gu_blocks = math.ceil(I / (16 * gw))
-        # the device tables' kernels take their groups from a list: a block row per group there can be
-        rows, listed = (np_, []) if groups is None else (groups[1], [ptr(groups[0])])
-        if dw:
-            ready = None  # the down kernel reads h staged after the whole gate+up grid
-        self._k("nvfp4_moe", f"srt_nvfp4_gateup_st{st}x{kbs}{suffix}")(
-            (gu_blocks, rows), (gw * 32,),
-            [gtab, ptr(xs), ptr(unscale), i32(T), ptr(h), i32(I), i32(Dl), *act, ptr(ready), i32(cap_gu), *listed],
-            smem=gw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl and pdl_gateup)
-        if dw:
-            hs, h_unscale = self._staged_rows(h)  # every row of h (P): the zero row is P
-            self._k("nvfp4_moe", f"srt_nvfp4_down_st{st}x{kbs}{suffix}")(
-                (math.ceil(Dl / (32 * dw)), rows), (dw * 32,),
-                [dtab, ptr(hs), ptr(h_unscale), i32(h.shape[0]), ptr(y), i32(Dl), i32(I), i32(cap_gu), *listed],
-                smem=dw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl)
-            return
-        self._k("nvfp4_moe", f"srt_nvfp4_down_tc{st_d}x{kbs_d}{suffix}")(
-            (math.ceil(Dl / (32 * td)), np_), (td * 32,),
-            [dtab, ptr(h), ptr(y), i32(Dl), i32(I), ptr(ready), i32(gu_blocks), i32(cap), i32(cap_gu)],
-            smem=tc_smem(I, td, st_d, kbs_d, cap), pdl=self.pdl)
-
-    def _tc16_phases(self, I: int, Dl: int, T: int) -> tuple[int, int] | None:
-        """Column blocks per phase of the 16-row gate+up and down blocks (a group takes up to
-        min(TC_ROWS16, T) pairs of one expert), for a call of more than TC_TOKENS rows where
-        `tc_rows` asks for them and the shape allows them; None: the 8-row blocks (the same bits)."""
-        tg, td, st, kbs = self.tc_shape
-        if self.tc_rows != TC_ROWS16 or T <= TC_TOKENS or max(tg, td) > TC16_MAX_WARPS or (st, kbs) != TC16_PIPE:
-            return None
-        cap = min(TC_ROWS16, T)
-        kbp_gu = tc16_phase_blocks(Dl, tg, cap, self._smem_optin, self.tc_phase_blocks)
-        kbp_dn = tc16_phase_blocks(I, td, cap, self._smem_optin, self.tc_phase_blocks)
-        return None if kbp_gu is None or kbp_dn is None else (kbp_gu, kbp_dn)
+    def _launch_staged(self, call: FfnCall, tabs: PairTables) -> None:
+        """_launch_pairs' staged kernels: gate+up over groups of up to TC_STAGED_ROWS pairs,
+        then h's rows staged (all of them: on the host tables each chunk of pairs stages them
+        again, as it has written its own) and down over gate+up's groups, once the whole
+        gate+up grid is done (no per-pair counts). With the device tables a block row takes a
+        group of srt_moe_tables' list (a block row per group there can be), else the group a
+        pair leads."""
+        gw, dw, st, kbs = TC_STAGED_SHAPE
+        (T, Dl), I, E = call.z.shape, call.I, call.entries
+        xs, unscale = call.staged
+        rows, listed = (tabs.pairs, []) if tabs.groups is None else (tabs.groups[1], [ptr(tabs.groups[0])])
+        self._k("nvfp4_moe", E.gateup_staged)(
+            (math.ceil(I / (16 * gw)), rows), (gw * 32,),
+            [tabs.gate_up, ptr(xs), ptr(unscale), i32(T), ptr(call.h), i32(I), i32(Dl), *call.act, ptr(None),
+             i32(TC_STAGED_ROWS), *listed],
+            smem=gw * st * kbs * TC_STAGE_SMEM, pdl=self.pdl and tabs.pdl_gateup)
+        hs, h_unscale = self._staged_rows(call.h)  # every row of h (P): the zero row is P
+        self._k("nvfp4_moe", E.down_staged)(
+            (math.ceil(Dl / (32 * dw)), rows),
+            (dw * 32,),
+            [
+                tabs.down,
+                ptr(hs),
+                ptr(h_unscale),
+                i32(call.h.shape[0]),
+                ptr(call.y),
+                i32(Dl),
+                i32(I),
+                i32(TC_STAGED_ROWS),
+                *listed,
+            ],
+            smem=dw * st * kbs * TC_STAGE_SMEM,
+            pdl=self.pdl,
+        )
