@@ -81,6 +81,7 @@ class NvrtcBackend(MoeOps):
     router and expert FFN come from `MoeOps`."""
 
     name = "nvrtc"
+    captures_decode = True  # decode steps replay as CUDA graphs (runtime/graph_choice.py)
     grouped_prefill = False  # True on the prefill view (for_prefill): expert FFN as grouped GEMMs
     _mm_bf16x3 = True  # False once torch.mm has refused out_dtype (the fp32 GEMM then)
 
