@@ -420,3 +420,26 @@ def test_inspect_prints_the_disk_floor(capsys):
     assert main(["inspect", "deep-k3.1-pro", "--host-mem", "6G", "--disk-gbps", "2.0"]) == 0
     line = [l for l in capsys.readouterr().out.splitlines() if "disk floor" in l]
     assert len(line) == 1 and "s/token" in line[0] and "GB/token from disk" in line[0] and "pool" in line[0]
+
+
+def test_both_host_tiers_answer_the_whole_protocol(tree):
+    """The scheduler calls either host tier the same way: each has every method and attribute
+    of `HostReads`, with the same parameters."""
+    import inspect
+
+    from streamrt.runtime.host_reads import HostReads
+    from streamrt.runtime.mapped_reads import MappedReads
+    from streamrt.runtime.pool_reads import PoolReads
+
+    methods = [n for n, v in vars(HostReads).items() if callable(v) and (not n.startswith("_") or n in
+                                                                         ("__len__", "__contains__"))]
+    assert {"lookup", "for_guess", "entry", "guess", "cancel_guesses", "unprotect", "end_step", "close"} <= set(methods)
+    for cls in (MappedReads, PoolReads):
+        for n in methods:
+            want = list(inspect.signature(getattr(HostReads, n)).parameters)
+            assert list(inspect.signature(getattr(cls, n)).parameters) == want, (cls.__name__, n)
+    with StreamingRuntime(tree, None, RuntimeOptions(device="cpu", host_tier="mapped", gpu_experts=8)) as mapped, \
+            pool_runtime(tree) as pooled:
+        for rt in (mapped, pooled):
+            assert all(hasattr(rt.host, a) for a in HostReads.__annotations__), rt.host.kind
+            assert rt.stats.host_tier == rt.host.kind and rt.host_tier_line.startswith(f"host tier {rt.host.kind}")
