@@ -13,7 +13,7 @@ measures, in this order and in this one process:
              H2D from a page-locked file mapping (cudaHostRegister, read-only), and pageable H2D
   resident   every expert in a device slot (--gpu-experts = all files), warmed: the all-resident
              compute time per token
-  baseline   --staging off: pageable synchronous copies, no staging, no pool (the seed's engine)
+  baseline   --copies sync: pageable synchronous copies, no staging, no pool (the seed's engine)
   runtime    the defaults: page-locked mappings, copy stream, per-expert events, staging
 
 baseline and runtime run with the device tier limited (--gpu-experts, default half the
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     plan = [("resident", RuntimeOptions(**{**base, "gpu_experts": cfg.expert_files}))]
     if not args.skip_baseline:
-        plan.append(("baseline", RuntimeOptions(**{**base, "gpu_experts": limited, "staging": False})))
+        plan.append(("baseline", RuntimeOptions(**{**base, "gpu_experts": limited, "copies": "sync"})))
     plan.append(("runtime", RuntimeOptions(**{**base, "gpu_experts": limited})))
     models = {"torch": model}
     if args.nvrtc:

@@ -19,7 +19,7 @@ In this order, in this one process:
   pool       caches dropped, decode with --host-tier pool under --host-mem
   mapped     caches dropped, decode with --host-tier mapped under the same --host-mem
 
-For pool and mapped: s/token, bytes from disk per token (the runtime's disk_bytes counter, and
+For pool and mapped: s/token, bytes from disk per token (the runtime's bytes_from_disk counter, and
 /proc/self/io read_bytes beside it), ratio = s/token / (disk bytes per token / raw rate)
 (target <= 1.15), disk throughput / raw rate (target >= 0.85), logits identical to the
 reference. A CPU run on a tiny tree is a smoke test of the mechanics, not a measurement.
@@ -125,13 +125,13 @@ def timed_run(name, tree, model, device, opts, prompt, cont, warmup, raw, ref_lo
     r = decode_run(tree, model, device, opts, prompt, cont, warmup, warm_host=not cold)
     p = r["payload"]
     tokens = max(1, p["tokens"])
-    disk_per_token = p.get("disk_bytes", 0) / tokens
+    disk_per_token = p.get("bytes_from_disk", 0) / tokens
     row = {
         "name": name, "s_per_token": p["s_per_token"], "disk_bytes_per_token": disk_per_token,
         "proc_read_bytes_run": proc_read_bytes() - io0, "host_tier": p.get("host_tier", "?"),
         "pool_hits": p.get("pool_hits", 0), "pool_misses": p.get("pool_misses", 0),
         "readahead_reads": p.get("readahead_reads", 0), "readahead_used": p.get("readahead_used", 0),
-        "page_cache_bytes": p.get("page_cache_bytes", 0), "staged": p.get("staged", 0),
+        "page_cache_bytes": p.get("bytes_from_page_cache", 0), "staged": p.get("staged", 0),
         "stage_dropped": p.get("stage_dropped", 0),
         "identical": ref_logits is not None and len(r["logits"]) == len(ref_logits)
         and all(torch.equal(a, b) for a, b in zip(r["logits"], ref_logits)),

@@ -70,7 +70,7 @@ if has trace; then
 fi
 if has sweep; then
   stage "sweep (slice)"
-  timeout ${T_SWEEP:-140} python3 -m streamrt sweep --model "$TREE" --groups ${SWEEP_GROUPS:-window,staging} --tokens 4 --out "$L/sweep" 2>&1 \
+  timeout ${T_SWEEP:-140} python3 -m streamrt sweep --model "$TREE" --groups ${SWEEP_GROUPS:-window,copies} --tokens 4 --out "$L/sweep" 2>&1 \
     | tee "$L/sweep.log" | tail -24
   cp "$L/sweep/sweep.csv" "$L/sweep/sweep.png" "$OUT/" 2>/dev/null
 fi

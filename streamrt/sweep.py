@@ -1,6 +1,7 @@
 """Throughput sweep: one fresh `streamrt run` per point, one table, one plot, one identity check.
 
-    streamrt sweep --model DIR   (or: python profiling/sweep.py --model DIR) [--points 0.35 1 1.4 large] [--tokens N] [--out DIR]
+    streamrt sweep --model DIR   (or: python profiling/sweep.py --model DIR)
+                   [--points 0.35 1 1.4 large] [--tokens N] [--out DIR]
 
 Groups of points (one knob moved at a time from the defaults, `--groups` picks):
 
@@ -8,7 +9,8 @@ Groups of points (one knob moved at a time from the defaults, `--groups` picks):
               all expert files): everything retained); the seed's cliff lives here
     device    --gpu-experts at fractions of the working set, for every --gpu-policy,
               window large
-    staging   --staging off (the seed's first engine: the baseline), window large
+    copies    --copies async (the default) and sync (the seed's first engine: the baseline),
+              window large
     failure   the seed's failure modes: --preparse, --prefetch discard (window large),
               --evict sync (window at the smallest point, so evictions happen)
 
@@ -20,7 +22,7 @@ spike on the machine hits one sample of several points rather than every sample 
 the CSV, table and plot give the median with its spread (min and max: error bars), and a
 point whose spread is wide says so instead of drawing a crossover. Writes OUT/sweep.csv and
 OUT/sweep.png (atomically: temp name + rename), prints the table, and checks that the
-logits hash is the same at every point and every repeat: window, cache, policy and staging
+logits hash is the same at every point and every repeat: window, cache, policy and copies
 change timing, never arithmetic. Exit 1 if any point failed or any hash differs; OUT is
 checked before the first point (exit 2 if it cannot be written).
 """
@@ -44,7 +46,7 @@ from streamrt.output_paths import check_output_path
 from streamrt.errors import StreamrtError
 
 STATS_KEYS = ("tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses",
-              "bytes_h2d", "bytes_disk", "evictions", "retired", "released", "full_synchronizes",
+              "bytes_h2d", "bytes_read", "evictions", "retired", "released", "full_synchronizes",
               "stall_s", "predicted_recall", "effective_gbps")
 POINT_COLUMNS = ("point", "group", "label", "window", "window_frac", "gpu_experts", "gpu_policy", "flags")
 DERIVED_COLUMNS = ("host_hit_rate", "device_hit_rate", "logits_hash", "wall_s", "rc")
@@ -54,7 +56,8 @@ TIMED_KEYS = ("s_per_token", "effective_gbps", "stall_s", "wall_s")
 SPREAD_COLUMNS = ("repeats", *(f"{k}_{w}" for k in TIMED_KEYS for w in ("min", "max")))
 COLUMNS = POINT_COLUMNS + STATS_KEYS + DERIVED_COLUMNS + SPREAD_COLUMNS
 DEFAULT_REPEATS, MAX_REPEATS = 3, 100
-GROUPS = ("window", "device", "staging", "failure")
+GROUPS = ("window", "device", "copies", "failure")
+RENAMED_GROUPS = {"staging": "copies"}
 LARGE_WINDOW = 65536  # the seed's shipped window
 DEFAULT_PROMPT = "What's the weather in Paris?"
 
@@ -100,7 +103,7 @@ def plan_points(working_set: int, expert_files: int, points: list[str], cache_fr
     small = min(windows)
     out: list[Point] = []
     # A device tier of half the working set (as bench_decode) for every point but the device
-    # group's own: with every expert resident on the device, the window, staging and failure
+    # group's own: with every expert resident on the device, the window, copies and failure
     # switches would only matter for the first touch.
     m = max(1, working_set // 2)
     if "window" in groups:
@@ -113,9 +116,9 @@ def plan_points(working_set: int, expert_files: int, points: list[str], cache_fr
                 slots = max(1, round(f * working_set))
                 out.append(Point("device", f"gpu {slots} ({f:g} ws) {policy}", large, None,
                                  gpu_experts=slots, gpu_policy=policy))
-    if "staging" in groups:
-        out.append(Point("staging", "staging on", large, None, gpu_experts=m))
-        out.append(Point("staging", "staging off", large, None, ["--staging", "off"], gpu_experts=m))
+    if "copies" in groups:
+        out.append(Point("copies", "copies async", large, None, gpu_experts=m))
+        out.append(Point("copies", "copies sync", large, None, ["--copies", "sync"], gpu_experts=m))
     if "failure" in groups:
         out.append(Point("failure", "preparse", large, None, ["--preparse"], gpu_experts=m))
         out.append(Point("failure", "prefetch discard", large, None, ["--prefetch", "discard"], gpu_experts=m))
@@ -282,8 +285,10 @@ def plot(path: Path, rows: list[dict], title: str) -> None:
             a.legend()
     bars = [r for r in ok if _num(r["s_per_token"]) is not None and r["s_per_token"] != ""]
     med = [_num(r["s_per_token"]) for r in bars]
-    lo = [m - (_num(r.get("s_per_token_min")) if _num(r.get("s_per_token_min")) is not None else m) for m, r in zip(med, bars)]
-    hi = [(_num(r.get("s_per_token_max")) if _num(r.get("s_per_token_max")) is not None else m) - m for m, r in zip(med, bars)]
+    lo = [m - (_num(r.get("s_per_token_min")) if _num(r.get("s_per_token_min")) is not None else m)
+          for m, r in zip(med, bars)]
+    hi = [(_num(r.get("s_per_token_max")) if _num(r.get("s_per_token_max")) is not None else m) - m
+          for m, r in zip(med, bars)]
     ax[1, 2].barh([r["label"] for r in bars], med, xerr=[lo, hi], capsize=2)
     ax[1, 2].invert_yaxis()
     n = max((int(_num(r.get("repeats")) or 1) for r in bars), default=1)
@@ -325,7 +330,8 @@ def identity_verdict(rows: list[dict]) -> tuple[bool, str]:
         return False, "logits: no point finished, nothing to compare"
     missing = [r["label"] for r in done if not r["logits_hash"]]
     if missing:
-        return False, f"logits: no logits_hash reported at {len(missing)} point(s) ({missing[0]}, ...); cannot check identity"
+        return False, (f"logits: no logits_hash reported at {len(missing)} point(s) ({missing[0]}, ...); "
+                       "cannot check identity")
     hashes: dict[str, list[str]] = {}
     for r in done:
         hashes.setdefault(r["logits_hash"], []).append(r["label"])
@@ -355,6 +361,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="command that runs streamrt (default: this Python's -m streamrt)")
     args = ap.parse_args(argv)
     args.groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    renamed = [g for g in args.groups if g in RENAMED_GROUPS]
+    if renamed:
+        ap.error(f"--groups: {renamed[0]} was renamed {RENAMED_GROUPS[renamed[0]]}")
     bad = [g for g in args.groups if g not in GROUPS] + \
           [p for p in args.points if p != "large" and _num(p) is None]
     if bad:
@@ -378,7 +387,7 @@ def missing_flags(streamrt: list[str], points: list[Point]) -> list[str]:
 
 def register(sub) -> None:
     """`streamrt sweep ...`: the same flags as profiling/sweep.py."""
-    p = sub.add_parser("sweep", help="throughput sweep over window, cache, policy and staging",
+    p = sub.add_parser("sweep", help="throughput sweep over window, cache, policy and copies",
                        description=__doc__.splitlines()[0], add_help=False)
     p.add_argument("sweep_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: main(a.sweep_args))

@@ -112,7 +112,8 @@ def test_length_kernels_equal_the_cut_cache(be, n):
         assert torch.equal(sel, be.select_topk(scores[:n], topk))
         want = be.mla_decode(q_lat, q_rot, c[:n], kr[:n], 0.2, sel)
     assert torch.equal(be.mla_decode(q_lat, q_rot, c, kr, 0.2, sel, length), want)
-    assert torch.equal(be.mla_decode(q_lat, q_rot, c, kr, 0.2, None, length), be.mla_decode(q_lat, q_rot, c[:n], kr[:n], 0.2, None))
+    assert torch.equal(be.mla_decode(q_lat, q_rot, c, kr, 0.2, None, length),
+                       be.mla_decode(q_lat, q_rot, c[:n], kr[:n], 0.2, None))
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +146,11 @@ def _decode(tree, model, graphs: str, rows: list[int], reverse_slots: bool, slot
         out = [rt.run(model.forward_steps(steps[t, : len(rows), None], cache), tokens=len(rows)).cpu()
                for t in range(steps.shape[0])]
         assert max(cache.lengths) > 64 and min(cache.lengths) > cfg.indexer.topk
-        graphs_used = rt.model.decode_graphs
+        graphs_used = rt.forward.graphs
         info = {"graph_steps": rt.stats.graph_steps, "captures": graphs_used.captures if graphs_used else 0,
                 "kind": type(graphs_used).__name__, "refused": getattr(graphs_used, "refused", None),
                 "resident": len(rt.gpu)}
-    assert model.decode_graphs is None  # closing the runtime drops graphs that point into its slots
+    assert rt.forward.graphs is None  # closing the runtime drops graphs that point into its slots
     return out, info
 
 

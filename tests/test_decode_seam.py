@@ -83,7 +83,8 @@ def test_decode_ops_take_rows_each_with_its_own_length():
     B, H, R, Dr, Hi, Di, cap, k, dn, dv = 3, 2, 16, 8, 3, 8, 40, 6, 12, 10
     lengths = torch.tensor([5, 40, 23], dtype=torch.int32)
     q_lat, q_rot = torch.randn(B, H, R, generator=g), torch.randn(B, H, Dr, generator=g)
-    c, kr, keys = torch.randn(B, cap, R, generator=g), torch.randn(B, cap, Dr, generator=g), torch.randn(B, cap, Di, generator=g)
+    c, kr = torch.randn(B, cap, R, generator=g), torch.randn(B, cap, Dr, generator=g)
+    keys = torch.randn(B, cap, Di, generator=g)
     q, w = torch.randn(B, Hi, Di, generator=g), torch.rand(B, Hi, generator=g) + 0.1
     for b, n in enumerate(lengths.tolist()):
         c[b, n:], kr[b, n:], keys[b, n:] = 1e4, -1e4, 1e4
@@ -93,7 +94,8 @@ def test_decode_ops_take_rows_each_with_its_own_length():
     out = be.mla_decode(q_lat, q_rot, c, kr, 0.3, sel, lengths)
     assert scores.shape == (B, cap) and sel.shape == (B, k) and out.shape == (B, H, R)
     for b, n in enumerate(lengths.tolist()):
-        want_scores = ref.indexer_scores(q[b].double().numpy(), w[b].double().numpy() * w_scale, keys[b, :n].double().numpy())
+        want_scores = ref.indexer_scores(q[b].double().numpy(), w[b].double().numpy() * w_scale,
+                                         keys[b, :n].double().numpy())
         np.testing.assert_allclose(scores[b, :n].double().numpy(), want_scores, rtol=1e-5, atol=1e-6)
         want_sel = ref.select_topk(scores[b, :n].tolist(), k) if n > k else list(range(n))
         assert sel[b, : min(k, n)].tolist() == want_sel, b
@@ -147,7 +149,8 @@ def test_expert_table_holds_each_experts_section_addresses_checked_once(tree):
         assert table.layer(layer)[e].tolist() == want
     assert table.inter == views[(layer, 0)].gate.packed.shape[0]
     bad = views[(layer, 0)]
-    wrong = ExpertWeights(NVFP4Matrix(bad.gate.packed.float(), bad.gate.scales, bad.gate.global_scale), bad.up, bad.down)
+    wrong = ExpertWeights(NVFP4Matrix(bad.gate.packed.float(), bad.gate.scales, bad.gate.global_scale), bad.up,
+                          bad.down)
     with pytest.raises(ValueError, match=r"expert 0 gate\.packed"):
         table.place(layer, 0, wrong)
     with pytest.raises(ValueError, match="not a MoE layer"):
@@ -203,7 +206,7 @@ def test_segment_graphs_place_takes_every_routed_expert_and_checks_it(tree):
     cfg = tree.config
     views = _views(tree)
     model = load_model(tree, "cpu")
-    model.backend = SimpleNamespace(name="nvrtc")  # only the host side runs here
+    model.backend = SimpleNamespace(name="nvrtc", captures_decode=True)  # only the host side runs here
     seg = SegmentGraphs(model, tensor_core=True)
     layer = cfg.moe_layers[1]
     ids = torch.tensor([[5, 2, 9, 2]])
@@ -236,10 +239,11 @@ class _CudaNamedCpu(CpuDevice):
 
 
 class _NamedNvrtc(TorchBackend):
-    """The torch backend under the nvrtc name: SegmentGraphs' host side on the CPU (the torch
-    backend takes table answers too, reading their ids on the host)."""
+    """The torch backend claiming to capture decode steps, as nvrtc does: SegmentGraphs' host side
+    on the CPU (the torch backend takes table answers too, reading their ids on the host)."""
 
     name = "nvrtc"
+    captures_decode = True
 
 
 def test_segment_graphs_first_step_answers_from_the_table_and_a_failed_capture_stays_op_by_op(tree):
@@ -285,8 +289,9 @@ def test_segment_graphs_first_step_answers_from_the_table_and_a_failed_capture_s
 
 def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_misses(tree):
     """The runtime's side on the CPU: under --cuda-graphs auto, with experts streaming, a
-    device that says "cuda" and a backend named nvrtc, decode steps go through SegmentGraphs
-    (installed once, kept while slots are refilled); here the capture fails (no CUDA), so the
+    device that says "cuda" and a backend that captures decode steps, decode steps go through
+    SegmentGraphs (chosen once, kept while slots are refilled; the runtime's own, in its
+    `Forward`, never set on the model); here the capture fails (no CUDA), so the
     steps run op by op through the scheduler's answers, to the reference's bits."""
     from streamrt.runtime.options import RuntimeOptions
     from streamrt.runtime.scheduler import StreamingRuntime
@@ -306,18 +311,18 @@ def test_runtime_installs_segment_graphs_while_streaming_and_keeps_them_across_m
         with StreamingRuntime(tree, model, opts, device=_CudaNamedCpu(), workers=2) as rt:
             cache = model.new_cache()
             rt.run(model.forward_steps(prompt, cache, last_only=True))
-            assert model.decode_graphs is None  # prefill: no graphs
+            assert rt.forward.graphs is None  # prefill: no graphs
             misses_before = rt.stats.device_misses
             got, installed = [], None
             for t in range(steps.shape[0]):
                 got.append(rt.run(model.forward_steps(steps[t], cache), tokens=1))
-                installed = installed or model.decode_graphs
-                assert model.decode_graphs is installed, f"step {t}: the segment graphs were replaced"
+                installed = installed or rt.forward.graphs
+                assert rt.forward.graphs is installed, f"step {t}: the segment graphs were replaced"
             assert isinstance(installed, SegmentGraphs) and "cuda" in (installed.refused or "").lower()
             assert rt.graphs_line == f"CUDA graphs refused, decode steps run op by op: {installed.refused}"
             assert rt.stage_depth == 2  # the steps run op by op, and stage as op-by-op steps do
             assert rt.stats.device_misses > misses_before  # decode steps refilled slots: the graphs stayed
-        assert model.decode_graphs is None  # closing the runtime drops them
+        assert rt.forward.graphs is None and not hasattr(model, "decode_graphs")  # closing drops them
     for t, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"step {t}"
 
@@ -357,7 +362,7 @@ def test_segment_graphs_first_step_in_lockstep_with_a_prefill(tree):
             batch, other = ModelCache.stack(rows), model.new_cache()
             decoded, prefilled = rt.run(lockstep([model.forward_steps(step, batch),
                                                   model.forward_steps(prompts[2], other, last_only=True)]), tokens=2)
-            assert isinstance(model.decode_graphs, SegmentGraphs) and model.decode_graphs.refused is not None
+            assert isinstance(rt.forward.graphs, SegmentGraphs) and rt.forward.graphs.refused is not None
     for r in range(2):
         assert torch.equal(decoded[r : r + 1], want_rows[r]), f"decode row {r}"
     assert torch.equal(prefilled, want_prefill)
@@ -374,11 +379,11 @@ def test_stage_depth_is_one_while_segment_graphs_replay_unless_the_flag_says(tre
     for flag, replaying, refused_then in ((None, 1, 2), (3, 3, 3)):
         with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", stage_depth=flag)) as rt:
             assert rt.stage_depth == (flag or 2)  # op by op
-            model.decode_graphs = graphs = SegmentGraphs(model, tensor_core=False)
+            rt.forward.graphs = graphs = SegmentGraphs(model, tensor_core=False)
             assert rt.stage_depth == replaying
             graphs.refused = "RuntimeError: capture failed"
             assert rt.stage_depth == refused_then
-            model.decode_graphs = None
+            rt.forward.graphs = None
 
 def _contiguous(ew):
     c = lambda m: NVFP4Matrix(m.packed.contiguous(), m.scales.contiguous(), m.global_scale.contiguous())  # noqa: E731
@@ -449,4 +454,4 @@ def test_cuda_graphs_flag_is_checked_and_cpu_steps_stay_op_by_op(tree):
             with torch.no_grad():
                 rt.run(model.forward_steps(torch.tensor([3, 5, 7]), cache, last_only=True))
                 rt.run(model.forward_steps(torch.tensor([[9]]), cache), tokens=1)
-            assert model.decode_graphs is None and rt.stats.graph_steps == 0, graphs  # CUDA only
+            assert rt.forward.graphs is None and rt.stats.graph_steps == 0, graphs  # CUDA only

@@ -85,7 +85,7 @@ def test_busy_buffers_are_never_taken():
             pass
 
     a.pins = 0
-    pool.note_copy(a, Pending())  # its H2D copy has not executed
+    a.last_copy = Pending()  # its H2D copy has not executed
     assert pool.take(ExpertKey(0, 2)) is None
     a.last_copy = None
     c = pool.take(ExpertKey(0, 2))
@@ -117,7 +117,8 @@ def test_pool_keeps_hot_experts_under_skew():
     g = torch.Generator().manual_seed(1)
     trace = []
     for _ in range(300):  # experts 0-3 in every token, the rest uniform over 60
-        trace += [ExpertKey(0, e) for e in range(4)] + [ExpertKey(0, 4 + int(x)) for x in torch.randint(0, 60, (4,), generator=g)]
+        trace += [ExpertKey(0, e) for e in range(4)]
+        trace += [ExpertKey(0, 4 + int(x)) for x in torch.randint(0, 60, (4,), generator=g)]
     pool = pool_of(8 * FB)
     for k in trace:
         fill(pool, k)
@@ -210,8 +211,10 @@ def test_odirect_unsupported_falls_back_with_one_note(tmp_path, where):
         return os.open(path, flags)
 
     def preadv(fd, bufs, off):
-        if where == "read" and os.O_DIRECT & int(open(f"/proc/self/fdinfo/{fd}").read().split("flags:")[1].split()[0], 8):
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        if where == "read":
+            flags = open(f"/proc/self/fdinfo/{fd}").read().split("flags:")[1].split()[0]
+            if os.O_DIRECT & int(flags, 8):
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return os.preadv(fd, bufs, off)
 
     try:
@@ -223,7 +226,8 @@ def test_odirect_unsupported_falls_back_with_one_note(tmp_path, where):
             assert res.nbytes == FB and buf[:] == bytes([9]) * FB
         if where != "tmpfs" or fr.mode == "buffered":
             assert fr.mode == "buffered" and not res.direct
-            assert len(notes) == 1 and "O_DIRECT unsupported" in notes[0] and str(p) in notes[0] and "\n" not in notes[0]
+            assert len(notes) == 1 and "O_DIRECT unsupported" in notes[0]
+            assert str(p) in notes[0] and "\n" not in notes[0]
         else:
             assert res.direct and not notes  # this kernel's tmpfs takes O_DIRECT (Linux >= 6.6)
     finally:
@@ -255,7 +259,8 @@ def decode(model, runner):
 
 
 def pool_runtime(tree, model=None, buffers=40, file_reader=None, tracer=None, **kw):
-    opts = RuntimeOptions(device="cpu", host_tier="pool", host_mem=buffers * tree.layout.file_bytes, read_threads=4, **kw)
+    opts = RuntimeOptions(device="cpu", host_tier="pool", host_mem=buffers * tree.layout.file_bytes, read_threads=4,
+                          **kw)
     return StreamingRuntime(tree, model, opts, workers=2, file_reader=file_reader, tracer=tracer)
 
 
@@ -266,17 +271,17 @@ def test_pool_logits_bit_identical_to_mapped(tree, model):
                        ("pool", dict(host_tier="pool", host_mem=40 * tree.layout.file_bytes, read_threads=3)),
                        ("pool-1", dict(host_tier="pool", host_mem=tree.layout.file_bytes, read_threads=1,
                                        gpu_experts=12))):
-        with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=opts.pop("gpu_experts", 48), **opts),
-                              workers=2) as rt:
+        slots = opts.pop("gpu_experts", 48)
+        with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=slots, **opts), workers=2) as rt:
             results[name] = (decode(model, lambda g, t: rt.run(g, tokens=t)), rt.payload(), rt.host_tier_line)
-            if rt.pooled:
-                rt.host.check()
+            if rt.host.kind == "pool":
+                rt.host.pool.check()
     for name, (logits, p, line) in results.items():
         assert all(torch.equal(a, b) for a, b in zip(logits, ref)), name
         assert tuple(p) == PAYLOAD_KEYS + STAGING_KEYS + DISK_KEYS and p["host_tier"] == name.split("-")[0]
         assert line.startswith(f"host tier {p['host_tier']}") and "\n" not in line
     p = results["pool"][1]
-    assert p["pool_misses"] > 0 and p["pool_hits"] > 0 and p["disk_bytes"] + p["page_cache_bytes"] > 0
+    assert p["pool_misses"] > 0 and p["pool_hits"] > 0 and p["bytes_from_disk"] + p["bytes_from_page_cache"] > 0
     assert p["readahead_reads"] > 0  # the next layer's guesses were read into the pool
 
 
@@ -298,17 +303,17 @@ def test_expert_being_read_is_never_handed_out(tree):
     rt = pool_runtime(tree, file_reader=fr)
     try:
         key = ExpertKey(tree.config.moe_layers[0], 5)
-        task = rt.loop.create_task(rt._mapping(key))
+        task = rt.loop.create_task(rt.host.entry(key))
         rt.loop.run_until_complete(asyncio.sleep(0.05))
         assert fr.started.is_set() and not task.done()
-        assert key not in rt.host and rt.host.lookup(key) is None and rt.host.peek(key) is None
-        assert rt.host.reading(key) is not None
+        assert key not in rt.host and rt.host.pool.lookup(key) is None and rt.host.pool.peek(key) is None
+        assert rt.host.pool.reading(key) is not None
         fr.gate.set()
         e = rt.loop.run_until_complete(task)
         assert e.live and key in rt.host
         assert torch.equal(e.data, torch.frombuffer(bytearray(tree.expert_path(key.layer, key.expert).read_bytes()),
                                                     dtype=torch.uint8))
-        rt.host.check()
+        rt.host.pool.check()
     finally:
         fr.gate.set()
         rt.close()
@@ -331,19 +336,20 @@ def test_read_fault_is_one_line_and_pool_stays_consistent(tree, fault, tmp_path)
         return os.preadv(fd, bufs, off)
 
     rt = pool_runtime(tree, file_reader=FileReader(direct=False, preadv=preadv), buffers=4)
-    path_of = rt.host.path_of
-    rt.host.path_of = lambda k: bad if k == key else path_of(k)
+    path_of = rt.host.pool.path_of
+    rt.host.pool.path_of = lambda k: bad if k == key else path_of(k)
     try:
         with pytest.raises(CheckpointError) as ei:
-            rt.loop.run_until_complete(rt._mapping(key))
+            rt.loop.run_until_complete(rt.host.entry(key))
         msg = str(ei.value)
         assert str(bad) in msg and "\n" not in msg
         assert {"eio": "Input/output error", "short": "short read", "truncated": "bytes, expected"}[fault] in msg
-        rt.host.check()
-        assert key not in rt.host and rt.host.reading(key) is None and len(rt.host._free) == rt.host.capacity
+        rt.host.pool.check()
+        pool = rt.host.pool
+        assert key not in rt.host and pool.reading(key) is None and len(pool._free) == pool.capacity
         good = ExpertKey(key.layer, 4)  # the pool still works
-        assert rt.loop.run_until_complete(rt._mapping(good)).live
-        rt.host.check()
+        assert rt.loop.run_until_complete(rt.host.entry(good)).live
+        rt.host.pool.check()
     finally:
         rt.close()
 
@@ -414,3 +420,26 @@ def test_inspect_prints_the_disk_floor(capsys):
     assert main(["inspect", "deep-k3.1-pro", "--host-mem", "6G", "--disk-gbps", "2.0"]) == 0
     line = [l for l in capsys.readouterr().out.splitlines() if "disk floor" in l]
     assert len(line) == 1 and "s/token" in line[0] and "GB/token from disk" in line[0] and "pool" in line[0]
+
+
+def test_both_host_tiers_answer_the_whole_protocol(tree):
+    """The scheduler calls either host tier the same way: each has every method and attribute
+    of `HostReads`, with the same parameters."""
+    import inspect
+
+    from streamrt.runtime.host_reads import HostReads
+    from streamrt.runtime.mapped_reads import MappedReads
+    from streamrt.runtime.pool_reads import PoolReads
+
+    methods = [n for n, v in vars(HostReads).items() if callable(v) and (not n.startswith("_") or n in
+                                                                         ("__len__", "__contains__"))]
+    assert {"lookup", "for_guess", "entry", "guess", "cancel_guesses", "unprotect", "end_step", "close"} <= set(methods)
+    for cls in (MappedReads, PoolReads):
+        for n in methods:
+            want = list(inspect.signature(getattr(HostReads, n)).parameters)
+            assert list(inspect.signature(getattr(cls, n)).parameters) == want, (cls.__name__, n)
+    with StreamingRuntime(tree, None, RuntimeOptions(device="cpu", host_tier="mapped", gpu_experts=8)) as mapped, \
+            pool_runtime(tree) as pooled:
+        for rt in (mapped, pooled):
+            assert all(hasattr(rt.host, a) for a in HostReads.__annotations__), rt.host.kind
+            assert rt.stats.host_tier == rt.host.kind and rt.host_tier_line.startswith(f"host tier {rt.host.kind}")

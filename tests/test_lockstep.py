@@ -56,3 +56,33 @@ def test_lockstep_is_bit_identical_and_shares_each_layers_fetch():
     assert len(merged_provider.requests) == 2 * n_moe
     first = merged_provider.requests[0]
     assert first.ids.shape[0] == 2 + 9 + 8  # the decode rows, a's 9 positions, b's first chunk of 8
+
+
+def test_a_bound_forward_reaches_decode_steps_only_and_lockstep_binds_its_parts():
+    """The driver's `Forward`: a decode step on a cache runs through its graphs (given the step
+    hint), a prefill never does; lockstep hands it to each forward; unbound, a forward runs op by
+    op and nothing is set on the model."""
+    from streamrt.model.model import Forward
+
+    cfg, model, experts = _model()
+    provider = DictExpertProvider(experts)
+    calls = []
+
+    class Graphs:  # stands in for the runtime's decode graphs: records, then runs op by op
+        def steps(self, ids, cache, last_only, step_hint):
+            calls.append((tuple(ids.shape), step_hint))
+            return (yield from model.forward_chunk(ids, cache, last_only, step_hint))
+
+    hinted = []
+    forward = Forward(graphs=Graphs(), step_hint=lambda h: hinted.append(tuple(h.shape)))
+    with torch.no_grad():
+        makers, (batch, _, _) = _forwards(model, cfg, 7)
+        want = run_sync(makers[0](), provider)  # unbound: op by op
+        assert calls == [] and hinted == []
+        makers, _ = _forwards(model, cfg, 7)
+        gen = lockstep([m() for m in makers])
+        gen.bind(forward)
+        got = run_sync(gen, provider)
+    assert torch.equal(got[0], want)
+    assert calls == [((2, 1), forward.step_hint)] and hinted == [(2, cfg.hidden_size)]  # the decode step alone
+    assert not hasattr(model, "decode_graphs") and not hasattr(model, "step_hint")

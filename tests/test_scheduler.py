@@ -1,10 +1,11 @@
 """The streaming runtime end to end on the CPU twin, tiny-k3.1-pro synthesised into a tmp dir:
-logits bit-identical to the direct provider across window, policy, staging and batch; the
+logits bit-identical to the direct provider across window, policy, copies (async, sync) and batch; the
 cyclic-scan and compulsory-miss counts; no full synchronize on the decode path."""
 
 import argparse
 import asyncio
 import gc
+import re
 import weakref
 
 import pytest
@@ -67,8 +68,8 @@ WS = 32  # tiny-k3.1-pro: 8 MoE layers x top-4
         dict(window=2),
         dict(window=WS, gpu_policy="lru", gpu_experts=8),
         dict(window=65536, gpu_policy="lfu", gpu_experts=12),
-        dict(window=2, gpu_policy="lru", gpu_experts=4, staging=False),
-        dict(window=65536, gpu_policy="lru", gpu_experts=16, staging=False),
+        dict(window=2, gpu_policy="lru", gpu_experts=4, copies="sync"),
+        dict(window=65536, gpu_policy="lru", gpu_experts=16, copies="sync"),
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
 )
@@ -83,14 +84,14 @@ def test_logits_bit_identical_and_no_full_synchronize(tree, model, reference, kw
     assert p["device_hits"] + p["device_misses"] == sum(len(ids) for _, ids in rt.stats.trace)
     if kw.get("window") == 2:
         assert p["evictions"] > 0
-    if kw.get("staging", True):
+    if kw.get("copies", "async") == "async":
         assert 0 < p["predicted_recall"] <= 1
     else:
         assert p["predicted_recall"] == 0 and rt.stats.staged == 0
 
 
 def test_window_2_with_lru_reproduces_the_cyclic_scan(tree, model):
-    with runtime(tree, model, window=2, gpu_policy="lru", gpu_experts=4, staging=False) as rt:
+    with runtime(tree, model, window=2, gpu_policy="lru", gpu_experts=4, copies="sync") as rt:
         decode(model, lambda g, n: rt.run(g, tokens=n))
         st = rt.stats
     assert st.host_misses > 0 and st.host_hits == 0 and st.device_hits == 0
@@ -98,7 +99,7 @@ def test_window_2_with_lru_reproduces_the_cyclic_scan(tree, model):
 
 
 def test_window_above_expert_count_gives_compulsory_misses_only(tree, model):
-    with runtime(tree, model, window=65536, gpu_policy="lru", gpu_experts=4, staging=False) as rt:
+    with runtime(tree, model, window=65536, gpu_policy="lru", gpu_experts=4, copies="sync") as rt:
         decode(model, lambda g, n: rt.run(g, tokens=n))
         st = rt.stats
     touched = {ExpertKey(layer, e) for layer, ids in st.trace for e in ids}
@@ -133,6 +134,24 @@ def test_batch_shares_fetches_and_is_bit_identical_to_single(tree, model):
     assert any(len(ids) < 2 * 4 for _, ids in batched)  # some experts were shared: fetched once
 
 
+def test_failure_modes_run_on_the_seed_baseline_not_in_the_scheduler(tree, model):
+    """Asking for a failure mode constructs the seed baseline; the production scheduler's
+    source names none of them."""
+    import inspect
+
+    import streamrt.runtime.scheduler as scheduler
+    from streamrt.runtime.seed_baseline import SeedBaseline
+
+    for kw in (dict(copies="sync"), dict(preparse=True), dict(prefetch="discard"), dict(evict="sync")):
+        with runtime(tree, model, **kw) as rt:
+            assert type(rt) is SeedBaseline, kw
+    with runtime(tree, model) as rt:
+        assert type(rt) is StreamingRuntime
+    src = inspect.getsource(scheduler).split("class StreamingRuntime")[1]
+    src = src.split("def __init__")[1]  # past __new__, which picks the baseline
+    assert not re.search(r"options\.(copies|preparse|prefetch|evict|seed_baseline)\b|\bpooled\b", src)
+
+
 def test_failure_modes_change_cost_not_logits(tree, model, reference):
     with runtime(tree, model, window=3, gpu_experts=8, evict="sync") as rt:
         assert same(decode(model, lambda g, n: rt.run(g, tokens=n)), reference)
@@ -142,7 +161,8 @@ def test_failure_modes_change_cost_not_logits(tree, model, reference):
     with runtime(tree, model, window=65536, prefetch="discard") as rt:
         assert same(decode(model, lambda g, n: rt.run(g, tokens=n)), reference)
         p = rt.payload()
-    assert p["bytes_disk"] > p["host_misses"] * tree.layout.file_bytes  # the discarded reads on top
+    discarded = sum(len(ids) for _, ids in rt.stats.trace)  # every routed file, read for nothing
+    assert p["bytes_read"] == (p["host_misses"] + discarded) * tree.layout.file_bytes
 
     with runtime(tree, model, window=100, preparse=True) as rt:
         assert rt.stats.host_misses == 100  # mapped and parsed at load, in path order
@@ -239,8 +259,8 @@ def test_lagging_copy_events_hold_mappings_and_gate_compute(tree, model, referen
 
 
 def test_decode_step_stages_the_first_moe_layer_from_the_embeddings(tree, model, reference):
-    """Each decode step's first MoE layer is staged before its router speaks (the model's
-    step_hint); the hint is removed after the step, and the logits do not change."""
+    """Each decode step's first MoE layer is staged before its router speaks (the runtime's
+    `Forward.step_hint`, never set on the model), and the logits do not change."""
     staged_layers = []
 
     class Recording(Stager):
@@ -259,7 +279,7 @@ def test_decode_step_stages_the_first_moe_layer_from_the_embeddings(tree, model,
     # the first MoE layer is staged once per decode step (CONT has 2), before any other stage that step
     assert [layer for layer, _ in staged_layers].count(first) == len(CONT)
     assert all(n == 0 for layer, n in staged_layers if layer == first)
-    assert model.step_hint is None
+    assert not hasattr(model, "step_hint") and rt.forward.step_hint is not None
     assert rt.stats.staged > 0
 
 

@@ -5,8 +5,6 @@ cold guesses keep their place while they map; the counters and pins it leaves be
 
 import asyncio
 
-import pytest
-
 from streamrt.runtime.options import DEFAULT_STAGE_DEPTH, RuntimeOptions
 from streamrt.runtime.stager import Stager
 from streamrt.runtime.stats import RuntimeStats
@@ -48,28 +46,46 @@ class FakeGpu:
 
 
 class Host(set):
-    """The mapped keys; a mapping is its key."""
+    """The host-tier protocol (runtime/host_reads.py) over the mapped keys; a mapping is its key,
+    and a cold one maps when the test resolves its future in `maps`."""
+
+    reads_ahead = False
+
+    def __init__(self, mapped, loop):
+        super().__init__(mapped)
+        self.loop, self.maps = loop, {}
 
     def lookup(self, key):
         return key if key in self else None
 
-    peek = lookup
+    for_guess = lookup
+
+    async def guess(self, key, rank):
+        await self.maps.setdefault(key, self.loop.create_future())
+        self.add(key)
+        return True
+
+    def cancel_guesses(self, keys):
+        pass
+
+    async def end_step(self, guesses):
+        if guesses:
+            await asyncio.gather(*guesses, return_exceptions=True)
 
 
 class FakeRuntime:
-    """What the Stager uses of a StreamingRuntime: tiers, loop, options, stats, copy_in, mapping_once."""
+    """What the Stager uses of a StreamingRuntime: tiers, loop, options, stats, stage_depth, copy_in."""
 
     model = None
-    pooled = False
 
     def __init__(self, *, slots=16, mapped=(), **opts):
         self.options = RuntimeOptions(device="cpu", **opts)
         self.stats = RuntimeStats()
         self.gpu = FakeGpu(slots)
-        self.host = Host(mapped)
         self.loop = asyncio.new_event_loop()
+        self.host = Host(mapped, self.loop)
+        self.maps = self.host.maps  # key -> future the test resolves to finish its mapping
         self.copies = []  # keys in the order their copies were issued
-        self.maps = {}  # key -> future the test resolves to finish its mapping
 
     @property
     def stage_depth(self):
@@ -83,10 +99,6 @@ class FakeRuntime:
         self.gpu.ready.append(Ev())
         self.copies.append(key)
         return True
-
-    async def mapping_once(self, key):
-        await self.maps.setdefault(key, self.loop.create_future())
-        self.host.add(key)
 
 
 def keys(layer, ids):
@@ -178,9 +190,8 @@ def test_a_cold_guess_keeps_its_place_while_it_maps():
     rt.loop.close()
 
 
-@pytest.mark.parametrize("staging", [True, False])
-def test_no_predictor_without_a_model_or_with_staging_off(staging):
-    rt = FakeRuntime(staging=staging)
+def test_no_predictor_without_a_model():
+    rt = FakeRuntime()
     st = Stager(rt)
-    assert st.predictor is None and not st.hints_first
+    assert st.predictor is None and not st.hints_first and st.guess(None) is None
     rt.loop.close()

@@ -29,9 +29,9 @@ def files(tmp_path):
     return lambda key: tmp_path / f"{key.layer}_{key.expert}.bin"
 
 
-def host_tier(path_of, window, **kw):
+def host_tier(path_of, window, tier=HostTier, **kw):
     stats, retire, dev = RuntimeStats(), RetireQueue(), CpuDevice()
-    return HostTier(path_of, FILE_BYTES, window, device=dev, retire=retire, stats=stats, **kw), stats, retire, dev
+    return tier(path_of, FILE_BYTES, window, device=dev, retire=retire, stats=stats, **kw), stats, retire, dev
 
 
 def cyclic_trace(tokens=6):
@@ -66,7 +66,7 @@ def test_mapping_is_lazy_zero_copy_and_retired_on_eviction(files):
     assert len(host) == 0  # nothing mapped at construction
     m = host.get(ExpertKey(1, 3))
     assert m.data.dtype == torch.uint8 and m.data.numel() == FILE_BYTES and int(m.data[0]) == 16 + 3
-    assert st.bytes_disk == FILE_BYTES
+    assert st.bytes_read == FILE_BYTES
     host.get(ExpertKey(1, 4))
     host.get(ExpertKey(1, 5))  # evicts (1, 3)
     assert ExpertKey(1, 3) not in host and st.evictions == 1
@@ -76,7 +76,9 @@ def test_mapping_is_lazy_zero_copy_and_retired_on_eviction(files):
 
 
 def test_evict_sync_counts_full_synchronizes(files):
-    host, st, retire, dev = host_tier(files, window=1, evict="sync")
+    from streamrt.runtime.seed_baseline import SyncEvictTier
+
+    host, st, retire, dev = host_tier(files, window=1, tier=SyncEvictTier)
     for e in range(4):
         host.get(ExpertKey(0, e))
     assert dev.full_synchronizes == 3 and st.evictions == 3 and retire.retired == 0 and st.released_sync == 3
@@ -100,14 +102,24 @@ def test_window_zero_is_a_one_line_error_naming_the_flag():
         RuntimeOptions.from_args(p.parse_args(["--window", "0"]))
 
 
+def test_the_old_staging_flag_is_refused_naming_the_new_one(capsys):
+    p = add_runtime_flags(argparse.ArgumentParser(prog="streamrt run"))
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--staging", "off"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--staging was renamed" in err and "--copies sync" in err
+
+
 def test_runtime_flags_parse_and_resolve():
     p = add_runtime_flags(argparse.ArgumentParser())
     args = p.parse_args(["--window", "10", "--host-mem", "64K", "--gpu-experts", "8", "--gpu-policy", "lru",
-                         "--staging", "off", "--preparse", "--prefetch", "discard", "--evict", "sync",
+                         "--copies", "sync", "--preparse", "--prefetch", "discard", "--evict", "sync",
                          "--stats-json", "s.json", "--device", "cpu"])
     o = RuntimeOptions.from_args(args)
-    assert (o.window, o.host_mem, o.gpu_experts, o.gpu_policy, o.staging, o.preparse, o.prefetch, o.evict) == (
-        10, 65536, 8, "lru", False, True, "discard", "sync")
+    assert (o.window, o.host_mem, o.gpu_experts, o.gpu_policy, o.copies, o.preparse, o.prefetch, o.evict) == (
+        10, 65536, 8, "lru", "sync", True, "discard", "sync")
+    assert o.seed_baseline and not RuntimeOptions().seed_baseline
     cfg = SimpleNamespace(working_set_experts=32, expert_files=256, num_experts=32, experts_per_token=4)
     r = o.resolve(cfg, FILE_BYTES, CpuDevice())
     assert (r.window, r.gpu_experts) == (8, 8)  # the window is capped by --host-mem: 64 KiB / 8 KiB
@@ -169,10 +181,11 @@ def test_relocated_views_match_the_parsed_layout():
 
 
 def test_stats_payload_has_exactly_the_documented_keys():
-    p = RuntimeStats(tokens=2, decode_s=1.0, bytes_h2d=5e9, decode_bytes_h2d=4e9).payload(retire=RetireQueue(), device=CpuDevice())
+    st = RuntimeStats(tokens=2, decode_s=1.0, bytes_h2d=5e9, decode_bytes_h2d=4e9)
+    p = st.payload(retire=RetireQueue(), device=CpuDevice())
     assert tuple(p) == PAYLOAD_KEYS == (
         "tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses", "bytes_h2d",
-        "bytes_disk", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
+        "bytes_read", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
         "effective_gbps")
     assert p["s_per_token"] == 0.5 and p["effective_gbps"] == 4.0
 

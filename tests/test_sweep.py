@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-
-
 import streamrt.sweep as sweep
+
+ROOT = Path(__file__).parents[1]
 
 # A stand-in for `streamrt run`: parses the flags the sweep passes, writes the stats JSON with
 # an LRU-like host cliff (window < working set -> no hits), prints `--json` output with a hash.
@@ -31,7 +30,7 @@ ap.add_argument("cmd"); ap.add_argument("--model"); ap.add_argument("--prompt")
 ap.add_argument("--greedy", action="store_true"); ap.add_argument("--json", action="store_true")
 ap.add_argument("--max-new-tokens", type=int); ap.add_argument("--stats-json")
 ap.add_argument("--window", type=int); ap.add_argument("--gpu-experts", type=int)
-ap.add_argument("--gpu-policy"); ap.add_argument("--staging"); ap.add_argument("--preparse", action="store_true")
+ap.add_argument("--gpu-policy"); ap.add_argument("--copies"); ap.add_argument("--preparse", action="store_true")
 ap.add_argument("--prefetch"); ap.add_argument("--evict")
 a = ap.parse_args()
 assert a.cmd == "run" and a.greedy and a.json
@@ -49,7 +48,7 @@ if spread:
     spt *= (1, 4, 2)[k % 3]
 st = {"tokens": n, "s_per_token": spt, "host_hits": hits,
       "host_misses": ws * n - hits, "device_hits": 0, "device_misses": ws * n, "bytes_h2d": 1e6 * n,
-      "bytes_disk": 0, "evictions": 0, "retired": 0, "released": 0, "full_synchronizes": 0,
+      "bytes_read": 0, "evictions": 0, "retired": 0, "released": 0, "full_synchronizes": 0,
       "stall_s": 0.0, "predicted_recall": 0.5, "effective_gbps": 2.0 if a.window < ws else 10.0}
 json.dump(st, open(a.stats_json, "w"))
 h = "bad0" if os.environ.get("FAKE_HASH_AT") == str(a.window) else "98ec1bbb372c9181"
@@ -76,18 +75,24 @@ def fake_streamrt(tmp_path) -> str:
 def test_plan_points_tiny():
     # tiny-k3: 8 MoE layers x top-4 = 32 experts/token, 256 expert files
     pts = sweep.plan_points(32, 256, ["0.35", "1.0", "1.4", "large"], [0.25, 1.0],
-                            ["window", "device", "staging", "failure"])
+                            ["window", "device", "copies", "failure"])
     win = [p.window for p in pts if p.group == "window"]
     assert win == [11, 32, 45, 65536]
     dev = [(p.gpu_experts, p.gpu_policy) for p in pts if p.group == "device"]
     assert {m for m, _ in dev} == {8, 32} and {"lru", "lfu"} <= {pol for _, pol in dev}
-    flags = {" ".join(p.flags): p for p in pts if p.group in ("staging", "failure")}
-    assert set(flags) == {"", "--staging off", "--preparse", "--prefetch discard", "--evict sync"}
-    # staging on/off and the failure modes run with the same small device tier (half the working set)
-    assert {p.gpu_experts for p in pts if p.group in ("window", "staging", "failure")} == {16}
+    flags = {" ".join(p.flags): p for p in pts if p.group in ("copies", "failure")}
+    assert set(flags) == {"", "--copies sync", "--preparse", "--prefetch discard", "--evict sync"}
+    # copies async/sync and the failure modes run with the same small device tier (half the working set)
+    assert {p.gpu_experts for p in pts if p.group in ("window", "copies", "failure")} == {16}
     assert flags["--evict sync"].window == 11  # evictions need a window below the working set
     assert flags["--evict sync"].argv()[:2] == ["--window", "11"]
     assert pts[4].argv()[:6] == ["--window", "65536", "--gpu-experts", "8", "--gpu-policy", pts[4].gpu_policy]
+
+
+def test_old_group_name_is_refused_naming_the_new_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(["--model", str(tmp_path), "--groups", "window,staging"])
+    assert e.value.code == 2 and "staging was renamed copies" in capsys.readouterr().err
 
 
 def test_find_logits_hash():
@@ -109,7 +114,7 @@ def test_sweep_with_stand_in_run(tmp_path, tiny_model, fake_streamrt, capsys, mo
     assert tuple(reader.fieldnames) == sweep.COLUMNS
     for key in ("s_per_token", "host_hits", "effective_gbps", "full_synchronizes", "logits_hash"):
         assert key in reader.fieldnames
-    assert len(rows) == 4 + 2 + 2 + 3  # windows, device (1 frac x 2 policies), staging on/off, failure
+    assert len(rows) == 4 + 2 + 2 + 3  # windows, device (1 frac x 2 policies), copies async/sync, failure
     by_window = {int(r["window"]): r for r in rows if r["group"] == "window"}
     assert float(by_window[11]["host_hit_rate"]) == 0.0  # the cliff, read back from the CSV
     assert float(by_window[45]["host_hit_rate"]) == pytest.approx(2 / 3)
@@ -173,8 +178,10 @@ def test_point_row_flags_differing_hashes_across_repeats():
 def test_unwritable_out_fails_before_the_first_point(tiny_model, tmp_path, fake_streamrt, capsys, monkeypatch):
     monkeypatch.setenv("FAKE_SPREAD_DIR", str(tmp_path))
     (tmp_path / "file").write_text("x")
-    for out, fragment in ((tmp_path / "file", "is not a directory"), (Path("/proc/streamrt-sweep"), "cannot write in /proc")):
-        rc = sweep.main(["--model", str(tiny_model), "--out", str(out), "--groups", "window", "--streamrt", fake_streamrt])
+    for out, fragment in ((tmp_path / "file", "is not a directory"),
+                          (Path("/proc/streamrt-sweep"), "cannot write in /proc")):
+        rc = sweep.main(["--model", str(tiny_model), "--out", str(out), "--groups", "window",
+                         "--streamrt", fake_streamrt])
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("streamrt: --out") and fragment in err and err.count("\n") == 1, err
     assert not list(tmp_path.glob("calls-*"))  # no point ran
@@ -231,7 +238,7 @@ def test_real_sweep_at_tiny(tmp_path):
     t0 = time.perf_counter()
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "sweep.py"), "--model", str(tree), "--tokens", "3",
-                        "--points", "0.35", "large", "--groups", "window,staging", "--out", str(out), "--repeats", "1"],
+                        "--points", "0.35", "large", "--groups", "window,copies", "--out", str(out), "--repeats", "1"],
                        capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout + r.stderr

@@ -18,6 +18,7 @@ from streamrt.expert_weights import ExpertWeights, RoutedExperts
 
 class Backend(Protocol):
     name: str
+    captures_decode: bool  # a decode step's ops can be captured as CUDA graphs (runtime/graph_choice.py)
 
     def for_prefill(self) -> "Backend":
         """Optional: the backend a prefill chunk runs on (the torch one: fixed-tile GEMMs, so a

@@ -57,6 +57,7 @@ class NvrtcBackend(LinearOps, AttentionOps, MoeOps):
     runs on the GEMV kernels (batch-invariant); more run one GEMM (`nvrtc_linear.py`)."""
 
     name = "nvrtc"
+    captures_decode = True  # decode steps replay as CUDA graphs (runtime/graph_choice.py)
 
     def __init__(self, device: torch.device | str | int | None = None, rowwise_max: int = 64):
         if not torch.cuda.is_available():

@@ -3,7 +3,8 @@
 Public API:
     KimiLinearForCausalLM(cfg, backend=be, float_experts=False)   be: a Backend (backends/base.py)
         .forward_steps(input_ids, cache=None, last_only=False)  generator: yields ExpertRequest,
-                                                                 returns logits fp32
+                                                                 returns logits fp32; its driver
+                                                                 may .bind(Forward(graphs, step_hint))
         .forward(input_ids, cache=None, provider=None)         the same, driven by run_sync
         .new_cache(batch, device)                               -> ModelCache
     run_sync(gen, provider) -> logits;  logits_hash(logits) -> str
@@ -15,6 +16,7 @@ knows neither trees nor backends beyond the Backend protocol.
 
 from streamrt.model.cache import ModelCache
 from streamrt.model.model import (
+    Forward,
     KimiLinearForCausalLM,
     dense_state_dict,
     export_float_experts,
@@ -26,6 +28,7 @@ from streamrt.ops import select_topk
 
 __all__ = [
     "ExpertRequest",
+    "Forward",
     "KimiLinearForCausalLM",
     "ModelCache",
     "dense_state_dict",

@@ -21,10 +21,24 @@ from typing import Generator
 import torch
 
 from streamrt.expert_weights import answer_to
+from streamrt.model.model import Forward, ForwardPass
 from streamrt.model.moe import ExpertRequest
 
 
-def lockstep(gens: list[Generator]) -> Generator:
+def lockstep(gens: list[Generator]) -> ForwardPass:
+    """The forwards `gens` as one; a `Forward` bound to it is bound to each of them."""
+
+    def start(forward: Forward) -> Generator:
+        for gen in gens:
+            bind = getattr(gen, "bind", None)  # a model's forward; a wrapped one runs as it is
+            if bind is not None:
+                bind(forward)
+        return _lockstep(gens)
+
+    return ForwardPass(start)
+
+
+def _lockstep(gens: list[Generator]) -> Generator:
     results: dict[int, object] = {}
     pending: dict[int, ExpertRequest] = {}
     for i, gen in enumerate(gens):

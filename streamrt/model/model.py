@@ -11,6 +11,8 @@ D hidden, V vocabulary.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Generator as GeneratorABC
+from dataclasses import dataclass
 from typing import Callable, Generator, Mapping, Protocol
 
 import torch
@@ -60,6 +62,48 @@ class ResidentWeights:
 RESIDENT = ResidentWeights()
 
 
+@dataclass
+class Forward:
+    """What the driver of a model's forwards gives them (the streaming runtime owns one): decode
+    steps' CUDA graphs, and a hint called with a decode step's embeddings [N, D] before its first
+    layer (the runtime stages the first MoE layer's likely experts then). Timing only, never
+    numbers. `graphs.steps(ids, cache, last_only, step_hint)` is a decode step's forward
+    generator: the whole step replayed (runtime/decode_graphs.py) or its stretches between
+    routers (runtime/segment_graphs.py); None: op by op."""
+
+    graphs: object | None = None
+    step_hint: Callable[[Tensor], None] | None = None
+
+
+PLAIN = Forward()
+
+
+class ForwardPass(GeneratorABC):
+    """One forward as a generator (yields ExpertRequest, is sent the experts, returns logits),
+    started on first use. Until then its driver may `bind` a `Forward` to it."""
+
+    def __init__(self, start: Callable[[Forward], ForwardSteps]) -> None:
+        self._start, self._forward, self._gen = start, PLAIN, None
+
+    def bind(self, forward: Forward) -> None:
+        assert self._gen is None, "a forward is bound before it starts"
+        self._forward = forward
+
+    def send(self, value):
+        if self._gen is None:
+            self._gen = self._start(self._forward)
+        return self._gen.send(value)
+
+    def throw(self, typ, val=None, tb=None):
+        if self._gen is None:
+            self._gen = self._start(self._forward)
+        return self._gen.throw(typ, val, tb) if val is not None or tb is not None else self._gen.throw(typ)
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
+
+
 def _free_bytes(device: torch.device) -> int:
     """Free memory where the activations live: the device's (CUDA) or MemAvailable (host)."""
     if device.type == "cuda":
@@ -82,7 +126,8 @@ def default_prefill_chunk(cfg, device) -> int:
         cfg.hidden_size * (8 + len(cfg.attnres_block_starts)),
         6 * max(cfg.kda_proj_dim, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
         4 * max(cfg.intermediate_size, cfg.shared_intermediate_size or 0),
-        cfg.experts_per_token * (3 * cfg.moe_intermediate_size + 2 * cfg.routed_expert_hidden_size) if cfg.num_experts else 0,
+        (cfg.experts_per_token * (3 * cfg.moe_intermediate_size + 2 * cfg.routed_expert_hidden_size)
+         if cfg.num_experts else 0),
     )
     per_row = 4 * sum(widths) + 4 * (cfg.num_experts or 0)
     n = _free_bytes(torch.device(device)) // 4 // max(1, per_row)
@@ -115,7 +160,8 @@ class DecoderLayer(nn.Module):
         cache = step.cache.layers[self.layer_idx] if step.cache is not None else None
         # the mixes and the norms after them are one op each
         if blocks:
-            x = attn_res(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm, be, self.input_layernorm)
+            x = attn_res(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm, be,
+                         self.input_layernorm)
         else:
             x = self.input_layernorm(partial, be)
         if self.block_start:  # the finished block (or the embedding) becomes a source
@@ -159,18 +205,11 @@ class KimiLinearForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.backend = backend
-        # Called with a decode step's embeddings [N, D] before its first layer (the streaming
-        # runtime stages the first MoE layer's likely experts then); timing only, never numbers.
-        self.step_hint = None
         # Tokens per prefill chunk on a cache (None: `default_prefill_chunk` from free memory).
         # Timing and memory only: a position's logits do not depend on it on the torch backend.
         self.prefill_chunk: int | None = None
         # Around every layer: acquire / release its dense weights (RESIDENT: they never move).
         self.layer_weights: LayerWeights = RESIDENT
-        # Decode steps as CUDA graphs, set by the runtime: the whole step once every routed
-        # expert is resident (runtime/decode_graphs.DecodeGraphs), or the parts between two
-        # routers while experts stream (runtime/segment_graphs.SegmentGraphs); None: op by op.
-        self.decode_graphs = None
         self.model = KimiLinearModel(cfg, float_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -178,28 +217,35 @@ class KimiLinearForCausalLM(nn.Module):
 
     @property
     def float_experts(self) -> bool:
-        return any(getattr(l, "block_sparse_moe", None) is not None and l.block_sparse_moe.experts is not None for l in self.model.layers)
+        return any(getattr(l, "block_sparse_moe", None) is not None and l.block_sparse_moe.experts is not None
+                   for l in self.model.layers)
 
     def new_cache(self, batch: int = 1, device=None) -> ModelCache:
         return ModelCache.empty(self.config, batch, device or self.lm_head.weight.device)
 
     def forward_steps(
-        self, input_ids: Tensor, cache: ModelCache | None = None, *, last_only: bool = False, prefill_chunk: int | None = None
-    ) -> ForwardSteps:
+        self, input_ids: Tensor, cache: ModelCache | None = None, *, last_only: bool = False,
+        prefill_chunk: int | None = None,
+    ) -> ForwardPass:
         """input_ids [T] or [B, T] -> logits [T, V] / [B, T, V] fp32 ([.., 1, V] if last_only).
 
         With a cache: T == 1 decodes (rows may sit at different lengths); T > 1 is a
         prefill continuing from the cache (rows must share one length), run in chunks of
         `prefill_chunk` tokens (default `self.prefill_chunk`, else from free memory), one
         ExpertRequest per MoE layer per chunk. Without a cache: the full parallel forward
-        (training, or a reference).
+        (training, or a reference). A decode step runs as its driver's bound `Forward` says.
         """
+        return ForwardPass(lambda forward: self._forward_steps(input_ids, cache, last_only, prefill_chunk, forward))
+
+    def _forward_steps(self, input_ids: Tensor, cache: ModelCache | None, last_only: bool, prefill_chunk: int | None,
+                       forward: Forward) -> ForwardSteps:
         cfg = self.config
         ids = torch.as_tensor(input_ids)
         squeeze = ids.dim() == 1
         ids = ids[None] if squeeze else ids
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise StreamrtError(f"input_ids must be an integer tensor [T] or [B, T], got {tuple(ids.shape)} {ids.dtype}")
+            raise StreamrtError(f"input_ids must be an integer tensor [T] or [B, T], got {tuple(ids.shape)} "
+                                f"{ids.dtype}")
         B, T = ids.shape
         if T == 0:
             raise StreamrtError("input_ids is empty")
@@ -212,8 +258,8 @@ class KimiLinearForCausalLM(nn.Module):
                 raise StreamrtError(f"cache holds {cache.batch} sequences but input_ids has {B}")
             if T > 1 and len(set(cache.lengths)) > 1:
                 raise StreamrtError(f"a prefill on a cache needs rows of one length, got lengths {cache.lengths}")
-        if cache is not None and T == 1 and self.decode_graphs is not None:
-            logits = yield from self.decode_graphs.steps(ids, cache, last_only)  # replayed CUDA graphs
+        if cache is not None and T == 1 and forward.graphs is not None:
+            logits = yield from forward.graphs.steps(ids, cache, last_only, forward.step_hint)  # replayed CUDA graphs
             return logits[0] if squeeze else logits
         if cache is not None and T > 1:
             C = int(prefill_chunk or self.prefill_chunk or default_prefill_chunk(cfg, ids.device))
@@ -226,12 +272,14 @@ class KimiLinearForCausalLM(nn.Module):
                     outs.append(out)
                 logits = outs[-1] if last_only else torch.cat(outs, dim=1)  # [B, T or 1, V]
                 return logits[0] if squeeze else logits
-        logits = yield from self.forward_chunk(ids, cache, last_only)
+        logits = yield from self.forward_chunk(ids, cache, last_only, forward.step_hint)
         return logits[0] if squeeze else logits
 
-    def forward_chunk(self, ids: Tensor, cache: ModelCache | None, last_only: bool) -> ForwardSteps:
+    def forward_chunk(self, ids: Tensor, cache: ModelCache | None, last_only: bool,
+                      step_hint: Callable[[Tensor], None] | None = None) -> ForwardSteps:
         """One forward over ids [B, T] on the model's device, already checked (one prefill
-        chunk, a decode step, or the cache-less form) -> logits [B, T or 1, V]."""
+        chunk, a decode step, or the cache-less form) -> logits [B, T or 1, V]. `step_hint`:
+        called with a decode step's embeddings (`Forward`)."""
         be = self.backend
         B, T = ids.shape
         decode = cache is not None and T == 1
@@ -240,8 +288,8 @@ class KimiLinearForCausalLM(nn.Module):
         step = Step(be=be, batch=B, seqlen=T, cache=cache, start=cache.lengths[0] if cache is not None else 0)
 
         h = self.embed(ids)
-        if self.step_hint is not None and cache is not None and T == 1:
-            self.step_hint(h)
+        if step_hint is not None and cache is not None and T == 1:
+            step_hint(h)
         partial, blocks, weights = h, [], self.layer_weights
         for layer in self.model.layers:
             weights.acquire(layer.layer_idx)  # streamed: the compute waits for its copy (GPU-side)
@@ -254,7 +302,8 @@ class KimiLinearForCausalLM(nn.Module):
         if last_only:  # every op below is row-wise
             rows = torch.arange(B, device=ids.device) * T + (T - 1)
             partial, blocks, T = partial[rows], [b[rows] for b in blocks], 1
-        h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be, self.model.norm)
+        h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be,
+                     self.model.norm)
         logits = be.linear(h, self.lm_head.weight)  # [N, V] fp32
         return logits.view(B, T, -1)
 
@@ -267,7 +316,8 @@ class KimiLinearForCausalLM(nn.Module):
         self, input_ids: Tensor, cache: ModelCache | None = None, provider: ExpertProvider | None = None, *,
         last_only: bool = False, prefill_chunk: int | None = None,
     ) -> Tensor:
-        return run_sync(self.forward_steps(input_ids, cache, last_only=last_only, prefill_chunk=prefill_chunk), provider)
+        gen = self.forward_steps(input_ids, cache, last_only=last_only, prefill_chunk=prefill_chunk)
+        return run_sync(gen, provider)
 
 
 def run_sync(gen: ForwardSteps, provider: ExpertProvider | None) -> Tensor:
@@ -303,7 +353,8 @@ def export_float_experts(model: KimiLinearForCausalLM) -> dict[tuple[int, int], 
         if moe is None or moe.experts is None:
             continue
         for e, ex in enumerate(moe.experts):
-            out[(layer.layer_idx, e)] = {n: getattr(ex, n).weight.detach().float().cpu().clone() for n in ("w1", "w2", "w3")}
+            out[(layer.layer_idx, e)] = {n: getattr(ex, n).weight.detach().float().cpu().clone()
+                                         for n in ("w1", "w2", "w3")}
     if not out:
         raise StreamrtError("model has no float routed experts (build it with float_experts=True)")
     return out

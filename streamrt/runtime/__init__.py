@@ -1,6 +1,9 @@
 """The streaming runtime: asyncio scheduler (`scheduler`), staging (`stager`, with the
-predictor's guesses), the pool tier's disk reads (`pool_reads`), copy/compute streams and
-events (`streams`), loop helpers (`aio`), runtime flags (`options`) and counters (`stats`).
+predictor's guesses), the host tier's one protocol (`host_reads`: mapped files in
+`mapped_reads`, the pool's disk reads in `pool_reads`), the CUDA graphs decode steps replay
+(`graph_choice`), the seed's failure modes for the sweep (`seed_baseline`), copy/compute
+streams and events (`streams`), loop helpers (`aio`), runtime flags (`options`) and counters
+(`stats`).
 
     opts = RuntimeOptions.from_args(args)            # flags from add_runtime_flags(parser)
     rt = StreamingRuntime(tree, model, opts, device=make_device(opts.device), batch=B)

@@ -38,8 +38,9 @@ class StepGraphs:
     addresses), at most `keep` (least recently used first out), and a replay's bookkeeping."""
 
     def __init__(self, model, keep: int, stats):
-        if getattr(model.backend, "name", None) != "nvrtc":
-            raise ValueError("decode graphs need the nvrtc backend (the torch backend reads ids on the host)")
+        if not getattr(model.backend, "captures_decode", False):
+            raise ValueError("decode graphs need a backend that captures decode steps (nvrtc; the torch backend "
+                             "reads ids on the host)")
         self.model, self.keep = model, keep
         self.stats = stats  # RuntimeStats: graph_steps counts the replays
         self._kept: OrderedDict[tuple, tuple] = OrderedDict()
@@ -86,8 +87,9 @@ def lengths_taken_back(cache: ModelCache):
 
 
 class DecodeGraphs(StepGraphs):
-    """`model.decode_graphs` (the model's forward replays through `decode`): every MoE layer's
-    experts in `views` ({layer: {expert: device views}}) and placed in `table`."""
+    """A runtime's `Forward.graphs` once every routed expert is resident (the model's forward
+    replays through `decode`): every MoE layer's experts in `views` ({layer: {expert: device
+    views}}) and placed in `table`."""
 
     def __init__(self, model, table: ExpertTable, views: Mapping[int, Mapping[int, ExpertWeights]], *, keep: int = 4,
                  stats=None):
@@ -103,8 +105,9 @@ class DecodeGraphs(StepGraphs):
         return ResidentExperts(self.views[req.layer], self.table.layer(req.layer), self.table.inter, req.ids,
                                req.layer, self.tensor_core)
 
-    def steps(self, ids: Tensor, cache: ModelCache, last_only: bool):
-        """The model's forward generator for this step: a whole-step replay asks for no experts."""
+    def steps(self, ids: Tensor, cache: ModelCache, last_only: bool, step_hint=None):
+        """The model's forward generator for this step: a whole-step replay asks for no experts
+        (and stages nothing: `step_hint` is not called)."""
         return self.decode(ids, cache, last_only)
         yield  # (unreached: makes this a generator, as every forward is)
 
@@ -112,12 +115,8 @@ class DecodeGraphs(StepGraphs):
         """One decode step of ids [B, 1] (checked, on the device) -> logits [B, 1, V]."""
         key, entry = self._lookup(ids, cache, last_only)
         if entry is None:
-            hint, self.model.step_hint = self.model.step_hint, None  # nothing to stage: every expert is resident
-            try:
-                logits = run_sync(self.model.forward_chunk(ids, cache, last_only), self.answer)
-                self._capture(key, ids, cache, last_only)
-            finally:
-                self.model.step_hint = hint
+            logits = run_sync(self.model.forward_chunk(ids, cache, last_only), self.answer)
+            self._capture(key, ids, cache, last_only)
             return logits
         static_ids, graph, logits = entry
         static_ids.copy_(ids)

@@ -8,8 +8,9 @@ validated values and do not check them again.
     opts.resolve(cfg, file_bytes, device)  -> ResolvedSizes(window, gpu_experts)
 
 The failure-mode switches reproduce the seed's engine for the sweep and are off by default:
-`--preparse`, `--prefetch discard`, `--evict sync`, `--staging off` (pageable, unstaged: the
-baseline).
+`--preparse`, `--prefetch discard`, `--evict sync`, `--copies sync` (pageable, unstaged: the
+baseline). Any of them selects the seed baseline runtime (runtime/seed_baseline.py) in place
+of the production scheduler (`RuntimeOptions.seed_baseline`).
 """
 
 from __future__ import annotations
@@ -98,10 +99,18 @@ def _bytes_of(flag: str) -> Callable:
     return lambda text: parse_bytes(text, flag) if text is not None else None
 
 
-def _on_off(value) -> bool:
-    if value not in ("on", "off", True, False):
-        raise StreamrtError(f"--staging: expected on or off, got {value!r}")
-    return value in ("on", True)
+class _Renamed(argparse.Action):
+    """A flag's old spelling: refused with one line naming the new one."""
+
+    def __init__(self, option_strings, dest, hint: str, **kw) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.hint = hint
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} was renamed: {self.hint}")
+
+
+RENAMED_FLAGS = {"--staging": "use --copies async (was on) or --copies sync (was off)"}
 
 
 def _one_of(choices) -> str:
@@ -124,6 +133,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         else:
             kw["default"] = f.default if spec.default is None else spec.default
         g.add_argument(flag_name(f), help=spec.help, **kw)
+    for old, hint in RENAMED_FLAGS.items():
+        g.add_argument(old, action=_Renamed, hint=hint, dest="_renamed_" + old.strip("-"), default=argparse.SUPPRESS)
     return parser
 
 
@@ -148,9 +159,9 @@ class RuntimeOptions:
                                 metavar="BYTES", parse=_bytes_of("--gpu-mem"))
     gpu_policy: str = _flag(DEFAULT_POLICY, f"device-tier replacement policy (default {DEFAULT_POLICY}: frequency with "
                                             f"aging)", choices=tuple(sorted(POLICIES)))
-    staging: bool = _flag(True, "on: copy stream, page-locked mappings, stage predicted experts of the next layer; "
-                                "off: pageable synchronous copies, no staging (the baseline)",
-                          default="on", choices=("on", "off"), parse=_on_off)
+    copies: str = _flag("async", "async (default): expert copies on the copy stream from page-locked memory, the next "
+                                 "layer's predicted experts staged ahead; sync: pageable synchronous copies, nothing "
+                                 "staged (the seed's engine, a failure mode for the sweep)", choices=("async", "sync"))
     stage_max: int | None = _flag(
         None, "queue at most the N most confident guesses for the next layer for staging (default: every guess "
               "that fits in free device slots); a wrong guess that is issued costs link time and a device slot",
@@ -186,11 +197,12 @@ class RuntimeOptions:
     gds: str = _flag("auto", "pool tier: GPUDirect Storage through kvikio/cuFile where present (auto), required "
                              "(on) or not used (off); the start line says which path runs",
                      choices=("auto", "on", "off"))
-    cuda_graphs: str = _flag("auto", "with the nvrtc backend and the dense layers resident, decode steps replay CUDA "
-                                     "graphs. auto (default): a whole step as one graph once every routed expert sits in "
-                                     "a device slot, and while experts stream the work between two routers as one graph "
-                                     "each; resident: only the former (op by op while experts stream); off: op by op "
-                                     "(the same tokens, more host time)", choices=("auto", "resident", "off"))
+    cuda_graphs: str = _flag(
+        "auto", "with the nvrtc backend and the dense layers resident, decode steps replay CUDA graphs. auto "
+                "(default): a whole step as one graph once every routed expert sits in a device slot, and while "
+                "experts stream the work between two routers as one graph each; resident: only the former (op by op "
+                "while experts stream); off: op by op (the same tokens, more host time)",
+        choices=("auto", "resident", "off"))
     device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
     backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
                                   "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))
@@ -204,12 +216,15 @@ class RuntimeOptions:
             raise StreamrtError(f"--stage-max must be >= 0 (guesses staged per layer), got {self.stage_max}")
         if self.stage_depth is not None and self.stage_depth < 1:
             raise StreamrtError(f"--stage-depth must be >= 1 (staged copies in flight), got {self.stage_depth}")
-        for flag, value, hi in (("--window", self.window, MAX_WINDOW), ("--gpu-experts", self.gpu_experts, MAX_GPU_EXPERTS),
-                                ("--stage-max", self.stage_max, MAX_STAGE), ("--stage-depth", self.stage_depth, MAX_STAGE)):
+        for flag, value, hi in (("--window", self.window, MAX_WINDOW),
+                                ("--gpu-experts", self.gpu_experts, MAX_GPU_EXPERTS),
+                                ("--stage-max", self.stage_max, MAX_STAGE),
+                                ("--stage-depth", self.stage_depth, MAX_STAGE)):
             if value is not None and value > hi:
                 raise StreamrtError(f"{flag} must be at most {hi}, got {value}")
         if self.gpu_policy not in POLICIES:
-            raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of {', '.join(POLICIES)}")
+            raise StreamrtError(f"--gpu-policy: unknown policy {self.gpu_policy!r}; choose one of "
+                                f"{', '.join(POLICIES)}")
         for f in fields(self):
             choices, value = f.metadata["flag"].choices, getattr(self, f.name)
             if choices and isinstance(value, str) and f.name != "gpu_policy" and value not in choices:
@@ -227,6 +242,11 @@ class RuntimeOptions:
                 value = getattr(args, f.name)
                 values[f.name] = parse(value) if parse is not None else value
         return cls(**values)
+
+    @property
+    def seed_baseline(self) -> bool:
+        """Whether a failure mode of the seed is asked for: the runtime is then the seed baseline."""
+        return self.copies == "sync" or self.preparse or self.prefetch == "discard" or self.evict == "sync"
 
     def check_output_paths(self) -> "RuntimeOptions":
         """Before any work: --stats-json and --trace must be writable files (one line, exit 2)."""

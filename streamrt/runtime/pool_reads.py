@@ -4,11 +4,12 @@ buffers by reader threads, routed misses first, guesses behind them by confidenc
     reads = PoolReads(tree, budget, why, options=opts, device=dev, loop=loop, stats=st, tracer=tr)
     e = await reads.entry(key)        # a routed miss: its buffer, read and checked
     ok = await reads.guess(key, rank)  # a guess: read behind every miss; False when no buffer is idle
-    reads.cancel_guess(key)           # its router spoke first: a read not started costs nothing
+    reads.cancel_guesses(keys)        # their router spoke first: a read not started costs nothing
 
 A read is checked on its reader thread (header against the key; the checksum the first time
 with --verify-experts first) and handed out only once complete. `reads.line` is the start
-line saying which read path runs.
+line saying which read path runs. One side of the host-tier protocol (runtime/host_reads.py);
+`MappedReads` is the other.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 from streamrt.checkpoint.expert_file import parse_expert
 from streamrt.errors import StreamrtError
+from streamrt.runtime.aio import settled
 from streamrt.store.disk_reader import DEFAULT_READ_THREADS, DiskReader, FileReader, ReadCancelled, tune_threads
 from streamrt.store.gds import choose_gds
 from streamrt.store.keys import ExpertKey
@@ -27,13 +29,16 @@ POOL_WAIT_S = 30.0  # a routed miss waiting this long for a pool buffer, nothing
 
 
 class PoolReads:
-    def __init__(self, tree, budget: int, why: str, *, options, device, loop, stats, tracer, keys,
+    kind = "pool"
+    reads_ahead = True  # guesses start reading as soon as the previous router spoke, behind its misses
+
+    def __init__(self, tree, budget: int, why: str, *, options, device, loop, stats, tracer, keys, retire,
                  file_reader: FileReader | None = None) -> None:
         """The host tier as a buffer pool under `budget` bytes, its reader threads and the start
         line. `keys`: every expert, in path order (--read-threads auto measures over the first)."""
         fb = tree.layout.file_bytes
         self.tree, self.layout, self.options = tree, tree.layout, options
-        self.loop, self.stats, self.tracer = loop, stats, tracer
+        self.loop, self.stats, self.tracer, self.retire = loop, stats, tracer, retire
         self.pool = PoolTier(lambda key: tree.expert_path(key.layer, key.expert), fb, budget,
                              device=device, stats=stats)
         self.file_reader = file_reader or FileReader()
@@ -53,6 +58,33 @@ class PoolReads:
         )
         self._seq = iter(range(1 << 62))  # FIFO order among reads of one priority class
         self._verified: set[ExpertKey] = set()  # checksummed once in this process (--verify-experts)
+        self.capacity = pool.capacity
+        self.background: set[asyncio.Task] = set()  # guess reads outliving their step
+
+    def __len__(self) -> int:
+        return len(self.pool)
+
+    def __contains__(self, key: ExpertKey) -> bool:
+        return key in self.pool
+
+    def lookup(self, key: ExpertKey) -> PoolEntry | None:
+        """A routed reference: a ready buffer (a pool hit), or None (absent or being read)."""
+        return self.pool.lookup(key)
+
+    def for_guess(self, key: ExpertKey) -> PoolEntry | None:
+        """The ready buffer a staged copy is taken from, without counting a reference."""
+        return self.pool.peek(key)
+
+    def unprotect(self, layer: int | None = None) -> None:
+        """`layer`'s router spoke (None: the step ended): its read-ahead may be evicted now."""
+        self.pool.unprotect(layer)
+
+    async def end_step(self, guesses) -> None:
+        """End of a step: guess reads already started finish into the pool while the next step
+        runs (`close` waits for them)."""
+        self.pool.unprotect()
+        self.background.update(t for t in guesses if not t.done())
+        self.background = {t for t in self.background if not t.done()}
 
     async def entry(self, key: ExpertKey) -> PoolEntry:
         """A routed miss: its buffer, read completely, when this returns (the caller copies from
@@ -103,15 +135,16 @@ class PoolReads:
         await e.future
         return e.live
 
-    def cancel_guess(self, key: ExpertKey) -> None:
-        """`key`'s router spoke and its guess read has not started: it costs no disk time (a
+    def cancel_guesses(self, keys) -> None:
+        """Their router spoke and their guess reads have not started: they cost no disk time (a
         routed one is read again at miss priority by the fetch)."""
-        e = self.pool.reading(key)
-        if e is not None and e.guess and e.pins == 0 and e.job is not None and e.job.cancel():
-            self.pool.fail(e)
-            self.stats.readahead_reads -= 1
-            e.future.set_exception(ReadCancelled(str(key)))
-            e.future.exception()
+        for key in keys:
+            e = self.pool.reading(key)
+            if e is not None and e.guess and e.pins == 0 and e.job is not None and e.job.cancel():
+                self.pool.fail(e)
+                self.stats.readahead_reads -= 1
+                e.future.set_exception(ReadCancelled(str(key)))
+                e.future.exception()
 
     def _submit(self, e: PoolEntry, priority: tuple) -> None:
         loop = self.loop
@@ -148,6 +181,10 @@ class PoolReads:
             e.future.set_exception(exc)
             e.future.exception()  # retrieved: waiters re-raise it
 
-    def close(self) -> None:
-        """Queued reads cancelled, running ones finished."""
+    async def close(self) -> None:
+        """Shutdown: queued reads cancelled, running ones finished, the guess reads still
+        running ended, every copy waited for, the buffers freed."""
         self.reader.close()
+        await settled(self.background)
+        self.retire.drain()
+        self.pool.close()

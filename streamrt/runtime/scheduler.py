@@ -31,12 +31,13 @@ The whole I/O story of a decode step is in `decode_step` and `serve`, top to bot
                 ones still arrive. No host synchronize anywhere on this path.
 
 Completion reaches asyncio by event-query polling (`aio.event_done`), never by blocking the loop.
-Staging (4, and the guesses' pool-tier reads) is `stager.Stager`'s; pool-tier disk reads are
-`pool_reads.PoolReads`'. Batch decode: B rows, one request per layer, its unique ids fetched once.
+Staging (4, and the guesses' reads) is `stager.Stager`'s; the host tier (mapped files or the
+buffer pool, one protocol) is `host_reads`'; the CUDA graphs decode steps replay are chosen by
+`graph_choice` and handed to the model in the runtime's `Forward`. Batch decode: B rows, one
+request per layer, its unique ids fetched once.
 
-Failure modes of the seed, for the sweep (off by default): `--staging off` (no pool, no
-staging, pageable synchronous copies: the baseline), `--prefetch discard`, `--evict sync`,
-`--preparse`.
+The seed's failure modes (`--copies sync`, `--prefetch discard`, `--evict sync`, `--preparse`)
+are not here: asking for one makes this class construct `seed_baseline.SeedBaseline`.
 
 Construction and driving (what `streamrt run` does):
 
@@ -52,19 +53,16 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
 from streamrt.expert_weights import ExpertWeights, unique_ids
-from streamrt.backends.expert_pointers import ExpertTable
-from streamrt.model.model import ResidentWeights
+from streamrt.model.model import Forward
 from streamrt.runtime.aio import event_done, gather_all, new_event_loop, settled
-from streamrt.runtime.decode_graphs import DecodeGraphs
-from streamrt.runtime.segment_graphs import SegmentGraphs
+from streamrt.runtime.graph_choice import GraphChoice
+from streamrt.runtime.host_reads import HostReads, open_host_reads
 from streamrt.runtime.options import DEFAULT_STAGE_DEPTH, SEGMENT_STAGE_DEPTH, RuntimeOptions
-from streamrt.runtime.pool_reads import PoolReads
 from streamrt.runtime.predictor import Predictor
 from streamrt.runtime.stager import Stager
 from streamrt.runtime.stats import RuntimeStats, write_stats_json
@@ -72,7 +70,6 @@ from streamrt.runtime.streamed import StreamedExperts
 from streamrt.runtime.streams import make_device
 from streamrt.store.device_tier import DeviceTier, relocate_views
 from streamrt.store.disk_reader import FileReader
-from streamrt.store.host_tier import HostMapping, HostTier, available_memory, choose_host_tier
 from streamrt.store.keys import ExpertKey
 from streamrt.store.policies import make_policy
 from streamrt.store.retire import RetireQueue
@@ -80,6 +77,15 @@ from streamrt.trace import NullTracer
 
 
 class StreamingRuntime:
+    def __new__(cls, tree, model=None, options: RuntimeOptions | None = None, **kw):
+        """Options asking for a failure mode of the seed construct the seed baseline instead
+        (runtime/seed_baseline.py): this class never branches on them."""
+        if cls is StreamingRuntime and options is not None and options.seed_baseline:
+            from streamrt.runtime.seed_baseline import SeedBaseline
+
+            cls = SeedBaseline
+        return super().__new__(cls)
+
     def __init__(
         self,
         tree,
@@ -102,15 +108,17 @@ class StreamingRuntime:
         self.device = device or make_device(opts.device)
         sizes = opts.resolve(self.cfg, self.layout.file_bytes, self.device, batch=batch)
         self.window, self.gpu_experts = sizes.window, sizes.gpu_experts
+        self.workers = workers or min(16, os.cpu_count() or 1)  # threads mapping cold files
         self.stats = RuntimeStats(trace=[] if record_trace else None)
         self.tracer = tracer or NullTracer()  # streamrt.trace.Tracer for `--trace`
         self.retire = RetireQueue()
-        self.loop = new_event_loop()  # the pool tier's reads answer on it
+        self.loop = new_event_loop()  # the host tier's reads answer on it
         try:
-            self._init_host(sizes.window, file_reader)
+            self.host: HostReads = self._open_host(file_reader)
         except BaseException:  # e.g. --gds on without cuFile: no loop left open
             self.loop.close()
             raise
+        self.stats.host_tier = self.host.kind
         self.gpu = DeviceTier(
             sizes.gpu_experts,
             self.layout.file_bytes,
@@ -119,51 +127,22 @@ class StreamingRuntime:
             stats=self.stats,
         )
         self.model = model
-        self.pool = ThreadPoolExecutor(
-            max_workers=workers or min(16, os.cpu_count() or 1),
-            thread_name_prefix="streamrt-map",
-            initializer=self.device.thread_init,
-        )
         self.stager = stager(self, predictor)
-        self._inflight: dict[ExpertKey, asyncio.Future] = {}  # cold mappings being opened
+        # what the model's forwards driven here are given: the graphs decode steps replay, and the
+        # hint that stages a step's first MoE layer from its embeddings
+        self.forward = Forward(step_hint=self.stager.stage_first if self.stager.hints_first else None)
+        self.graphs = GraphChoice(self)
         self._held: list[ExpertKey] = []  # keys the last served request pinned
         self._transient: dict[ExpertKey, tuple] = {}  # overflow of a request wider than the slab
-        self._verified: set[ExpertKey] = set()  # checksummed once in this process (--verify-experts)
-        self.graphs_refused: str | None = None  # why decode stays op by op with every expert resident
-        if opts.preparse and not self.pooled:
-            self.host.preparse(self._every_key(), lambda buf: parse_expert(buf, self.layout))
 
-    def _init_host(self, window: int, file_reader: FileReader | None) -> None:
-        """The host tier: a pool of buffers filled from the drive (`PoolReads`), or the expert
-        files mapped in place, at most `window` open; and the start line saying which."""
-        opts, fb = self.options, self.layout.file_bytes
-        kind, budget, why = choose_host_tier(opts.host_tier if opts.staging else "mapped",
-                                             self.cfg.expert_files * fb, opts.host_mem,
-                                             available_memory())
-        self.reads: PoolReads | None = None
-        if kind == "pool":
-            self.reads = PoolReads(self.tree, budget, why, options=opts, device=self.device, loop=self.loop,
-                                   stats=self.stats, tracer=self.tracer, keys=self._every_key(),
-                                   file_reader=file_reader)
-            self.host, self.host_tier_line = self.reads.pool, self.reads.line
-        else:
-            self.host = HostTier(
-                lambda key: self.tree.expert_path(key.layer, key.expert),
-                fb,
-                window,
-                device=self.device,
-                retire=self.retire,
-                stats=self.stats,
-                register=opts.staging,  # the baseline copies from pageable mappings
-                evict=opts.evict,
-            )
-            self.host_tier_line = f"host tier mapped ({why}): up to {window} page-locked file mappings"
-        self.stats.host_tier = kind
+    def _open_host(self, file_reader: FileReader | None) -> HostReads:
+        """The host tier: a pool of buffers filled from the drive, or the expert files mapped in
+        place, at most `window` open; its `line` says which."""
+        return open_host_reads(self, file_reader)
 
     @property
-    def pooled(self) -> bool:
-        """The host tier is the pool (issue 21): experts read from the drive into page-locked buffers."""
-        return self.reads is not None
+    def host_tier_line(self) -> str:
+        return self.host.line
 
     # ---- driving the model ----------------------------------------------------------
 
@@ -177,14 +156,16 @@ class StreamingRuntime:
         return self.loop.run_until_complete(self.serve(req))
 
     async def decode_step(self, gen, *, tokens: int = 0) -> torch.Tensor:
+        """`gen`: the model's forward (`model.forward_steps`, or several in `lockstep`); it is
+        given this runtime's `Forward` before it starts."""
         t0, b0 = time.perf_counter(), self.stats.bytes_h2d
         tracer = self.tracer
         tracer.begin_step()
-        if tokens and self.model is not None and self.graphs_refused is None:
-            self._try_decode_graphs()
-        hinted = self.stager.hints_first
-        if hinted:
-            self.model.step_hint = self.stager.stage_first
+        if tokens and self.model is not None:
+            self.graphs.update()
+        bind = getattr(gen, "bind", None)
+        if bind is not None:
+            bind(self.forward)
         try:
             req = next(gen)  # runs the model up to the first MoE router
             while True:
@@ -194,8 +175,6 @@ class StreamingRuntime:
         except StopIteration as stop:
             logits = stop.value
         finally:
-            if hinted:
-                self.model.step_hint = None
             gen.close()
             self._finish_previous()
             await self.stager.settle()
@@ -208,66 +187,20 @@ class StreamingRuntime:
         tracer.end_step()
         return logits
 
-    def _try_decode_graphs(self) -> None:
-        """Decode steps as CUDA graphs, unless --cuda-graphs off, the backend is not nvrtc, dense
-        layers stream, or a trace wants per-layer spans. Once every routed expert sits in a
-        device slot, nothing is left to fetch: whole steps replay (runtime/decode_graphs.py) and
-        skip `serve`; the table of slot pointers is checked once here, and a slot refilled later
-        drops those graphs. Before that, under --cuda-graphs auto, the stretches between routers
-        replay (runtime/segment_graphs.py) and `serve` answers each router as before."""
-        current, resident = self.model.decode_graphs, len(self.gpu) >= self.cfg.expert_files
-        if isinstance(current, DecodeGraphs) or (current is not None and not resident):
-            return  # the graphs in place still fit
-        self.model.decode_graphs = None
-        if (self.options.cuda_graphs == "off" or self.device.kind != "cuda"
-                or getattr(self.model.backend, "name", None) != "nvrtc" or not isinstance(self.model.layer_weights, ResidentWeights)
-                or self.tracer.enabled or self.stats.trace is not None):
-            return
-        if not resident:
-            if self.options.cuda_graphs == "auto":
-                # slots and transient buffers start page-aligned: the layout decides the alignment
-                aligned = self.layout.file_bytes % 8 == 0 and all(off % 8 == 0 for off, _ in self.layout.sections)
-                self.model.decode_graphs = SegmentGraphs(self.model, tensor_core=aligned, stats=self.stats)
-            return
-        table = ExpertTable(self.cfg.moe_layers, self.cfg.num_experts, self.cfg.routed_expert_hidden_size, self.device.torch_device)
-        views: dict[int, dict[int, ExpertWeights]] = {}
-        try:
-            for key in self._every_key():
-                ew = self.gpu.views(self.gpu.slot_of(key), self._slot_views)
-                table.place(key.layer, key.expert, ew)
-                views.setdefault(key.layer, {})[key.expert] = ew
-        except ValueError as e:  # an expert the table's kernels cannot take: op by op, as before
-            self.graphs_refused = str(e)
-            return
-        self.model.decode_graphs = DecodeGraphs(self.model, table, views, stats=self.stats)
-
     @property
     def stage_depth(self) -> int:
         """Staged copies in flight at once: --stage-depth, else one while segment graphs replay and
         two op by op. A replayed step leaves the host waiting on the GPU, free to issue every guess
-        it may; at two in flight, wrong guesses then took the link from the real misses
-        (profiling/RESULTS.md §22: 4x the guesses, 1.27x the time a token at a third of the slots)."""
+        it may; at two in flight, wrong guesses then took the link from the real misses (4x the
+        guesses, 1.27x the time a token at a third of the slots)."""
         if self.options.stage_depth is not None:
             return self.options.stage_depth
-        graphs = self.model.decode_graphs if self.model is not None else None
-        replaying = isinstance(graphs, SegmentGraphs) and graphs.refused is None
-        return SEGMENT_STAGE_DEPTH if replaying else DEFAULT_STAGE_DEPTH
+        return SEGMENT_STAGE_DEPTH if self.graphs.replaying_segments else DEFAULT_STAGE_DEPTH
 
     @property
     def graphs_line(self) -> str | None:
-        """Why decode steps run op by op although CUDA graphs were asked for (the slot table
-        refused an expert, or a segment graph capture failed); None otherwise."""
-        reason = self.graphs_refused or getattr(self.model.decode_graphs if self.model is not None else None, "refused", None)
-        return None if reason is None else f"CUDA graphs refused, decode steps run op by op: {reason}"
-
-    def _drop_decode_graphs(self) -> None:
-        if self.model is not None:
-            self.model.decode_graphs = None
-
-    def _drop_resident_graphs(self) -> None:
-        """A slot is refilled: whole-step graphs point into the slots (segment graphs do not)."""
-        if self.model is not None and isinstance(self.model.decode_graphs, DecodeGraphs):
-            self.model.decode_graphs = None
+        """Why decode steps run op by op although CUDA graphs were asked for; None otherwise."""
+        return self.graphs.line
 
     # ---- one layer request: the I/O story ---------------------------------------------
 
@@ -279,8 +212,7 @@ class StreamingRuntime:
         #    spoken: guesses still queued are dropped (routed ones are fetched as misses in 3).
         host_ids, guess = await self._route(req)
         self.stager.drop(layer)
-        if self.pooled:
-            self.host.unprotect(layer)  # its read-ahead may be evicted from now on
+        self.host.unprotect(layer)  # its read-ahead (pool tier) may be evicted from now on
 
         # 2. finish: the previous layer's compute is queued; mark its slots' last use, unpin.
         self._finish_previous()
@@ -289,8 +221,6 @@ class StreamingRuntime:
         self.stager.routed(layer, ids)
         if self.stats.trace is not None:
             self.stats.trace.append([layer, ids])
-        if self.options.prefetch == "discard":
-            await self._discard_reads(keys)  # the seed's failure mode: traffic for nothing
         self.gpu.pin(keys)
         self._held = keys
 
@@ -348,8 +278,8 @@ class StreamingRuntime:
         """`t` on the host, without blocking the host thread on the GPU reaching it: from a CUDA
         device a non-blocking copy into page-locked memory, then a compute-stream event polled
         (other tasks, the staging feeder, run meanwhile). Elsewhere a plain `.cpu()`."""
-        if self.device.kind != "cuda" or not t.is_cuda or not self.options.staging:
-            return t.cpu()  # (the --staging off baseline keeps the seed's blocking transfer)
+        if self.device.kind != "cuda" or not t.is_cuda:
+            return t.cpu()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         await event_done(self.device.record_compute_event())
@@ -357,38 +287,30 @@ class StreamingRuntime:
 
     async def _fetch_misses(self, keys: list[ExpertKey], guess: tuple[int, list[int]] | None) -> None:
         """Step 3: every miss of `keys` issued at once; returns when all are on the copy stream.
-        Open mappings are copied now, cold files once mapped (or read, on the pool tier, where
-        the next layer's guesses start reading behind the misses)."""
+        Host hits are copied now, cold ones once mapped or read; on a host tier that reads ahead
+        (the pool), the next layer's guesses start reading behind the misses."""
         cold = []
         for key in keys:
             if self.gpu.lookup(key) is not None:
-                continue
-            if not self.options.staging:  # baseline: synchronous map + pageable copy, one by one
-                self.copy_in(key, self.host.lookup(key) or self.host.insert(self._open(key)))
                 continue
             m = self.host.lookup(key)
             if m is not None:
                 self.copy_in(key, m)
             else:
                 cold.append(key)
-        if self.pooled:  # misses submitted first, then the next layer's guesses behind them
-            t = time.perf_counter()
-            fetches = [self.loop.create_task(self._fetch(k)) for k in cold]
-            if guess is not None:
-                self.stager.read_ahead(*guess)
-            if fetches:
-                await gather_all(fetches)
-                self.stats.stall_s += time.perf_counter() - t
-        elif cold:
-            t = time.perf_counter()
-            await gather_all(self._fetch(k) for k in cold)
+        t = time.perf_counter()
+        fetches = [self.loop.create_task(self._fetch(k)) for k in cold]  # misses submitted first
+        if guess is not None:
+            self.stager.read_ahead(*guess)
+        if fetches:
+            await gather_all(fetches)
             self.stats.stall_s += time.perf_counter() - t
 
     def _before_staging(self, layer: int) -> None:
         """Step 3b, between fetch and stage: `layer`'s misses are all queued on the copy stream
         and layer+1's guesses not yet: the next streamed layer's dense weights go on the link
-        here, certain bytes behind this layer's misses and ahead of speculative ones (issue 22,
-        runtime/dense_stream.py; the model's `layer_weights`, a no-op when all is resident)."""
+        here, certain bytes behind this layer's misses and ahead of speculative ones
+        (runtime/dense_stream.py; the model's `layer_weights`, a no-op when all is resident)."""
         dense = getattr(self.model, "layer_weights", None)  # None: no model given
         if dense is not None:
             dense.prefetch(layer + 1)
@@ -402,123 +324,63 @@ class StreamingRuntime:
                 views[key.expert], events[key.expert] = self._transient[key]
                 continue
             slot = self.gpu.slot_of(key)
-            views[key.expert] = self.gpu.views(slot, self._slot_views)
+            views[key.expert] = self.gpu.views(slot)
             if self.gpu.ready[slot] is not None:
                 events[key.expert] = self.gpu.ready[slot]
         return views, events
 
-    def copy_in(self, key: ExpertKey, m: HostMapping, *, required: bool = True) -> bool:
-        """Give `key` a slot and queue its copy from mapping `m` (one ready event)."""
+    def copy_in(self, key: ExpertKey, m, *, required: bool = True) -> bool:
+        """Give `key` a slot and queue its copy from host entry `m` (one ready event)."""
         if key in self.gpu or key in self._transient:
             return True
-        self._drop_resident_graphs()  # a slot may be refilled: the whole-step graphs' table would go stale
+        self.graphs.slot_refilled()  # a slot may be refilled: the whole-step graphs' table would go stale
         slot = self.gpu.admit(key, required=False)
         if slot is None:  # every slot pinned: only a request wider than the slab gets here
             if required:
-                buf, ev = self.gpu.fill_transient(m.data, pinned=m.registered)
-                self.host.note_copy(m, ev)
-                self._transient[key] = (relocate_views(parse_expert(m.data, self.layout), m.data, buf), ev)
+                buf, m.last_copy = self.gpu.fill_transient(m.data, pinned=m.registered)
+                self._transient[key] = (relocate_views(parse_expert(m.data, self.layout), m.data, buf), m.last_copy)
             return required
         with self.tracer.span("copy", "expert", stream=self.device.copy_stream,
                               layer=key.layer, expert=key.expert, bytes=m.nbytes):
             self.gpu.fill(slot, m.data, pinned=m.registered)
-        self.host.note_copy(m, self.gpu.ready[slot])  # a pool buffer is not reused before it
-        # The slot's views (built once, from the first mapping copied into it: same layout).
-        self.gpu.views(slot, lambda t: relocate_views(parse_expert(m.data, self.layout), m.data, t))
+        m.last_copy = self.gpu.ready[slot]  # a pool buffer is not reused before it
+        # The slot's views (built once, from the first entry copied into it: same layout).
+        self.gpu.build_views(slot, lambda t: relocate_views(parse_expert(m.data, self.layout), m.data, t))
         return True
 
     async def _fetch(self, key: ExpertKey) -> None:
-        """A cold miss: copied the moment its mapping arrives (no-op if staging got it first)."""
-        self.copy_in(key, await self._mapping(key))
+        """A cold miss: copied the moment its entry arrives (no-op if staging got it first)."""
+        self.copy_in(key, await self.host.entry(key))
 
-    def _slot_views(self, slot_tensor):  # views are always built in copy_in first
-        raise AssertionError("slot views requested before the slot was filled")
-
-    async def _mapping(self, key: ExpertKey) -> HostMapping:
-        """The open mapping of `key`, live when this returns (the caller copies from it before
-        its next await): a host hit, a fill already in flight, or a new one mapped (and
-        page-locked) on the pool, inserted into the host window on this thread. A fill shared
-        with another task may have been evicted again by the time this task resumes (a window
-        smaller than the request): then map it once more."""
-        while True:
-            m = await self.mapping_once(key)
-            if m.live:
-                return m
-
-    async def mapping_once(self, key: ExpertKey) -> HostMapping:
-        if self.pooled:
-            return await self.reads.entry(key)
-        m = self.host.lookup(key)
-        if m is not None:
-            return m
-        fut = self._inflight.get(key)
-        if fut is None:
-            fut = self._inflight[key] = self.loop.create_future()
-            try:
-                with self.tracer.span("host-io", "map", layer=key.layer, expert=key.expert, bytes=self.layout.file_bytes):
-                    m = await self.loop.run_in_executor(self.pool, self._open, key)
-                m = self.host.insert(m)
-                fut.set_result(m)
-            except BaseException as e:
-                fut.set_exception(e)
-                fut.exception()  # retrieved: waiters re-raise it
-                raise
-            finally:
-                del self._inflight[key]
-            return m
-        return await fut
-
-    def _open(self, key: ExpertKey) -> HostMapping:
-        """Pool thread: map (+ register) and validate the header against the key."""
-        m = self.host.open_mapping(key)
-        try:
-            parse_expert(m.data, self.layout, name=str(m.path), expect=(key.layer, key.expert))
-            if self.options.verify_experts == "first" and key not in self._verified:
-                # hash the mapped bytes (no second read) under the manifest's rule
-                self.tree.check_expert(key.layer, key.expert, data=m.data)
-                self._verified.add(key)
-        except BaseException:
-            m.release()
-            raise
-        return m
-
-    async def _discard_reads(self, keys: list[ExpertKey]) -> None:
-        """`--prefetch discard`: read each routed file into a throwaway buffer (aiofiles)."""
-        import aiofiles
-
-        async def read(key: ExpertKey) -> None:
-            async with aiofiles.open(self.host.path_of(key), "rb", executor=self.pool) as f:
-                self.stats.bytes_disk += len(await f.read())
-
-        await gather_all(read(k) for k in keys)
+    # ---- setup ------------------------------------------------------------------------
 
     def preload(self, keys=None) -> int:
         """Setup, not decode: copy `keys` (default every expert, in path order) into free device
         slots until the slab is full, e.g. to measure all-resident compute. Returns how many."""
         n = 0
-        for key in self._every_key() if keys is None else keys:
+        for key in self.every_key() if keys is None else keys:
             if len(self.gpu) >= self.gpu.slots:
                 break
             if key not in self.gpu:
-                m = self.loop.run_until_complete(self._mapping(key))
+                m = self.loop.run_until_complete(self.host.entry(key))
                 self.copy_in(key, m, required=False)
                 n += 1
         self.retire.release()
         return n
 
     def warm_host(self, keys=None) -> int:
-        """Setup, not decode: map (checksum on first map, page-lock) `keys` (default every
-        expert) into the host window, as many as it holds, concurrently on the pool; no device
-        copies. A long-running process reaches this state by itself; benchmarks that measure
-        steady-state decode with "experts in host RAM" start from it. Returns how many."""
-        keys = [k for k in (self._every_key() if keys is None else keys) if self.host.lookup(k) is None]
-        keys = keys[: max(0, (self.host.capacity if self.pooled else self.window) - len(self.host))]
+        """Setup, not decode: bring `keys` (default every expert) into the host tier (checksum
+        on first map, page-lock), as many as it holds, concurrently; no device copies. A
+        long-running process reaches this state by itself; benchmarks that measure steady-state
+        decode with "experts in host RAM" start from it. Returns how many."""
+        keys = [k for k in (self.every_key() if keys is None else keys) if self.host.lookup(k) is None]
+        keys = keys[: max(0, self.host.capacity - len(self.host))]
         if keys:
-            self.loop.run_until_complete(gather_all(self._mapping(k) for k in keys))
+            self.loop.run_until_complete(gather_all(self.host.entry(k) for k in keys))
         self.retire.release()
         return len(keys)
 
-    def _every_key(self) -> list[ExpertKey]:
+    def every_key(self) -> list[ExpertKey]:
         """Every routed expert of the model, in path order (layer, then expert)."""
         return [ExpertKey(l, e) for l in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
 
@@ -526,7 +388,7 @@ class StreamingRuntime:
 
     def payload(self) -> dict:
         """The `--stats-json` object."""
-        disk = self.pooled or self.options.host_tier != "auto"
+        disk = self.host.kind == "pool" or self.options.host_tier != "auto"
         return self.stats.payload(retire=self.retire, device=self.device, staging=True, disk=disk)
 
     def reset_stats(self) -> None:
@@ -553,7 +415,7 @@ class StreamingRuntime:
     def close(self) -> None:
         if self.loop.is_closed():
             return
-        self._drop_decode_graphs()  # the graphs point into this runtime's slots
+        self.graphs.drop()  # the graphs point into this runtime's slots
         # a step cut short (Ctrl-C) leaves its tasks pending: cancel them, else closing the loop
         # prints "Task was destroyed but it is pending!" for each, and settle() could wait on them
         leftover = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
@@ -561,12 +423,7 @@ class StreamingRuntime:
             t.cancel()
         self.loop.run_until_complete(settled(leftover))
         self.loop.run_until_complete(self.stager.settle())
-        if self.reads is not None:
-            self.reads.close()  # queued reads cancelled, running ones finished
-            self.loop.run_until_complete(self.stager.close())
-            self.retire.drain()
-        self.host.close()
-        self.pool.shutdown(wait=True)
+        self.loop.run_until_complete(self.host.close())
         self.loop.close()
         self.gpu.release()  # else the slab lives as long as the runtime object does
 

@@ -39,7 +39,7 @@ from streamrt.runtime.decode_graphs import StepGraphs, lengths_taken_back
 
 
 class SegmentGraphs(StepGraphs):
-    """`model.decode_graphs` while experts stream: steps of shapes seen before replay a chain of
+    """A runtime's `Forward.graphs` while experts stream: steps of shapes seen before replay a chain of
     graphs (kept per key as `StepGraphs` keeps them: static ids, [(graph, request it ends on, or
     None for the last)], static logits). `tensor_core`: the experts' sections meet the
     tensor-core kernels' alignment (a property of the expert layout, checked again on every
@@ -55,20 +55,20 @@ class SegmentGraphs(StepGraphs):
         self._pointers = ExpertPointerCache(self.device)
         self.refused: str | None = None  # why a capture failed: steps stay op by op from then on
 
-    def steps(self, ids: Tensor, cache: ModelCache, last_only: bool):
+    def steps(self, ids: Tensor, cache: ModelCache, last_only: bool, step_hint=None):
         """One decode step of ids [B, 1] (checked, on the device) as the model's forward generator
-        -> logits [B, 1, V]."""
+        -> logits [B, 1, V]; `step_hint` called with its embeddings first (never in a capture)."""
         if self.refused is not None:
-            return (yield from self.model.forward_chunk(ids, cache, last_only))
+            return (yield from self.model.forward_chunk(ids, cache, last_only, step_hint))
         key, chain = self._lookup(ids, cache, last_only)
         if chain is None:
-            logits = yield from self._table_answered(self.model.forward_chunk(ids, cache, last_only))
+            logits = yield from self._table_answered(self.model.forward_chunk(ids, cache, last_only, step_hint))
             self._capture(key, ids, cache, last_only)
             return logits
         static_ids, segments, logits = chain
         static_ids.copy_(ids)
-        if self.model.step_hint is not None:  # before segment 0, which runs to the first router
-            self.model.step_hint(self.model.embed(ids))
+        if step_hint is not None:  # before segment 0, which runs to the first router
+            step_hint(self.model.embed(ids))
         for graph, req in segments:
             graph.replay()  # on the current stream, behind the table copy and the copy waits
             if req is not None:
@@ -98,7 +98,8 @@ class SegmentGraphs(StepGraphs):
             views[e] = experts.take(e)
             p = self._pointers.get(views[e], e, self.routed_width)
             if p.inter != self.inter:
-                raise StreamrtError(f"layer {req.layer} expert {e}: intermediate size {p.inter}, the config's {self.inter}")
+                raise StreamrtError(f"layer {req.layer} expert {e}: intermediate size {p.inter}, "
+                                    f"the config's {self.inter}")
             if self.tensor_core and (p.gate_scales | p.up_scales | p.down_scales) % 8:
                 raise StreamrtError(f"layer {req.layer} expert {e}: scales not 8-byte aligned, unlike the layout "
                                     "the step's graphs were captured for")
@@ -109,15 +110,15 @@ class SegmentGraphs(StepGraphs):
     def _answer(self, req, views=None) -> ResidentExperts:
         """The answer from the table: the layer's rows on the device, the router's ids left there
         (the views beside them, where taken, serve a backend that reads those instead)."""
-        return ResidentExperts(views or {}, self.table.layer(req.layer), self.inter, req.ids, req.layer, self.tensor_core)
+        return ResidentExperts(views or {}, self.table.layer(req.layer), self.inter, req.ids, req.layer,
+                               self.tensor_core)
 
     def _capture(self, key: tuple, ids: Tensor, cache: ModelCache, last_only: bool) -> None:
         """Capture the step for ids' shape on this cache as a chain of graphs, each ending at a
         router. A failed capture leaves this step's (op by op) logits as they were and
         every later step op by op."""
         static_ids = ids.clone()
-        hint, self.model.step_hint = self.model.step_hint, None  # no staging from inside a capture
-        gen = self.model.forward_chunk(static_ids, cache, last_only)
+        gen = self.model.forward_chunk(static_ids, cache, last_only)  # no step hint: nothing staged in a capture
         with lengths_taken_back(cache):
             try:
                 segments, logits = self._record(gen)
@@ -127,7 +128,6 @@ class SegmentGraphs(StepGraphs):
                 return
             finally:
                 gen.close()
-                self.model.step_hint = hint
         self._keep(key, (static_ids, segments, logits))
 
     def _record(self, gen) -> tuple[list, Tensor]:

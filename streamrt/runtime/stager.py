@@ -5,8 +5,8 @@ queue and are fed to the copy stream behind layer l's misses, at most `--stage-d
 copies in flight at once; when layer l+1's router speaks, the guesses still queued are dropped
 (a routed one is then fetched as an ordinary miss), so real misses queue behind at most that
 many guesses and a guess never issued costs no link time. The first MoE layer of a decode step
-is staged from the step's token embeddings (the model's `step_hint`), while the dense layers
-compute. On the pool tier, guesses also start reading from disk as soon as the previous router
+is staged from the step's token embeddings (the runtime's `Forward.step_hint`), while the
+dense layers compute. On the pool tier, guesses also start reading from disk as soon as the previous router
 spoke (`read_ahead`), behind every routed miss.
 
     stager = Stager(rt)              # rt: the StreamingRuntime whose tiers it fills
@@ -19,8 +19,8 @@ The counters it keeps (`RuntimeStats`): `staged` (issued copies), `stage_dropped
 never issued), `predicted` / `routed` (recall). `StreamingRuntime(..., stager=factory)` takes
 another factory `rt -> Stager`: the tests observe staging through a subclass.
 
-What it uses of the runtime: `gpu`, `host`, `pooled`, `reads` (pool tier), `loop`, `options`,
-`stats`, `copy_in(key, mapping, required=False)` and `mapping_once(key)`.
+What it uses of the runtime: `gpu`, `host` (the host-tier protocol, runtime/host_reads.py),
+`loop`, `options`, `stats`, `stage_depth` and `copy_in(key, entry, required=False)`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import asyncio
 
 import torch
 
-from streamrt.runtime.aio import settled
 from streamrt.runtime.predictor import Predictor
 from streamrt.store.keys import ExpertKey
 
@@ -39,16 +38,15 @@ MAPPING = object()  # `_issue`: the guess's mapping is still being opened; it ke
 class Stager:
     def __init__(self, rt, predictor: Predictor | None = None) -> None:
         self.rt = rt
-        if predictor is None and rt.model is not None and rt.options.staging:
+        if predictor is None and rt.model is not None:
             predictor = Predictor.from_model(rt.model)
-        self.predictor = predictor if rt.options.staging else None
+        self.predictor = predictor
         self.queue: dict[int, list[ExpertKey]] = {}  # layer -> guesses not yet issued, by rank
         self.outstanding: list = []  # ready events of issued staged copies, not seen complete
         self.feeder: asyncio.Task | None = None  # feeds the queue while guesses wait
         self.predicted: dict[int, set[int]] = {}  # layer -> ids predicted for it
         self.staged: dict[int, list[ExpertKey]] = {}  # layer -> keys pinned for it by staging
-        self.guess_maps: dict[ExpertKey, asyncio.Task] = {}  # cold guess -> its mapping task (this step)
-        self.background: set[asyncio.Task] = set()  # pool-tier guess reads outliving their step
+        self.guess_maps: dict[ExpertKey, asyncio.Task] = {}  # cold guess -> its mapping or read task (this step)
 
     # ---- the predictor's guesses -----------------------------------------------------------
 
@@ -73,7 +71,7 @@ class Stager:
             self.rt.stats.routed += len(ids)
 
     def stage_first(self, embeddings: torch.Tensor) -> None:
-        """Decode-step start (the model's step_hint): queue the first MoE layer's guess (the
+        """Decode-step start (`Forward.step_hint`): queue the first MoE layer's guess (the
         first --stage-depth issued now) while the dense layers compute, leaving slots for that
         layer's misses."""
         gpu = self.rt.gpu
@@ -147,8 +145,7 @@ class Stager:
                 return MAPPING
             rt.stats.stage_dropped += 1
             return None
-        src = rt.host.peek(key) if rt.pooled else rt.host.lookup(key)
-        if not rt.copy_in(key, src, required=False):
+        if not rt.copy_in(key, rt.host.for_guess(key), required=False):
             rt.stats.stage_dropped += 1
             return None
         rt.gpu.pin((key,))
@@ -169,26 +166,24 @@ class Stager:
             delay = min(1e-4, delay * 2 or 5e-6)
 
     async def stage_cold(self, key: ExpertKey, rank: int = 0) -> None:
-        """A cold guess: map it on the pool (mapped tier), or read it from disk into a pool buffer
-        behind every routed miss, most confident first (pool tier); if its turn has come, it is
-        copied at once."""
-        rt = self.rt
+        """A cold guess: mapped (mapped tier), or read from disk into a pool buffer behind every
+        routed miss, most confident first (pool tier); if its turn has come, it is copied at once."""
         try:
-            if rt.pooled:
-                if not await rt.reads.guess(key, rank):
-                    return
-            else:
-                await rt.mapping_once(key)
+            if not await self.rt.host.guess(key, rank):
+                return
         except Exception:  # a guess is no error: if routed, its fetch maps it again and raises
             return
         if self.queue:
             self.pump()  # the mapping is live now
 
     def read_ahead(self, layer: int, ids: list[int]) -> None:
-        """Pool tier, as soon as layer-1's router spoke: `layer`'s predicted experts start
-        reading into the pool (most confident first, behind every routed miss), so the drive
-        never idles at the tail of a layer's misses. Staging copies them later (`stage`)."""
+        """As soon as layer-1's router spoke, on a host tier that `reads_ahead` (the pool):
+        `layer`'s predicted experts start reading (most confident first, behind every routed
+        miss), so the drive never idles at the tail of a layer's misses. Staging copies them
+        later (`stage`)."""
         rt = self.rt
+        if not rt.host.reads_ahead:
+            return
         cap = rt.options.stage_max if rt.options.stage_max is not None else len(ids)
         for rank, e in enumerate(ids[:cap]):
             key = ExpertKey(layer, e)
@@ -205,9 +200,7 @@ class Stager:
         rt = self.rt
         queue = self.queue.pop(layer, ())
         rt.stats.stage_dropped += sum(1 for key in queue if key not in rt.gpu)
-        if rt.pooled:
-            for key in [k for k in self.guess_maps if k.layer == layer]:
-                rt.reads.cancel_guess(key)
+        rt.host.cancel_guesses([k for k in self.guess_maps if k.layer == layer])
 
     def unpin(self, layer: int) -> None:
         """`layer` has been served and its compute queued: what staging pinned for it may go."""
@@ -223,17 +216,8 @@ class Stager:
             self.feeder.cancel()
             await asyncio.gather(self.feeder, return_exceptions=True)
             self.feeder = None
-        if rt.pooled:  # reads already started finish into the pool while the next step runs
-            rt.host.unprotect()
-            self.background.update(t for t in self.guess_maps.values() if not t.done())
-            self.background = {t for t in self.background if not t.done()}
-        elif self.guess_maps:
-            await asyncio.gather(*self.guess_maps.values(), return_exceptions=True)
+        await rt.host.end_step(list(self.guess_maps.values()))
         self.guess_maps.clear()
         for layer in list(self.staged):
             rt.gpu.unpin(self.staged.pop(layer))
         self.predicted.clear()
-
-    async def close(self) -> None:
-        """Shutdown, after the reader closed: the guess reads still running end."""
-        await settled(self.background)

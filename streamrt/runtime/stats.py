@@ -4,8 +4,8 @@ Every byte moved and every stall is accounted for:
   host_hits / host_misses      host-tier lookups (a miss maps, and on CUDA page-locks, a file)
   device_hits / device_misses  device-tier references (one per unique expert per layer request)
   bytes_h2d                    bytes copied host -> device slots (staged predictions included)
-  bytes_disk                   bytes of expert files newly mapped (page cache or disk), plus
-                               `--prefetch discard` reads
+  bytes_read                   bytes of expert files newly mapped or read (from the page cache
+                               or the drive), plus `--prefetch discard` reads
   evictions                    host-tier evictions (each retires one mapping)
   retired / released           mappings queued on the RetireQueue / released from it
   full_synchronizes            device-wide synchronizes (0 on the decode path by design)
@@ -34,19 +34,19 @@ from pathlib import Path
 
 PAYLOAD_KEYS = (
     "tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses", "bytes_h2d",
-    "bytes_disk", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
+    "bytes_read", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",
     "effective_gbps",
 )
 STAGING_KEYS = ("staged", "stage_dropped", "graph_steps")
 # Disk tier (issue 21): where the expert bytes came from. Added to a runtime's payload when the
 # pool tier runs or --host-tier was given (see DISK_DOC below).
-DISK_KEYS = ("host_tier", "disk_bytes", "page_cache_bytes", "pool_hits", "pool_misses", "readahead_reads",
+DISK_KEYS = ("host_tier", "bytes_from_disk", "bytes_from_page_cache", "pool_hits", "pool_misses", "readahead_reads",
              "readahead_used")
 DISK_DOC = """
   host_tier          mapped | pool
-  disk_bytes         expert bytes that came from the drive: O_DIRECT reads, plus mapped or
+  bytes_from_disk    expert bytes that came from the drive: O_DIRECT reads, plus mapped or
                      buffered bytes not in the page cache when opened (mincore)
-  page_cache_bytes   expert bytes mapped or read that the page cache already held
+  bytes_from_page_cache   expert bytes mapped or read that the page cache already held
   pool_hits / pool_misses   pool-tier references served from a ready buffer / read from disk
   readahead_reads    predicted experts read into the pool ahead of their router
   readahead_used     of those, routed later while still in the pool (a read-ahead that paid)
@@ -63,7 +63,7 @@ class RuntimeStats:
     device_hits: int = 0
     device_misses: int = 0
     bytes_h2d: int = 0
-    bytes_disk: int = 0
+    bytes_read: int = 0
     evictions: int = 0
     released_sync: int = 0  # released at once under --evict sync (not via the RetireQueue)
     stall_s: float = 0.0
@@ -73,8 +73,8 @@ class RuntimeStats:
     stage_dropped: int = 0  # queued guesses dropped unissued (mostly: their router spoke first)
     graph_steps: int = 0  # decode steps replayed as a CUDA graph (runtime/decode_graphs.py)
     host_tier: str = "mapped"  # DISK_KEYS, see DISK_DOC
-    disk_bytes: int = 0
-    page_cache_bytes: int = 0
+    bytes_from_disk: int = 0
+    bytes_from_page_cache: int = 0
     pool_hits: int = 0
     pool_misses: int = 0
     readahead_reads: int = 0
@@ -101,7 +101,7 @@ class RuntimeStats:
             "device_hits": self.device_hits,
             "device_misses": self.device_misses,
             "bytes_h2d": self.bytes_h2d,
-            "bytes_disk": self.bytes_disk,
+            "bytes_read": self.bytes_read,
             "evictions": self.evictions,
             "retired": retired,
             "released": released,

@@ -64,7 +64,8 @@ class _LiveCollector:
         yield GaugeMetricFamily("streamrt_batch_size", "rows in the running decode batch", value=e.batch_size)
         yield CounterMetricFamily("streamrt_expert_bytes_h2d", "expert bytes copied host -> device",
                                   value=st.bytes_h2d)
-        yield CounterMetricFamily("streamrt_expert_bytes_disk", "expert file bytes newly mapped", value=st.bytes_disk)
+        yield CounterMetricFamily("streamrt_expert_bytes_read", "expert file bytes newly mapped or read",
+                                  value=st.bytes_read)
         for tier in ("device", "host"):
             hits, misses = getattr(st, f"{tier}_hits"), getattr(st, f"{tier}_misses")
             yield CounterMetricFamily(f"streamrt_{tier}_hits", f"{tier}-tier expert hits", value=hits)

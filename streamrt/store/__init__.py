@@ -4,7 +4,7 @@ retirement FIFO, replacement policies. Values that come from flags (window, slot
 checked by `RuntimeOptions`; the store does not check them again.
 
     ExpertKey(layer, expert)
-    HostTier(path_of, file_bytes, window, device=, retire=, stats=, register=, evict=)
+    HostTier(path_of, file_bytes, window, device=, retire=, stats=, register=)
     PoolTier(path_of, file_bytes, budget_bytes, device=, stats=, policy=)   the disk tier's RAM cache
     choose_host_tier(mode, expert_bytes, host_mem, available) -> (kind, pool budget, why)
     FileReader(direct=, notice=, preadv=, open_fn=); DiskReader(threads)   reads in priority order

@@ -129,12 +129,15 @@ class DeviceTier:
         self.transients += 1
         return buf, self.device.record_copy_event()
 
-    def views(self, slot: int, make: Callable[[Tensor], object]):
-        """Zero-copy expert views of a slot; the layout is fixed, so built once per slot."""
-        v = self._views[slot]
-        if v is None:
-            v = self._views[slot] = make(self.slab[slot])
-        return v
+    def build_views(self, slot: int, make: Callable[[Tensor], object]) -> None:
+        """A filled slot's zero-copy expert views, `make(slot tensor)`; the layout is fixed, so
+        built once per slot, at its first fill."""
+        if self._views[slot] is None:
+            self._views[slot] = make(self.slab[slot])
+
+    def views(self, slot: int):
+        """The expert views of a slot filled before (`build_views`)."""
+        return self._views[slot]
 
     def release(self) -> None:
         """Give the slab back (a closed runtime), and the slots' views with it, so that the next

@@ -37,7 +37,7 @@ from streamrt.store.retire import RetireQueue
 class HostMapping:
     """One expert file mapped read-only; `data` is a zero-copy uint8 tensor over it."""
 
-    __slots__ = ("key", "path", "nbytes", "_mm", "data", "registered", "retired", "_device", "cached")
+    __slots__ = ("key", "path", "nbytes", "_mm", "data", "registered", "retired", "_device", "cached", "last_copy")
 
     def __init__(self, key: ExpertKey, path: Path, nbytes: int, device, register: bool) -> None:
         self.key, self.path, self.nbytes, self._device = key, path, nbytes, device
@@ -66,6 +66,9 @@ class HostMapping:
         self.cached = resident_bytes(self.data.data_ptr(), nbytes) or 0
         self.registered = register and device.host_register(self.data)
         self.retired = False  # evicted from the window: no new copies may be queued from it
+        # the event after the last H2D copy queued from it (as a pool buffer's): the retire event
+        # recorded at eviction follows it on the copy stream
+        self.last_copy = None
 
     @property
     def live(self) -> bool:
@@ -96,9 +99,8 @@ class HostTier:
         retire: RetireQueue,
         stats,
         register: bool = True,
-        evict: str = "event",
     ) -> None:
-        # window >= 1 and evict in (event, sync): RuntimeOptions checked the flags they come from
+        # window >= 1: RuntimeOptions checked the flag it comes from
         self.path_of = path_of
         self.file_bytes = file_bytes
         self.window = window
@@ -106,7 +108,6 @@ class HostTier:
         self.retire = retire
         self.stats = stats
         self.register = register and device.kind == "cuda"
-        self.evict_mode = evict
         self._open: OrderedDict[ExpertKey, HostMapping] = OrderedDict()
 
     def __len__(self) -> int:
@@ -137,9 +138,9 @@ class HostTier:
             self._open.move_to_end(key)
             return self._open[key]
         self.stats.host_misses += 1
-        self.stats.bytes_disk += mapping.nbytes
-        self.stats.page_cache_bytes += mapping.cached
-        self.stats.disk_bytes += mapping.nbytes - mapping.cached
+        self.stats.bytes_read += mapping.nbytes
+        self.stats.bytes_from_page_cache += mapping.cached
+        self.stats.bytes_from_disk += mapping.nbytes - mapping.cached
         self._open[key] = mapping
         while len(self._open) > self.window:
             _, old = self._open.popitem(last=False)
@@ -150,32 +151,12 @@ class HostTier:
         """Synchronous lookup-or-open (CPU tests, the synchronous provider)."""
         return self.lookup(key) or self.insert(self.open_mapping(key))
 
-    def note_copy(self, mapping: HostMapping, event) -> None:
-        """An H2D copy from `mapping` was queued (the retire event at eviction covers it)."""
-
     def _evict(self, mapping: HostMapping) -> None:
+        """One event on the copy stream after every copy queued from this mapping; the
+        `RetireQueue` releases the mapping once it completed."""
         self.stats.evictions += 1
         mapping.retired = True
-        if self.evict_mode == "sync":
-            # The seed's failure mode: wait for every queued copy (and all unrelated work).
-            self.device.synchronize()
-            mapping.release()
-            self.stats.released_sync += 1
-        else:
-            # One event on the copy stream after every copy queued from this mapping.
-            self.retire.retire(self.device.record_copy_event(), mapping)
-
-    def preparse(self, keys, parse) -> int:
-        """`--preparse` (the seed's failure mode): eagerly map and parse up to `window` experts
-        at load, in path order rather than decode order. Returns how many."""
-        n = 0
-        for key in keys:
-            if n >= self.window:
-                break
-            m = self.get(key)
-            parse(m.data)
-            n += 1
-        return n
+        self.retire.retire(self.device.record_copy_event(), mapping)
 
     def close(self) -> None:
         """Retire every open mapping and release them all (shutdown)."""
@@ -211,7 +192,8 @@ def available_memory() -> int | None:
     return avail
 
 
-def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None, available: int | None) -> tuple[str, int | None, str]:
+def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None,
+                     available: int | None) -> tuple[str, int | None, str]:
     """(kind, pool budget, why). `auto`: mapped when every expert file fits in --host-mem (or,
     without it, in the memory available now), else the pool under --host-mem (or half of what
     is available). `mode` is RuntimeOptions.host_tier, checked there. A pool under a --host-mem
@@ -230,5 +212,6 @@ def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None, availab
         # the pool is anonymous (on CUDA page-locked) memory, all of it touched: past RAM it is the OOM killer
         raise StreamrtError(f"--host-mem {budget / gib:.1f} GiB of pool buffers is more than the {available / gib:.1f} "
                             f"GiB of memory available; lower --host-mem")
-    why = "--host-tier pool" if mode == "pool" else f"{expert_bytes / gib:.1f} GiB of experts > {named} {room / gib:.1f} GiB"
+    why = ("--host-tier pool" if mode == "pool"
+           else f"{expert_bytes / gib:.1f} GiB of experts > {named} {room / gib:.1f} GiB")
     return "pool", budget, why

@@ -47,7 +47,7 @@ class PoolEntry:
         self.nbytes = data.numel()
         self.state = READING
         self.pins = 0  # tasks waiting on this read to copy from it
-        self.last_copy = None  # copy-stream event after the last H2D copy queued from it
+        self.last_copy = None  # copy-stream event after the last H2D copy queued from it (set by the copier)
         self.guess = guess  # read ahead on a prediction, not yet routed
         self.job = None  # the DiskReader job while queued / running
         self.future = None  # the scheduler's asyncio future of the read
@@ -153,9 +153,9 @@ class PoolTier:
         """The read into `e` finished: its bytes may be handed out now."""
         e.state, e.job = READY, None
         disk = e.nbytes if direct else e.nbytes - cached
-        self.stats.bytes_disk += e.nbytes
-        self.stats.disk_bytes += disk
-        self.stats.page_cache_bytes += e.nbytes - disk
+        self.stats.bytes_read += e.nbytes
+        self.stats.bytes_from_disk += disk
+        self.stats.bytes_from_page_cache += e.nbytes - disk
 
     def unprotect(self, layer: int | None = None) -> None:
         """`layer`'s router spoke (None: the step ended): its read-ahead entries are ordinary now."""
@@ -174,10 +174,6 @@ class PoolTier:
             self._by_index[e.index] = None
             self._free.append(e.index)
         e.state, e.job = GONE, None
-
-    def note_copy(self, e, event) -> None:
-        """An H2D copy from `e` was queued; its buffer is not reused before `event` completes."""
-        e.last_copy = event
 
     def check(self) -> None:
         """Accounting invariants (tests): buffers are either free or held by exactly one entry."""
