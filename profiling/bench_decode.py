@@ -139,7 +139,6 @@ def measure_link(device, tree, reps: int = 64) -> dict:
     pageable = torch.empty(n, dtype=torch.uint8)
     pageable.fill_(1)
     out["pageable"] = rate(pageable, False)
-    del dst
     return out
 
 

@@ -9,7 +9,6 @@ still sit under their temp names waiting for fsync + rename when the kill lands.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -359,7 +359,6 @@ def test_serve_runner_lockstep_with_streamed_layers_and_multi_pass_pieces(defaul
     the layers (longer than one model chunk) go in lockstep; the forwards start together, so they
     reach every streamed layer together, and every piece's logits equal the all-resident runner's."""
     import argparse
-    import asyncio
 
     from streamrt.checkpoint.reader import open_tree
     from streamrt.runtime.options import add_runtime_flags

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import resource
-import shutil
 import signal
 import struct
 import time

@@ -189,7 +189,6 @@ def test_the_working_buffers_not_fitting_is_refused_in_one_line(tiny):
 
 
 def test_the_plan_text_names_the_streamed_layers(tiny):
-    layers = layer_dense_bytes(tiny)
     p = plan_placement(tiny, _need(tiny, 2, 3), buffers=3)
     text = format_plan(tiny, p)
     assert text.splitlines()[0] == "tiny-k3.1-pro: placement"

@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 from streamrt.checkpoint.convert import convert
 from streamrt.checkpoint.reader import open_tree
-from streamrt.checkpoint.release import open_release
 from streamrt.checkpoint.synth import synth
 from streamrt.checkpoint.verify import verify_tree
 from streamrt.cli import main as cli_main

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-
-
 import streamrt.sweep as sweep
+
+ROOT = Path(__file__).parents[1]
 
 # A stand-in for `streamrt run`: parses the flags the sweep passes, writes the stats JSON with
 # an LRU-like host cliff (window < working set -> no hits), prints `--json` output with a hash.
