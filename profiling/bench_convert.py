@@ -13,7 +13,7 @@
    `verify --full` on the result, once per --commit-threads value (default: convert's own
    default), the tree deleted in between; each is compared with the same run's raw copy.
 Prints a table and a markdown block for profiling/RESULTS.md (also appended to --results).
-Target (issue 3): convert >= 0.7 x raw copy.
+Target: convert >= 0.7 x raw copy.
 """
 
 from __future__ import annotations

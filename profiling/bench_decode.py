@@ -19,7 +19,7 @@ measures, in this order and in this one process:
 baseline and runtime run with the device tier limited (--gpu-experts, default half the
 per-token working set) so that at least half the routed bytes miss. Every run decodes the same
 forced token sequence after the same prompt; the logits of every decode step are compared
-bit for bit across all runs. Targets (issue 5): effective expert bandwidth >= 0.8 x link;
+bit for bit across all runs. Targets: effective expert bandwidth >= 0.8 x link;
 s/token <= 1.15 x max(link floor, resident compute); >= 6x faster than the baseline.
 Prints a table and a markdown block for profiling/RESULTS.md (machine, date, commit).
 """

@@ -1,4 +1,4 @@
-"""Dense streaming against the link (issue 22), one process: the same forced decode with every
+"""Dense streaming against the link, one process: the same forced decode with every
 dense weight resident, then with the placement plan streaming at least half of the dense plane.
 
     python profiling/bench_dense_stream.py --config slice-k3.1-pro --workdir /tmp/streamrt-bench

@@ -1,4 +1,4 @@
-"""Disk-tier benchmark (issue 21): decode with the expert tree larger than RAM, against the
+"""Disk-tier benchmark: decode with the expert tree larger than RAM, against the
 drive's raw parallel O_DIRECT rate measured in the same run.
 
     python profiling/bench_disk.py --config deep-k3.1-pro --host-mem 6G --cgroup-mem 14G     # H200 machine

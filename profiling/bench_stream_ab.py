@@ -7,7 +7,7 @@
 NVRTC, bf16 dense, a third of the experts in device slots, the rest mapped in host RAM
 (`warm_host`, checksums off: setup), B=1: an 8-token prompt, 3 untimed decode steps, then `steps`
 timed; twice per process. Prints ms/token, H2D GB/token, the main thread's CPU ms/token and the
-stall per token. Only APIs both codes have (issue 24's A/B against 5d0300d, profiling/RESULTS.md §12).
+stall per token. Only APIs both codes have.
 """
 
 import sys

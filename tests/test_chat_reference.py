@@ -1,4 +1,4 @@
-"""Chat frames as Moonshot's encoder renders them (issue 19 item 4).
+"""Chat frames as Moonshot's encoder renders them.
 
 The reference: Moonshot's `encoding.py` / `tokenization.py` as carried by NVIDIA NeMo
 Automodel (`nemo_automodel/components/models/kimi_k3/`). Every expected frame below is written

@@ -1,4 +1,4 @@
-"""Issue 26 findings 3 and 4: what a user types or a disk holds is decoded and validated at
+"""What a user types or a disk holds is decoded and validated at
 the edge (one line, exit 2, never a traceback), and output paths are checked before any work
 starts and written atomically."""
 
@@ -481,7 +481,7 @@ def test_convert_refuses_an_empty_path(capsys, tmp_path, monkeypatch, src, dst, 
     assert list(tmp_path.iterdir()) == []
 
 
-# ---- bad input found by fuzzing the command line (session 29) ---------------------------
+# ---- bad input found by fuzzing the command line -------------------------------------
 
 
 def _tiny_config(tmp_path: Path, **text) -> Path:

@@ -1,6 +1,6 @@
 """Whole-model decode with the NVRTC backend vs the torch backend (both on CUDA, BF16 dense).
 
-Issue 6: the `tiny` models (and the shipped default model) decode to the same greedy tokens
+The `tiny` models (and the shipped default model) decode to the same greedy tokens
 with either backend, and the NVRTC run's logits hashes are identical across 3 runs. GPU only.
 """
 

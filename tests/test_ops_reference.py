@@ -145,7 +145,7 @@ def test_kda_chunked_matches_reference(cfg, T, chunk):
 
 
 def test_kda_chunked_equals_recurrent_fp32(cfg):
-    """The issue's check: chunked prefill == token-by-token recurrent decode, rel err < 1e-4."""
+    """Chunked prefill == token-by-token recurrent decode, rel err < 1e-4."""
     q, k, v, g, beta, _ = _kda_inputs(cfg, 50, 9)
     o, S = kda_chunked(*(t32(a) for a in (q, k, v, g, beta)), None)
     state = torch.zeros_like(S)

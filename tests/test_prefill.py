@@ -1,4 +1,4 @@
-"""Chunked prefill (issue 27, issue 26 finding 2): a position's logits do not depend on the
+"""Chunked prefill: a position's logits do not depend on the
 prefill chunk C, equal token-by-token decode within tolerance, one ExpertRequest per MoE layer
 per chunk, the absorbed tile-and-block MLA prefill against a float64 reference (selection
 active, with ties), the context-length policy, and peak RSS linear in the prompt."""

@@ -1,4 +1,4 @@
-"""Evaluate the small default model through the real inference path (issue 9).
+"""Evaluate the small default model through the real inference path.
 
     python training/eval_small.py [--model DIR]     (default: streamrt/assets/default_model)
 

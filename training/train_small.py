@@ -1,4 +1,4 @@
-"""Train the small K3.1 Pro-architecture default model (issue 9). Developer command:
+"""Train the small K3.1 Pro-architecture default model. Developer command:
 
     python training/train_small.py --out DIR [--minutes 30] [--seed 0] [--install]
 
