@@ -26,7 +26,8 @@ from streamrt.backends import cuda_compile as cc  # noqa: E402
 from streamrt.backends import cuda_driver as drv  # noqa: E402
 from streamrt.backends.nvrtc_args import i32, ptr  # noqa: E402
 
-PATTERNS = ((64, 32), (128, 32), (256, 16), (256, 32), (512, 8), (512, 16), (1536, 4))  # (bytes per row per step, rows per warp)
+# (bytes per row per step, rows per warp)
+PATTERNS = ((64, 32), (128, 32), (256, 16), (256, 32), (512, 8), (512, 16), (1536, 4))
 
 SOURCE = r"""
 #include "common.cuh"
@@ -94,7 +95,9 @@ def main(argv=None) -> int:
                 continue
             seen.add(resident)
             t = graph_time(lambda: kern((blocks,), (256,), kargs, smem=smem), args.reps, args.trials)  # runs now
-            print(f"| {pb} | {rw} | {resident} | {t * 1e6:.1f} | {W.numel() / t / 1e9:.0f} | {W.numel() / t / copy:.2f} |")
+            print(
+                f"| {pb} | {rw} | {resident} | {t * 1e6:.1f} | {W.numel() / t / 1e9:.0f} | {W.numel() / t / copy:.2f} |"
+            )
     return 0
 
 

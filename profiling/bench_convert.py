@@ -132,11 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(release, ignore_errors=True)
         s = synth(args.config, release, seed=args.seed, fmt="release", progress=None)
         synth_s = s["seconds"]
-        print(f"synth: {s['bytes'] / 1e9:.2f} GB in {synth_s:.1f} s on {s['device']} ({s['bytes'] / synth_s / 1e9:.2f} GB/s)")
+        print(
+            f"synth: {s['bytes'] / 1e9:.2f} GB in {synth_s:.1f} s on {s['device']} ({s['bytes'] / synth_s / 1e9:.2f} "
+                f"GB/s)"
+        )
     src_bytes = sum(p.stat().st_size for p in tree_files(release))
     free = shutil.disk_usage(wd).free
     if free < src_bytes * 1.1:
-        print(f"bench_convert: {wd}: needs ~{src_bytes * 1.1 / 2**30:.1f} GiB free for the copy/convert, has {free / 2**30:.1f}")
+        print(
+            f"bench_convert: {wd}: needs ~{src_bytes * 1.1 / 2**30:.1f} GiB free for the copy/convert, has "
+                f"{free / 2**30:.1f}"
+        )
         return 2
 
     warm_s = warm(tree_files(release), args.workers)

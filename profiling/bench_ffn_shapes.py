@@ -6,7 +6,8 @@ call is one launch of T x 16 pairs whose blocks take up to 8 (or 16) rows of one
 T = 1, 4, 16 rows each through 16 experts drawn uniformly, and T = 16 drawn with weight exp(-e/6)
 (the synthesised routers favour some experts: the popular ones get 16 rows). For each shape
 (tc_shape = tc_shape_batch = (gate+up warps, down warps, stages, blocks a stage), and 8- or 16-row
-blocks, and gate+up from rows staged once per call (tc_staged_shape) or not) the time of one call (CUDA-graph replay of 20 calls, best of two medians of five) and the
+blocks, and gate+up from rows staged once per call (tc_staged_shape) or not) the time of one call (CUDA-graph replay of
+20 calls, best of two medians of five) and the
 distinct experts' bytes over it; every shape's output bits against the first shape's.
 
     python profiling/bench_ffn_shapes.py [--kernel-dir OLD_KERNELS] [--save out.pt]

@@ -76,7 +76,9 @@ def decode_row(rt, model, prompts, steps, warmup: int, *, profile_steps: int = 0
         p = rt.payload()
         busy = None
         if profile_steps:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
             with prof:
                 for t in range(steps.shape[0] - profile_steps, steps.shape[0]):
                     run(t)
@@ -84,11 +86,19 @@ def decode_row(rt, model, prompts, steps, warmup: int, *, profile_steps: int = 0
             kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy = own_times(kern)[1] / 1e3 / profile_steps
     n = len(logits)
-    return {"B": B, "s_per_step": p["s_per_token"] * B, "tok_s": 1.0 / p["s_per_token"] if p["s_per_token"] else 0.0,
-            "host_cpu_s_per_step": cpu / n, "graph_steps": p["graph_steps"], "bytes_per_token": p["bytes_h2d"] / max(1, p["tokens"]),
-            "gpu_busy_ms": busy, "misses_per_token": p["device_misses"] / max(1, p["tokens"]),
-            "staged_per_token": p.get("staged", 0) / max(1, p["tokens"]), "predicted_recall": p["predicted_recall"],
-            "logits": [lg.float().cpu() for lg in logits]}
+    return {
+        "B": B,
+        "s_per_step": p["s_per_token"] * B,
+        "tok_s": 1.0 / p["s_per_token"] if p["s_per_token"] else 0.0,
+        "host_cpu_s_per_step": cpu / n,
+        "graph_steps": p["graph_steps"],
+        "bytes_per_token": p["bytes_h2d"] / max(1, p["tokens"]),
+        "gpu_busy_ms": busy,
+        "misses_per_token": p["device_misses"] / max(1, p["tokens"]),
+        "staged_per_token": p.get("staged", 0) / max(1, p["tokens"]),
+        "predicted_recall": p["predicted_recall"],
+        "logits": [lg.float().cpu() for lg in logits],
+    }
 
 
 ALSO_KEYS = {"tc_rows": "tc_rows", "staged": "tc_staged_shape"}  # --also key -> backend setting
@@ -111,7 +121,9 @@ def also_spec(v: str) -> tuple[str, dict]:
             else:
                 raise ValueError
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--also {v!r}: {item!r} is not tc_rows:8|16 or staged:a,b,c,d|none") from None
+            raise argparse.ArgumentTypeError(
+                f"--also {v!r}: {item!r} is not tc_rows:8|16 or staged:a,b,c,d|none"
+            ) from None
     if not name or not kv:
         raise argparse.ArgumentTypeError(f"--also {v!r}: want NAME=key:value[/key:value]")
     return name, kv
@@ -127,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4,16", help="batch sizes of the graphs rows")
     ap.add_argument("--repeats", type=int, default=3, help="B=1 graphs and off rows, for the spread")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler for the GPU busy time")
-    ap.add_argument("--stream-slots", type=int, default=None, help="device slots of the streaming row (default: a third)")
+    ap.add_argument(
+        "--stream-slots", type=int, default=None, help="device slots of the streaming row (default: a third)"
+    )
     ap.add_argument("--stream-repeats", type=int, default=2, help="rows of each streaming mode")
     ap.add_argument("--tc-rows", type=int, default=8, choices=(8, 16),
                     help="rows of one expert a tensor-core FFN block takes (16: one weight decode per 16 rows)")
@@ -167,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict] = {}
 
     def resident(graphs: str, m=None):
-        rt = StreamingRuntime(tree, m or model, RuntimeOptions(device="cuda", gpu_experts=cfg.expert_files, cuda_graphs=graphs,
-                                                                verify_experts="off"),
-                              device=device)
+        rt = StreamingRuntime(
+            tree,
+            m or model,
+            RuntimeOptions(device="cuda", gpu_experts=cfg.expert_files, cuda_graphs=graphs, verify_experts="off"),
+            device=device,
+        )
         t = time.perf_counter()
         rt.preload()
         print(f"  {graphs}: {len(rt.gpu)} experts preloaded in {time.perf_counter() - t:.1f} s", flush=True)
@@ -214,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         slots = args.stream_slots or cfg.expert_files // 3
         for i in range(args.stream_repeats):  # interleaved, each row from the same cold slots
             for graphs, label in (("resident", "stream"), ("auto", "stream graphs")):
-                with StreamingRuntime(tree, model, RuntimeOptions(device="cuda", gpu_experts=slots, verify_experts="off",
-                                                                  cuda_graphs=graphs), device=device) as rt:
+                with StreamingRuntime(
+                    tree,
+                    model,
+                    RuntimeOptions(device="cuda", gpu_experts=slots, verify_experts="off", cuda_graphs=graphs),
+                    device=device,
+                ) as rt:
                     rt.warm_host()
                     record(f"{label} #{i + 1}", decode_row(rt, model, prompts, steps[:T, :1], args.warmup))
                     if i == 0 and rt.graphs_line is not None:
@@ -250,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             checks[f"{label} B={Bmax}: tok/s >= 8x B=1"] = (rows[f"{label} B={Bmax}"]["tok_s"] / b1, 8.0, "ge")
     if "torch B=1" in rows:
         checks["graphs B=1 NVRTC vs torch >= 15x"] = (rows["torch B=1"]["s_per_step"] / g_med, 15.0, "ge")
-    stream = {label: [r for n, r in rows.items() if n.startswith(label + " #")] for label in ("stream", "stream graphs")}
+    stream = {
+        label: [r for n, r in rows.items() if n.startswith(label + " #")] for label in ("stream", "stream graphs")
+    }
     stream = {label: rs for label, rs in stream.items() if rs}
     rate = link["registered"] or link["pinned"]  # the mapped tier copies from registered file mappings
     for rs in stream.values():
@@ -258,28 +281,63 @@ def main(argv: list[str] | None = None) -> int:
             r["floor_s"] = r["bytes_per_token"] / (rate * 1e9) if rate else 0.0
             r["vs_floor"] = r["s_per_step"] / r["floor_s"] if r["floor_s"] else 0.0
     for label, rs in stream.items():
-        checks[f"{label}: s/token <= 1.05 x its link floor (median row)"] = (statistics.median(r["vs_floor"] for r in rs), 1.05, "le")
+        checks[f"{label}: s/token <= 1.05 x its link floor (median row)"] = (
+            statistics.median(r["vs_floor"] for r in rs),
+            1.05,
+            "le",
+        )
     if len(stream) == 2:
         identical["stream graphs vs op by op"] = same("stream #1", "stream graphs #1")
 
-    header = (f"machine: {machine()}    date: {datetime.date.today()}    commit: {git_commit()}\n"
-              f"geometry: {cfg.name}    command: python profiling/bench_graphs.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    lines = [header,
-             f"link: H2D {link['registered']:.1f} GB/s from a registered mapping, {link['pinned']:.1f} from a pinned buffer; GPU busy per B=1 step (union of kernel intervals): graphs "
-             + (f"{busy_g:.2f} ms, op by op {busy_o:.2f} ms" if busy_g else "not profiled (--profile-steps 0)"),
-             f"graphs B=1 median {g_med * 1e3:.2f} ms/token (rows {', '.join(f'{x * 1e3:.2f}' for x in g1)}), op by op "
-             f"median {o_med * 1e3:.2f} (rows {', '.join(f'{x * 1e3:.2f}' for x in o1)}): {o_med / g_med:.1f}x"]
+    header = (
+        f"machine: {machine()}    date: {datetime.date.today()}    commit: {git_commit()}\n"
+        f"geometry: {cfg.name}    command: python profiling/bench_graphs.py "
+        + " ".join(argv if argv is not None else sys.argv[1:])
+    )
+    lines = [
+        header,
+        f"link: H2D {link['registered']:.1f} GB/s from a registered mapping, {link['pinned']:.1f} from a pinned "
+            f"buffer; GPU busy per B=1 step (union of kernel intervals): graphs "
+        + (f"{busy_g:.2f} ms, op by op {busy_o:.2f} ms" if busy_g else "not profiled (--profile-steps 0)"),
+        f"graphs B=1 median {g_med * 1e3:.2f} ms/token (rows {', '.join(f'{x * 1e3:.2f}' for x in g1)}), op by op "
+        f"median {o_med * 1e3:.2f} (rows {', '.join(f'{x * 1e3:.2f}' for x in o1)}): {o_med / g_med:.1f}x",
+    ]
     for label, rs in stream.items():
-        lines.append(f"{label}: rows " + ", ".join(f"{r['s_per_step'] * 1e3:.1f}" for r in rs) + " ms/token over "
-                     + ", ".join(f"{r['bytes_per_token'] / 1e9:.2f}" for r in rs) + " GB/token (floors "
-                     + ", ".join(f"{r['floor_s'] * 1e3:.1f}" for r in rs) + " ms: x" + ", ".join(f"{r['vs_floor']:.3f}" for r in rs)
-                     + "); host CPU " + ", ".join(f"{r['host_cpu_s_per_step'] * 1e3:.1f}" for r in rs) + " ms/token; misses "
-                     + ", ".join(f"{r['misses_per_token']:.0f}" for r in rs) + ", staged " + ", ".join(f"{r['staged_per_token']:.0f}" for r in rs)
-                     + " per token; recall " + ", ".join(f"{r['predicted_recall']:.2f}" for r in rs))
-    lines.append("logits bit-identical graphs vs op by op: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in identical.items()))
+        lines.append(
+            f"{label}: rows "
+            + ", ".join(f"{r['s_per_step'] * 1e3:.1f}" for r in rs)
+            + " ms/token over "
+            + ", ".join(f"{r['bytes_per_token'] / 1e9:.2f}" for r in rs)
+            + " GB/token (floors "
+            + ", ".join(f"{r['floor_s'] * 1e3:.1f}" for r in rs)
+            + " ms: x"
+            + ", ".join(f"{r['vs_floor']:.3f}" for r in rs)
+            + "); host CPU "
+            + ", ".join(f"{r['host_cpu_s_per_step'] * 1e3:.1f}" for r in rs)
+            + " ms/token; misses "
+            + ", ".join(f"{r['misses_per_token']:.0f}" for r in rs)
+            + ", staged "
+            + ", ".join(f"{r['staged_per_token']:.0f}" for r in rs)
+            + " per token; recall "
+            + ", ".join(f"{r['predicted_recall']:.2f}" for r in rs)
+        )
+    lines.append(
+        "logits bit-identical graphs vs op by op: "
+        + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in identical.items())
+    )
     cols = ["row", "B", "ms/step", "tok/s", "host CPU ms/step", "graph steps", "GPU busy ms/step"]
-    body = [[n, str(r["B"]), f"{r['s_per_step'] * 1e3:.2f}", f"{r['tok_s']:.1f}", f"{r['host_cpu_s_per_step'] * 1e3:.2f}",
-             str(r["graph_steps"]), f"{r['gpu_busy_ms']:.2f}" if r["gpu_busy_ms"] is not None else "-"] for n, r in rows.items()]
+    body = [
+        [
+            n,
+            str(r["B"]),
+            f"{r['s_per_step'] * 1e3:.2f}",
+            f"{r['tok_s']:.1f}",
+            f"{r['host_cpu_s_per_step'] * 1e3:.2f}",
+            str(r["graph_steps"]),
+            f"{r['gpu_busy_ms']:.2f}" if r["gpu_busy_ms"] is not None else "-",
+        ]
+        for n, r in rows.items()
+    ]
     w = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
     print("\n" + "\n".join(lines) + "\n")
     print("\n".join("  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in [cols] + body))

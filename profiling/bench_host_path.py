@@ -240,8 +240,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per row")
     ap.add_argument("--repeats", type=int, default=3, help="rows per mode (the spread)")
     ap.add_argument("--modes", default="runtime,stream,segments", help="comma-separated: runtime, stream, segments")
-    ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one row per mode, print the N heaviest")
-    ap.add_argument("--workdir", type=Path, default=None, help="where the narrow tree is synthesised (default: a temp dir)")
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="cProfile one row per mode, print the N heaviest"
+    )
+    ap.add_argument(
+        "--workdir", type=Path, default=None, help="where the narrow tree is synthesised (default: a temp dir)"
+    )
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in ("runtime", "stream", "segments")]:
@@ -270,7 +274,9 @@ def main(argv=None) -> int:
         rt.preload()
         cache = model.new_cache(1)
         with torch.no_grad():
-            run_sync(model.forward_steps(torch.tensor([[1, 2, 3, 4]]), cache, last_only=True), DirectExpertProvider(tree))
+            run_sync(
+                model.forward_steps(torch.tensor([[1, 2, 3, 4]]), cache, last_only=True), DirectExpertProvider(tree)
+            )
             requests = []
             rt.run(recorded(model.forward_steps(torch.tensor([[5]]), cache), requests), tokens=1)
             segments = SegmentGraphs(model, tensor_core=True)
@@ -279,8 +285,9 @@ def main(argv=None) -> int:
                 if mode == "runtime":
                     step = lambda: rt.run(model.forward_steps(torch.tensor([[5]]), cache), tokens=1)  # noqa: E731
                 elif mode == "stream":  # a runtime of its own: a third of the experts in slots, filled on demand
-                    streaming = StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 3),
-                                                 workers=2)
+                    streaming = StreamingRuntime(
+                        tree, model, RuntimeOptions(device="cpu", gpu_experts=cfg.expert_files // 3), workers=2
+                    )
                     step = lambda: streaming.run(model.forward_steps(torch.tensor([[5]]), cache), tokens=1)  # noqa: E731
                 else:
                     step = lambda: rt.run(between_replays(segments, requests, torch.tensor([[5]])), tokens=1)  # noqa: E731
@@ -295,9 +302,12 @@ def main(argv=None) -> int:
                 per_step = sum(launches.count.values())
                 fills = f", {(stats.bytes_h2d - h2d) / 2**20:.1f} MiB of slot fills" if streaming else ""
                 rows = [statistics.median(timed_steps(step, args.steps)) for _ in range(args.repeats)]
-                print(f"{mode:8s} host ms/step (median of {args.steps} steps), rows: "
-                      + ", ".join(f"{r:.1f}" for r in rows)
-                      + f"; spread {100 * (max(rows) - min(rows)) / min(rows):.1f} %; {per_step} launches + {sum(ops.count.values())} torch ops/step{fills}")
+                print(
+                    f"{mode:8s} host ms/step (median of {args.steps} steps), rows: "
+                    + ", ".join(f"{r:.1f}" for r in rows)
+                    + f"; spread {100 * (max(rows) - min(rows)) / min(rows):.1f} %; {per_step} launches + "
+                      f"{sum(ops.count.values())} torch ops/step{fills}"
+                )
                 if args.profile:
                     prof = cProfile.Profile()
                     prof.enable()

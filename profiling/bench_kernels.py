@@ -126,7 +126,10 @@ def diagnose_expert_ffn(nv, experts, Dl, I, k, dev, bench, ex_bytes) -> None:
     tg, td, st, kbs = nv.tc_shape
     for name, threads, smem in ((f"srt_nvfp4_gateup_tc{st}x{kbs}", tg * 32, tc_smem(Dl, tg, st, kbs)),
                                 (f"srt_nvfp4_down_tc{st}x{kbs}", td * 32, tc_smem(I, td, st, kbs))):
-        print(f"diagnose: {name}: {threads} threads, {smem} B shared -> {nv._k('nvfp4_moe', name).blocks_per_sm(threads, smem)} blocks/SM")
+        print(
+            f"diagnose: {name}: {threads} threads, {smem} B shared -> "
+                f"{nv._k('nvfp4_moe', name).blocks_per_sm(threads, smem)} blocks/SM"
+        )
     for T in (2, 4):
         ids = torch.arange(k).repeat(T, 1)  # each token through the same 16 experts: T x the bytes per launch
         w = torch.softmax(torch.randn(T, k, device=dev), -1)
@@ -166,8 +169,12 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", action="store_true", help="also time the torch backend for each op")
     ap.add_argument("--variants", action="store_true",
                     help="also time every GEMV variant (rows per warp) and NVFP4 block shape, to check the defaults")
-    ap.add_argument("--ffn-only", action="store_true", help="only the NVFP4 expert FFN rows (with --variants: its diagnosis)")
-    ap.add_argument("--no-ffn", action="store_true", help="skip the NVFP4 expert FFN rows (GEMV and the other ops only)")
+    ap.add_argument(
+        "--ffn-only", action="store_true", help="only the NVFP4 expert FFN rows (with --variants: its diagnosis)"
+    )
+    ap.add_argument(
+        "--no-ffn", action="store_true", help="skip the NVFP4 expert FFN rows (GEMV and the other ops only)"
+    )
     ap.add_argument("--gemv-groups-only", action="store_true",
                     help="only deep-k3.1-pro's decode GEMV launches (T=1 and T=16) against cuBLAS")
     args = ap.parse_args(argv)
@@ -232,17 +239,25 @@ def expert_ffn_rows(args, nv, tb, dev, bench) -> None:
         w_t = torch.softmax(torch.randn(T, k, device=dev), -1)
         z_t = torch.randn(T, Dl, device=dev)
         distinct = len(set(ids_t.flatten().tolist()))
-        bench(f"nvfp4 expert FFN batch, T={T} x 16 of 24 experts ({distinct} distinct, each counted once)",
-              distinct * ex_bytes // k, lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
+        bench(
+            f"nvfp4 expert FFN batch, T={T} x 16 of 24 experts ({distinct} distinct, each counted once)",
+            distinct * ex_bytes // k,
+            lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0),
+        )
         if T > 8:  # the same call with 16-row blocks (one decode of an expert's weights per 16 rows)
             nv16 = NvrtcBackend()
             nv16.tc_rows = 16
             out8 = nv.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0)
             same = torch.equal(out8, nv16.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
-            bench(f"nvfp4 expert FFN batch, T={T}, 16-row blocks (bits {'the same' if same else 'DIFFERENT'})",
-                  distinct * ex_bytes // k, lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv16.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0))
+            bench(
+                f"nvfp4 expert FFN batch, T={T}, 16-row blocks (bits {'the same' if same else 'DIFFERENT'})",
+                distinct * ex_bytes // k,
+                lambda ids_t=ids_t, w_t=w_t, z_t=z_t: nv16.expert_ffn(z_t, ids_t, w_t, many, 4.0, 25.0),
+            )
     nv_cc = NvrtcBackend(nvfp4_impl="cuda_core")
-    bench("nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0))
+    bench(
+        "nvfp4 expert FFN slice, CUDA-core kernels", ex_bytes, lambda: nv_cc.expert_ffn(z, ids, w, experts, 4.0, 25.0)
+    )
 
 
 def other_ops(args, nv, tb, dev, bench) -> None:
@@ -289,7 +304,11 @@ def other_ops(args, nv, tb, dev, bench) -> None:
     bench("rmsnorm D=7168", 2 * xr.numel() * 4, lambda: nv.rmsnorm(xr, wn, 1e-5))
     for E in (24, 896):  # deep-k3.1-pro's and the release's experts per layer
         lg, b = torch.randn(1, E, device=dev), 0.05 * torch.randn(E, device=dev)
-        bench(f"route E={E} k=16 (sigmoid + bias, top-k, renormalize)", E * 4, lambda lg=lg, b=b: nv.route(lg, b, 16, True, 2.5))
+        bench(
+            f"route E={E} k=16 (sigmoid + bias, top-k, renormalize)",
+            E * 4,
+            lambda lg=lg, b=b: nv.route(lg, b, 16, True, 2.5),
+        )
     for D, S in ((2048, 9), (7168, 9), (7168, 17)):  # a decode row's AttnRes sources: blocks so far + the partial
         srcs = [torch.randn(1, D, device=dev) for _ in range(S)]
         nw, pw = (1 + 0.1 * torch.randn(D, device=dev)).bfloat16(), (0.05 * torch.randn(D, device=dev)).bfloat16()
@@ -305,7 +324,10 @@ DEEP_GEMV_GROUPS = (
     ("shared expert down", ((2048, 6144),)),
     ("latent up", ((2048, 3584),)),
     ("KDA's x: q, k, v, g, f_a, b", ((1024, 2048),) * 4 + ((128, 2048), (8, 2048))),
-    ("MLA's x: q_a, kv_a, gate, indexer wk, weights", ((768, 2048), (576, 2048), (1024, 2048), (128, 2048), (32, 2048))),
+    (
+        "MLA's x: q_a, kv_a, gate, indexer wk, weights",
+        ((768, 2048), (576, 2048), (1024, 2048), (128, 2048), (32, 2048)),
+    ),
     ("MLA's cq: q_b, indexer wq_b", ((1536, 768), (4096, 768))),
     ("o_proj", ((2048, 1024),)),
     ("lm_head", ((163840, 2048),)),

@@ -29,7 +29,8 @@ nothing in streamrt/ changes. --json PATH writes the per-part table.
     # own time limit), then profile. The per-part host / synced table prints after ~2 min (load,
     # warm-up, timed and synced prefills); the profiler run and the post-processing of its ~3M
     # events take a few minutes more (--no-cprofile saves one more prefill):
-    PYTHONPATH=. python -m streamrt synth --config deep-k3.1-pro --format streamrt --out /tmp/streamrt-bench/deep-k3.1-pro
+    PYTHONPATH=. python -m streamrt synth --config deep-k3.1-pro --format streamrt --out
+    /tmp/streamrt-bench/deep-k3.1-pro
     python profiling/profile_step.py --workdir /tmp/streamrt-bench --config deep-k3.1-pro --backend nvrtc \
         --prefill 4096 --no-cprofile --json $OUT/prefill_parts.json 2>&1 | tee $OUT/profile_prefill.log
     # CPU smoke run (torch backend); --tiles cuda takes the CUDA tile sizes (q_tile 256, key_block
@@ -78,7 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (torch backend)")
     ap.add_argument("--staged-shape", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
                     help="nvrtc: tc_staged_shape, gate+up warps,down warps,stages,blocks a stage")
-    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill instead of decode steps")
+    ap.add_argument(
+        "--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill instead of decode steps"
+    )
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (default: the model's)")
     ap.add_argument("--warmup", type=int, default=256, help="prefill: tokens of the warm-up prefill (0: none)")
     ap.add_argument("--tiles", choices=("device", "cuda"), default="device",
@@ -87,7 +90,9 @@ def main(argv=None) -> int:
                     help="CPU: torch backend with nvrtc's linear (one GEMM above 64 rows) and the CUDA tiles")
     ap.add_argument("--no-sync-run", action="store_true", help="prefill: skip the run synchronized at part boundaries")
     ap.add_argument("--no-cprofile", action="store_true", help="prefill: skip the cProfile run")
-    ap.add_argument("--no-profiler", action="store_true", help="prefill: skip the torch.profiler run (host / synced tables only)")
+    ap.add_argument(
+        "--no-profiler", action="store_true", help="prefill: skip the torch.profiler run (host / synced tables only)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="prefill: write the per-part table here")
     args = ap.parse_args(argv)
     if args.batch < 1:
@@ -118,8 +123,9 @@ def main(argv=None) -> int:
         backend = TorchBackend(q_tile=q_tile, key_block=key_block)
     model = load_model(tree, device.torch_device, dtype=torch.bfloat16 if cuda else None, backend=backend)
     slots = args.gpu_experts or cfg.expert_files
-    rt = StreamingRuntime(tree, model, RuntimeOptions(device=args.device, gpu_experts=slots, cuda_graphs=args.cuda_graphs),
-                          device=device)
+    rt = StreamingRuntime(
+        tree, model, RuntimeOptions(device=args.device, gpu_experts=slots, cuda_graphs=args.cuda_graphs), device=device
+    )
     if slots >= cfg.expert_files:
         rt.preload()
     if args.prefill:
@@ -214,14 +220,19 @@ def quick_table(host, synced, wall: float, per_layer: dict) -> None:
     print(f"\nby model part, no profiler (host s: exclusive host time in the timed run, {wall - inside:.3f} s of its "
           f"{wall:.3f} s outside every part = the runtime's expert service + waits"
           + ("; synced s: exclusive elapsed with a device sync at every part boundary" if synced else "") + "):")
-    print(f"  {'part':22s} {'ranges':>7s} {'host s':>8s} {'%wall':>6s}" + (f" {'synced s':>9s} {'%sum':>6s} {'s/layer':>8s}" if synced else ""))
+    print(
+        f"  {'part':22s} {'ranges':>7s} {'host s':>8s} {'%wall':>6s}"
+        + (f" {'synced s':>9s} {'%sum':>6s} {'s/layer':>8s}" if synced else "")
+    )
     ssum = sum(synced.self_s.values()) if synced else 0.0
     for level in ("group", "detail"):
         keys = list(dict.fromkeys(group(p) for p in parts)) if level == "group" else parts
         for k in keys:
             members = [p for p in parts if (group(p) if level == "group" else p) == k]
             hs = sum(host.self_s.get(p, 0.0) for p in members)
-            line = f"  {k:22s} {sum(host.calls.get(p, 0) for p in members):7d} {hs:8.3f} {100 * hs / max(wall, 1e-9):6.1f}"
+            line = (
+                f"  {k:22s} {sum(host.calls.get(p, 0) for p in members):7d} {hs:8.3f} {100 * hs / max(wall, 1e-9):6.1f}"
+            )
             if synced:
                 ss = sum(synced.self_s.get(p, 0.0) for p in members)
                 nl = per_layer.get(group(k))
@@ -302,13 +313,19 @@ def prefill_main(args, model, rt, sync, slots) -> int:
     op_s = sum(st["op_us"] for st in bd.values()) / 1e6
     kern = sum(st["kernels"] for st in bd.values())
     gpu = sum(st["gpu_us"] for st in bd.values()) / 1e6
-    print(f"\nprofile_step --prefill: {args.config}, backend {getattr(be, 'name', args.backend)}, {N} tokens, chunk {chunk} "
-          f"({-(-N // chunk)} chunks), {slots} device slots, tiles (row, q, key) {tiles}; layers: "
-          f"{per_layer['kda']} KDA, {per_layer['mla']} MLA, {per_layer['moe_experts']} MoE, {per_layer['dense_ffn']} dense")
+    print(
+        f"\nprofile_step --prefill: {args.config}, backend {getattr(be, 'name', args.backend)}, {N} tokens, chunk "
+            f"{chunk} "
+        f"({-(-N // chunk)} chunks), {slots} device slots, tiles (row, q, key) {tiles}; layers: "
+        f"{per_layer['kda']} KDA, {per_layer['mla']} MLA, {per_layer['moe_experts']} MoE, {per_layer['dense_ffn']} "
+            f"dense"
+    )
     line = f"wall {wall:.3f} s (part ranges on, no profiler; {wall_prof:.2f} s profiled)"
     if cuda:
-        line += (f"; GPU busy {total['gpu_us'] / 1e6:.3f} s (sum of kernel times; {gpu:.3f} s attributed to a part); "
-                 f"{total['kernels']} kernels ({kern} attributed); GPU busy / wall = {total['gpu_us'] / 1e6 / wall:.2f}")
+        line += (
+            f"; GPU busy {total['gpu_us'] / 1e6:.3f} s (sum of kernel times; {gpu:.3f} s attributed to a part); "
+            f"{total['kernels']} kernels ({kern} attributed); GPU busy / wall = {total['gpu_us'] / 1e6 / wall:.2f}"
+        )
     else:
         line += f"; CPU op time {op_s:.3f} s (top-level torch ops, profiled run); no GPU"
     print(line + f"; {ops} top-level torch ops ({ops / max(wall, 1e-9) / 1e3:.1f} k/s of wall)")
@@ -331,12 +348,26 @@ def prefill_main(args, model, rt, sync, slots) -> int:
     if cuda:
         head += [f"{'GPU s':>8s}", f"{'%GPU':>5s}", f"{'kernels':>8s}", f"{'launches':>8s}"]
     head += [f"{'ops':>8s}", f"{'all ops':>8s}", f"{'leaf ops':>8s}", f"{'op s':>8s}", f"{'ops/layer':>9s}"]
-    z = {"gpu_us": 0.0, "kernels": 0, "launches": 0, "ops": 0, "all_ops": 0, "leaf_ops": 0, "op_us": 0.0, "ranges": 0, "op_names": {}, "kernel_names": {}}
+    z = {
+        "gpu_us": 0.0,
+        "kernels": 0,
+        "launches": 0,
+        "ops": 0,
+        "all_ops": 0,
+        "leaf_ops": 0,
+        "op_us": 0.0,
+        "ranges": 0,
+        "op_names": {},
+        "kernel_names": {},
+    }
     table = {}
     for level in ("group", "detail"):
-        print(f"\nby model part ({level}; host s = exclusive host time in the timed run"
-              + ("; synced s = exclusive elapsed with a device sync at every part boundary" if synced is not None else "")
-              + "; ops = top-level torch ops in the profiled run, all ops = with the ops they call, leaf ops = those doing the work, ~ kernels on CUDA; op s = their host time):")
+        print(
+            f"\nby model part ({level}; host s = exclusive host time in the timed run"
+            + ("; synced s = exclusive elapsed with a device sync at every part boundary" if synced is not None else "")
+            + "; ops = top-level torch ops in the profiled run, all ops = with the ops they call, leaf ops = those "
+              "doing the work, ~ kernels on CUDA; op s = their host time):"
+        )
         print(" ".join(head))
         keys = list(dict.fromkeys(group(p) for p in parts)) if level == "group" else parts
         for k in keys:
@@ -354,11 +385,21 @@ def prefill_main(args, model, rt, sync, slots) -> int:
             layers = per_layer.get(k if level == "group" else group(k))
             row(k, st, hs, ss, calls, layers)
             if level == "detail":
-                table[k] = {"ranges": calls, "host_s": hs, "synced_s": ss, "gpu_s": st["gpu_us"] / 1e6,
-                            "kernels": st["kernels"], "launches": st["launches"], "ops": st["ops"], "all_ops": st["all_ops"], "leaf_ops": st["leaf_ops"],
-                            "op_s": st["op_us"] / 1e6,
-                            "top_ops": sorted(((n, c, u / 1e6) for n, (c, u) in bd.get(k, z)["op_names"].items()),
-                                              key=lambda r: -r[1])[:12]}
+                table[k] = {
+                    "ranges": calls,
+                    "host_s": hs,
+                    "synced_s": ss,
+                    "gpu_s": st["gpu_us"] / 1e6,
+                    "kernels": st["kernels"],
+                    "launches": st["launches"],
+                    "ops": st["ops"],
+                    "all_ops": st["all_ops"],
+                    "leaf_ops": st["leaf_ops"],
+                    "op_s": st["op_us"] / 1e6,
+                    "top_ops": sorted(
+                        ((n, c, u / 1e6) for n, (c, u) in bd.get(k, z)["op_names"].items()), key=lambda r: -r[1]
+                    )[:12],
+                }
     print("\ntop ops by count in the parts issuing >= 2% of all ops (count, host s):")
     for k in parts:
         st = bd.get(k)
@@ -379,10 +420,25 @@ def prefill_main(args, model, rt, sync, slots) -> int:
     if args.json:
         import json
 
-        args.json.write_text(json.dumps({"config": args.config, "backend": getattr(be, "name", args.backend), "tokens": N,
-                                         "chunk": chunk, "tiles": tiles, "wall_s": wall, "wall_profiled_s": wall_prof,
-                                         "gpu_busy_s": total["gpu_us"] / 1e6, "kernels": total["kernels"], "ops": ops,
-                                         "layers": per_layer, "parts": table}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "backend": getattr(be, "name", args.backend),
+                    "tokens": N,
+                    "chunk": chunk,
+                    "tiles": tiles,
+                    "wall_s": wall,
+                    "wall_profiled_s": wall_prof,
+                    "gpu_busy_s": total["gpu_us"] / 1e6,
+                    "kernels": total["kernels"],
+                    "ops": ops,
+                    "layers": per_layer,
+                    "parts": table,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

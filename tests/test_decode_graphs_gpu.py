@@ -112,7 +112,9 @@ def test_length_kernels_equal_the_cut_cache(be, n):
         assert torch.equal(sel, be.select_topk(scores[:n], topk))
         want = be.mla_decode(q_lat, q_rot, c[:n], kr[:n], 0.2, sel)
     assert torch.equal(be.mla_decode(q_lat, q_rot, c, kr, 0.2, sel, length), want)
-    assert torch.equal(be.mla_decode(q_lat, q_rot, c, kr, 0.2, None, length), be.mla_decode(q_lat, q_rot, c[:n], kr[:n], 0.2, None))
+    assert torch.equal(
+        be.mla_decode(q_lat, q_rot, c, kr, 0.2, None, length), be.mla_decode(q_lat, q_rot, c[:n], kr[:n], 0.2, None)
+    )
 
 
 @pytest.fixture(scope="module")

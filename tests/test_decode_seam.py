@@ -83,7 +83,11 @@ def test_decode_ops_take_rows_each_with_its_own_length():
     B, H, R, Dr, Hi, Di, cap, k, dn, dv = 3, 2, 16, 8, 3, 8, 40, 6, 12, 10
     lengths = torch.tensor([5, 40, 23], dtype=torch.int32)
     q_lat, q_rot = torch.randn(B, H, R, generator=g), torch.randn(B, H, Dr, generator=g)
-    c, kr, keys = torch.randn(B, cap, R, generator=g), torch.randn(B, cap, Dr, generator=g), torch.randn(B, cap, Di, generator=g)
+    c, kr, keys = (
+        torch.randn(B, cap, R, generator=g),
+        torch.randn(B, cap, Dr, generator=g),
+        torch.randn(B, cap, Di, generator=g),
+    )
     q, w = torch.randn(B, Hi, Di, generator=g), torch.rand(B, Hi, generator=g) + 0.1
     for b, n in enumerate(lengths.tolist()):
         c[b, n:], kr[b, n:], keys[b, n:] = 1e4, -1e4, 1e4
@@ -93,7 +97,9 @@ def test_decode_ops_take_rows_each_with_its_own_length():
     out = be.mla_decode(q_lat, q_rot, c, kr, 0.3, sel, lengths)
     assert scores.shape == (B, cap) and sel.shape == (B, k) and out.shape == (B, H, R)
     for b, n in enumerate(lengths.tolist()):
-        want_scores = ref.indexer_scores(q[b].double().numpy(), w[b].double().numpy() * w_scale, keys[b, :n].double().numpy())
+        want_scores = ref.indexer_scores(
+            q[b].double().numpy(), w[b].double().numpy() * w_scale, keys[b, :n].double().numpy()
+        )
         np.testing.assert_allclose(scores[b, :n].double().numpy(), want_scores, rtol=1e-5, atol=1e-6)
         want_sel = ref.select_topk(scores[b, :n].tolist(), k) if n > k else list(range(n))
         assert sel[b, : min(k, n)].tolist() == want_sel, b
@@ -147,7 +153,9 @@ def test_expert_table_holds_each_experts_section_addresses_checked_once(tree):
         assert table.layer(layer)[e].tolist() == want
     assert table.inter == views[(layer, 0)].gate.packed.shape[0]
     bad = views[(layer, 0)]
-    wrong = ExpertWeights(NVFP4Matrix(bad.gate.packed.float(), bad.gate.scales, bad.gate.global_scale), bad.up, bad.down)
+    wrong = ExpertWeights(
+        NVFP4Matrix(bad.gate.packed.float(), bad.gate.scales, bad.gate.global_scale), bad.up, bad.down
+    )
     with pytest.raises(ValueError, match=r"expert 0 gate\.packed"):
         table.place(layer, 0, wrong)
     with pytest.raises(ValueError, match="not a MoE layer"):

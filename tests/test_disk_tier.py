@@ -117,7 +117,9 @@ def test_pool_keeps_hot_experts_under_skew():
     g = torch.Generator().manual_seed(1)
     trace = []
     for _ in range(300):  # experts 0-3 in every token, the rest uniform over 60
-        trace += [ExpertKey(0, e) for e in range(4)] + [ExpertKey(0, 4 + int(x)) for x in torch.randint(0, 60, (4,), generator=g)]
+        trace += [ExpertKey(0, e) for e in range(4)] + [
+            ExpertKey(0, 4 + int(x)) for x in torch.randint(0, 60, (4,), generator=g)
+        ]
     pool = pool_of(8 * FB)
     for k in trace:
         fill(pool, k)
@@ -210,7 +212,9 @@ def test_odirect_unsupported_falls_back_with_one_note(tmp_path, where):
         return os.open(path, flags)
 
     def preadv(fd, bufs, off):
-        if where == "read" and os.O_DIRECT & int(open(f"/proc/self/fdinfo/{fd}").read().split("flags:")[1].split()[0], 8):
+        if where == "read" and os.O_DIRECT & int(
+            open(f"/proc/self/fdinfo/{fd}").read().split("flags:")[1].split()[0], 8
+        ):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return os.preadv(fd, bufs, off)
 
@@ -223,7 +227,9 @@ def test_odirect_unsupported_falls_back_with_one_note(tmp_path, where):
             assert res.nbytes == FB and buf[:] == bytes([9]) * FB
         if where != "tmpfs" or fr.mode == "buffered":
             assert fr.mode == "buffered" and not res.direct
-            assert len(notes) == 1 and "O_DIRECT unsupported" in notes[0] and str(p) in notes[0] and "\n" not in notes[0]
+            assert (
+                len(notes) == 1 and "O_DIRECT unsupported" in notes[0] and str(p) in notes[0] and "\n" not in notes[0]
+            )
         else:
             assert res.direct and not notes  # this kernel's tmpfs takes O_DIRECT (Linux >= 6.6)
     finally:
@@ -255,7 +261,9 @@ def decode(model, runner):
 
 
 def pool_runtime(tree, model=None, buffers=40, file_reader=None, tracer=None, **kw):
-    opts = RuntimeOptions(device="cpu", host_tier="pool", host_mem=buffers * tree.layout.file_bytes, read_threads=4, **kw)
+    opts = RuntimeOptions(
+        device="cpu", host_tier="pool", host_mem=buffers * tree.layout.file_bytes, read_threads=4, **kw
+    )
     return StreamingRuntime(tree, model, opts, workers=2, file_reader=file_reader, tracer=tracer)
 
 
@@ -266,8 +274,9 @@ def test_pool_logits_bit_identical_to_mapped(tree, model):
                        ("pool", dict(host_tier="pool", host_mem=40 * tree.layout.file_bytes, read_threads=3)),
                        ("pool-1", dict(host_tier="pool", host_mem=tree.layout.file_bytes, read_threads=1,
                                        gpu_experts=12))):
-        with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=opts.pop("gpu_experts", 48), **opts),
-                              workers=2) as rt:
+        with StreamingRuntime(
+            tree, model, RuntimeOptions(device="cpu", gpu_experts=opts.pop("gpu_experts", 48), **opts), workers=2
+        ) as rt:
             results[name] = (decode(model, lambda g, t: rt.run(g, tokens=t)), rt.payload(), rt.host_tier_line)
             if rt.pooled:
                 rt.host.check()

@@ -195,7 +195,9 @@ def test_linear_addends_give_the_bits_of_separate_adds(gen, T, wdt):
     x, w = randn(gen, T, 1536), randn(gen, 300, 1536, scale=0.03, dtype=wdt)
     a0, a1 = randn(gen, T, 300, scale=3.0), randn(gen, T, 300, scale=30.0)
     ref = (x.double() @ w.double().T + a0.double()) + a1.double()
-    out = check(f"linear + 2 addends T={T} {wdt}", gen, ref, TB.linear(x, w, (a0, a1)), lambda: NV.linear(x, w, (a0, a1)))
+    out = check(
+        f"linear + 2 addends T={T} {wdt}", gen, ref, TB.linear(x, w, (a0, a1)), lambda: NV.linear(x, w, (a0, a1))
+    )
     if out is not None:
         assert torch.equal(out, (NV.linear(x, w) + a0) + a1)
         assert torch.equal(NV.linear(x, w, (a0,)), NV.linear(x, w) + a0)
@@ -207,7 +209,8 @@ def test_linear_launch_built_once_gives_the_checked_bits(gen, T):
     call built (GemvLaunch): the same bits as that first, checked call, for another x and
     other addends too, and each output against float64."""
     K = 1024
-    ws = [randn(gen, n, K, scale=K**-0.5, dtype=torch.bfloat16) for n in (24, 2048, 700, 96, 64, 33, 512, 8, 300)]  # 9: two launches
+    # 9: two launches
+    ws = [randn(gen, n, K, scale=K**-0.5, dtype=torch.bfloat16) for n in (24, 2048, 700, 96, 64, 33, 512, 8, 300)]
     xs = [randn(gen, T, K) for _ in range(2)]
     adds = [(randn(gen, T, 700), randn(gen, T, 700, scale=10.0)) for _ in range(2)]
     tb = [TB.linears(x, ws) for x in xs]
@@ -253,7 +256,9 @@ def test_linear_every_gemv_variant_same_bits(gen):
                 assert rel(out, ref[:nt]) < TOL, f"GEMV {dt} T={nt} {v}: rel err {rel(out, ref[:nt]):.3g}"
                 fam = v.rstrip("0123456789")
                 base.setdefault(fam, out[0])
-                assert torch.equal(out[0], base[fam]), f"GEMV {dt} T={nt} {v}: row 0 bits differ from the {fam} family at T=1"
+                assert torch.equal(out[0], base[fam]), (
+                    f"GEMV {dt} T={nt} {v}: row 0 bits differ from the {fam} family at T=1"
+                )
         if dname == "bf16":
             assert torch.equal(base["tc"], NV.linear(x[:1], w)[0]), "the default bf16 GEMV is not the tensor-core one"
 
@@ -279,7 +284,10 @@ def test_linear_tensor_core_shapes_and_range(gen, xdt):
             finally:
                 NV.gemv_tc_ks = None
             err = float(((out.double() - ref).abs() / bound.clamp_min(1e-300)).max())
-            assert err < TOL, f"tc GEMV T={T} N={N} K={K} x {xdt} K split {ks} (seed {gen.initial_seed()}): error {err:.3g} of the |terms| sum"
+            assert err < TOL, (
+                f"tc GEMV T={T} N={N} K={K} x {xdt} K split {ks} (seed {gen.initial_seed()}): error {err:.3g} of the "
+                    f"|terms| sum"
+            )
     # one-hot rows: out[t, n] is the single product x[t, n] * 1, exact if the split is exact
     x = (randn(gen, 8, 1024) * torch.exp2(torch.randint(-30, 30, (8, 1024), generator=gen, device=DEV).float())).to(xdt)
     w = torch.eye(1000, 1024, device=DEV, dtype=torch.bfloat16)
@@ -302,7 +310,9 @@ def test_rmsnorm(gen, rows, D, wdt):
     out = check(f"rmsnorm {rows}x{D}", gen, rms_ref(x, w, 1e-5), TB.rmsnorm(x, w, 1e-5), lambda: NV.rmsnorm(x, w, 1e-5))
     if out is not None:  # the leading columns of a wider row (kv_a's latent), read in place: the same bits
         wide = torch.cat((x, randn(gen, rows, 37)), 1)
-        assert torch.equal(NV.rmsnorm(wide[:, :D], w, 1e-5), out), f"rmsnorm of a strided view (seed {gen.initial_seed()})"
+        assert torch.equal(NV.rmsnorm(wide[:, :D], w, 1e-5), out), (
+            f"rmsnorm of a strided view (seed {gen.initial_seed()})"
+        )
 
 
 @pytest.mark.parametrize("T,H,V", [(1, 96, 128), (3, 2, 16), (2, 5, 48)])
@@ -310,7 +320,13 @@ def test_gated_rmsnorm(gen, T, H, V):
     o, gate = randn(gen, T, H, V), randn(gen, T, H, V, scale=2.0)
     w = 1 + randn(gen, V, scale=0.2)
     ref = rms_ref(o, w, 1e-5) / (1 + torch.exp(-gate.double()))
-    check(f"gated_rmsnorm {T},{H},{V}", gen, ref, TB.gated_rmsnorm(o, gate, w, 1e-5), lambda: NV.gated_rmsnorm(o, gate, w, 1e-5))
+    check(
+        f"gated_rmsnorm {T},{H},{V}",
+        gen,
+        ref,
+        TB.gated_rmsnorm(o, gate, w, 1e-5),
+        lambda: NV.gated_rmsnorm(o, gate, w, 1e-5),
+    )
 
 
 @pytest.mark.parametrize("rows,D", [(1, 128), (4, 7168), (2, 33)])
@@ -406,7 +422,13 @@ def test_situ_glu(gen, beta, lbeta, shape):
     sig = 1 / (1 + torch.exp(-g))
     ga = g * sig if math.isinf(beta) else beta * torch.tanh(g / beta) * sig
     ua = u if lbeta is None else lbeta * torch.tanh(u / lbeta)
-    check(f"situ_glu beta={beta} lbeta={lbeta}", gen, ga * ua, TB.situ_glu(gate, up, beta, lbeta), lambda: NV.situ_glu(gate, up, beta, lbeta))
+    check(
+        f"situ_glu beta={beta} lbeta={lbeta}",
+        gen,
+        ga * ua,
+        TB.situ_glu(gate, up, beta, lbeta),
+        lambda: NV.situ_glu(gate, up, beta, lbeta),
+    )
 
 
 # ---- KDA ----------------------------------------------------------------------------------------
@@ -438,13 +460,21 @@ def test_inplace_ops_on_strided_state(gen):
     tb = TB.short_conv_step(z, st_tb, w)
     st_nv = randn(gen, T, W, P).transpose(1, 2)
     st_nv.copy_(st0)
-    check("short_conv_step strided state", gen, acc / (1 + torch.exp(-acc)), tb, lambda: NV.short_conv_step(z, st_nv, w))
+    check(
+        "short_conv_step strided state", gen, acc / (1 + torch.exp(-acc)), tb, lambda: NV.short_conv_step(z, st_nv, w)
+    )
     if NV is not None:
         assert not st_nv.is_contiguous() and torch.equal(st_nv, st_ref)
     q, k, v, g, beta, S0 = kda_inputs(gen, T, H, K, K)
     o_ref, S_ref = kda_ref(q, k, v, g, beta, S0)
     S_nv = S0.transpose(2, 3).contiguous().transpose(2, 3)  # same values, strided
-    check("kda_step strided state", gen, o_ref, TB.kda_step(q, k, v, g, beta, S0.clone()), lambda: NV.kda_step(q, k, v, g, beta, S_nv))
+    check(
+        "kda_step strided state",
+        gen,
+        o_ref,
+        TB.kda_step(q, k, v, g, beta, S0.clone()),
+        lambda: NV.kda_step(q, k, v, g, beta, S_nv),
+    )
     if NV is not None:
         assert not S_nv.is_contiguous() and rel(S_nv, S_ref) < TOL
 
@@ -467,7 +497,9 @@ def kda_ref(q, k, v, g, beta, S):
     return torch.einsum("thkv,thk->thv", S, q), S
 
 
-@pytest.mark.parametrize("T,H,K,V", [(1, 96, 128, 128), (1, 8, 128, 128), (2, 2, 16, 16), (3, 3, 64, 48), (2, 3, 30, 40)])
+@pytest.mark.parametrize(
+    "T,H,K,V", [(1, 96, 128, 128), (1, 8, 128, 128), (2, 2, 16, 16), (3, 3, 64, 48), (2, 3, 30, 40)]
+)
 def test_kda_step(gen, T, H, K, V):
     q, k, v, g, beta, S0 = kda_inputs(gen, T, H, K, V)
     o_ref, S_ref = kda_ref(q, k, v, g, beta, S0)
@@ -483,7 +515,16 @@ def test_kda_step(gen, T, H, K, V):
 # ---- MLA + indexer ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("H,R,Dr,n,m", [(96, 512, 64, 300, None), (96, 512, 64, 5000, 2048), (2, 32, 8, 1, None), (5, 48, 8, 130, 70), (9, 64, 16, 64, None)])
+@pytest.mark.parametrize(
+    "H,R,Dr,n,m",
+    [
+        (96, 512, 64, 300, None),
+        (96, 512, 64, 5000, 2048),
+        (2, 32, 8, 1, None),
+        (5, 48, 8, 130, 70),
+        (9, 64, 16, 64, None),
+    ],
+)
 def test_mla_decode(gen, H, R, Dr, n, m):
     q_lat, q_rot = randn(gen, H, R, scale=0.3), randn(gen, H, Dr, scale=0.3)
     c, kr = randn(gen, n, R), randn(gen, n, Dr)
@@ -503,7 +544,9 @@ def test_indexer_scores(gen, Hi, Di, n):
     check(f"indexer_scores {Hi},{Di},{n}", gen, ref, TB.indexer_scores(q, w, kc), lambda: NV.indexer_scores(q, w, kc))
 
 
-@pytest.mark.parametrize("B,H,R,Dr,cap,sparse", [(3, 8, 512, 64, 300, True), (5, 5, 48, 8, 130, False), (17, 2, 32, 8, 70, True)])
+@pytest.mark.parametrize(
+    "B,H,R,Dr,cap,sparse", [(3, 8, 512, 64, 300, True), (5, 5, 48, 8, 130, False), (17, 2, 32, 8, 70, True)]
+)
 def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, sparse):
     """One launch over B rows, each with its own cache, length and selection: row b against
     float64, and bit for bit the one-row call on that row (the decode path's batch invariance)."""
@@ -514,8 +557,14 @@ def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, spars
     m = min(40, cap)
     select = None
     if sparse:  # row b: m distinct positions below its length (fewer valid when length < m)
-        select = torch.stack([torch.cat((torch.randperm(int(n), generator=gen, device=DEV), torch.zeros(cap, dtype=torch.long, device=DEV)))[:m]
-                              for n in lengths])
+        select = torch.stack(
+            [
+                torch.cat(
+                    (torch.randperm(int(n), generator=gen, device=DEV), torch.zeros(cap, dtype=torch.long, device=DEV))
+                )[:m]
+                for n in lengths
+            ]
+        )
     scale = (R // 4 + Dr) ** -0.5
     refs = []
     for b in range(B):
@@ -523,12 +572,21 @@ def test_mla_decode_rows_give_each_row_its_own_bits(gen, B, H, R, Dr, cap, spars
         pos = torch.arange(n, device=DEV) if select is None else select[b, : min(m, n)]
         cs, ks = c[b, pos].double(), kr[b, pos].double()
         refs.append(torch.softmax((q_lat[b].double() @ cs.T + q_rot[b].double() @ ks.T) * scale, dim=-1) @ cs)
-    out = check(f"mla_decode rows B={B} H={H} R={R}", gen, torch.stack(refs), TB.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths),
-                lambda: NV.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths))
+    out = check(
+        f"mla_decode rows B={B} H={H} R={R}",
+        gen,
+        torch.stack(refs),
+        TB.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths),
+        lambda: NV.mla_decode(q_lat, q_rot, c, kr, scale, select, lengths),
+    )
     if out is not None:
         for b in range(B):
-            alone = NV.mla_decode(q_lat[b], q_rot[b], c[b], kr[b], scale, None if select is None else select[b], lengths[b : b + 1])
-            assert torch.equal(out[b], alone), f"row {b} of {B}: bits differ from the one-row call (seed {gen.initial_seed()})"
+            alone = NV.mla_decode(
+                q_lat[b], q_rot[b], c[b], kr[b], scale, None if select is None else select[b], lengths[b : b + 1]
+            )
+            assert torch.equal(out[b], alone), (
+                f"row {b} of {B}: bits differ from the one-row call (seed {gen.initial_seed()})"
+            )
         dense = NV.mla_decode(q_lat, q_rot.contiguous(), c, kr, scale, select, lengths)
         assert torch.equal(out, dense), f"q_rot read in place against a dense copy (seed {gen.initial_seed()})"
 
@@ -548,7 +606,9 @@ def test_indexer_scores_and_topk_rows_give_each_row_its_own_bits(gen, B, Hi, Di,
         assert rel(tb[b, :n], ref) < TOL, f"torch backend row {b} (seed {gen.initial_seed()})"
         if got is not None:
             assert rel(got[b, :n], ref) < TOL, f"nvrtc row {b} (seed {gen.initial_seed()})"
-            assert torch.equal(got[b, :n], NV.indexer_scores(q[b], w[b], kc[b], lengths[b : b + 1])[:n]), f"row {b}: one-row bits"
+            assert torch.equal(got[b, :n], NV.indexer_scores(q[b], w[b], kc[b], lengths[b : b + 1])[:n]), (
+                f"row {b}: one-row bits"
+            )
     if got is not None:  # the head-weight scale in the kernel: the bits of torch's w * scale passed in
         s = Hi**-0.5 * Di**-0.5
         scaled = NV.indexer_scores(q, w, kc, lengths, s)
@@ -576,8 +636,10 @@ def test_mla_absorb_and_expand_read_the_kv_b_view(gen, B, H, dn, dv, R, wdt):
     q, o_lat = randn(gen, B, H, dn + 16)[..., :dn], randn(gen, B, H, R)  # q_nope: a view of q, as the model passes it
     ref_q = torch.einsum("bhd,hdr->bhr", q.double(), w_uk.double())
     ref_o = torch.einsum("hvr,bhr->bhv", w_uv.double(), o_lat.double())
-    for what, ref, tb, nv, x, w in [("mla_absorb", ref_q, TB.mla_absorb(q, w_uk), lambda: NV.mla_absorb(q, w_uk), q, w_uk),
-                                   ("mla_expand", ref_o, TB.mla_expand(o_lat, w_uv), lambda: NV.mla_expand(o_lat, w_uv), o_lat, w_uv)]:
+    for what, ref, tb, nv, x, w in [
+        ("mla_absorb", ref_q, TB.mla_absorb(q, w_uk), lambda: NV.mla_absorb(q, w_uk), q, w_uk),
+        ("mla_expand", ref_o, TB.mla_expand(o_lat, w_uv), lambda: NV.mla_expand(o_lat, w_uv), o_lat, w_uv),
+    ]:
         out = check(f"{what} B={B} H={H} {wdt}", gen, ref, tb, nv)
         if out is not None:
             op = getattr(NV, what)
@@ -610,10 +672,14 @@ def test_select_topk(gen, n, k, kind):
     assert tb.tolist() == want, f"torch backend disagrees with the tie rule (seed {gen.initial_seed()})"
     if NV is not None:
         got = NV.select_topk(s, k)
-        assert got.dtype == torch.int64 and got.tolist() == want, f"nvrtc select_topk n={n} k={k} {kind} (seed {gen.initial_seed()})"
+        assert got.dtype == torch.int64 and got.tolist() == want, (
+            f"nvrtc select_topk n={n} k={k} {kind} (seed {gen.initial_seed()})"
+        )
 
 
-@pytest.mark.parametrize("T,E,k,D", [(1, 256, 16, 7168), (8, 896, 16, 512), (2, 2080, 8, 256), (3, 32, 4, 64), (2, 64, 1, 128)])
+@pytest.mark.parametrize(
+    "T,E,k,D", [(1, 256, 16, 7168), (8, 896, 16, 512), (2, 2080, 8, 256), (3, 32, 4, 64), (2, 64, 1, 128)]
+)
 @pytest.mark.parametrize("renorm,scale", [(True, 1.0), (False, 2.446)])
 def test_router(gen, T, E, k, D, renorm, scale):
     x = randn(gen, T, D)
@@ -629,10 +695,14 @@ def test_router(gen, T, E, k, D, renorm, scale):
     wr = wr * scale
     ids_tb, w_tb = TB.route(TB.linear(x, w), bias, k, renorm, scale)
     assert torch.equal(ids_tb, ids_ref), f"torch backend router ids (seed {gen.initial_seed()})"
-    out = check(f"router T={T} E={E} k={k}", gen, wr, w_tb, lambda: NV.route(NV.linear(x, w), bias, k, renorm, scale)[1])
+    out = check(
+        f"router T={T} E={E} k={k}", gen, wr, w_tb, lambda: NV.route(NV.linear(x, w), bias, k, renorm, scale)[1]
+    )
     if NV is not None:
         ids_nv, _ = NV.route(NV.linear(x, w), bias, k, renorm, scale)
-        assert ids_nv.dtype == torch.int64 and torch.equal(ids_nv, ids_tb), f"router ids differ (seed {gen.initial_seed()})"
+        assert ids_nv.dtype == torch.int64 and torch.equal(ids_nv, ids_tb), (
+            f"router ids differ (seed {gen.initial_seed()})"
+        )
         assert out is not None
 
 
@@ -686,7 +756,9 @@ def dequant64(m: NVFP4Matrix) -> torch.Tensor:
 
 def ffn_case(gen, T, k, E, Dl, I):
     """E random NVFP4 experts, T rows routed to k distinct of them, normalised weights, z."""
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights = rand(gen, T, k, lo=0.01, hi=1.0)
     weights = weights / weights.sum(-1, keepdim=True)
@@ -730,7 +802,13 @@ def test_expert_ffn(gen, T, k, E, Dl, I, impl):
     experts, ids, weights, z = ffn_case(gen, T, k, E, Dl, I)
     ref = ffn_ref(z, ids, weights, experts, 4.0, 25.0)
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
-    out = check(f"expert_ffn[{impl}] T={T} k={k} Dl={Dl} I={I}", gen, ref, tb, lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0))
+    out = check(
+        f"expert_ffn[{impl}] T={T} k={k} Dl={Dl} I={I}",
+        gen,
+        ref,
+        tb,
+        lambda: nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0),
+    )
     if out is not None:
         assert torch.equal(nv.expert_ffn(z, ids.cpu(), weights, experts, 4.0, 25.0), out), "host ids / rerun differ"
     if out is not None and T > 1:  # batch invariance: each row alone gives the same bits
@@ -885,7 +963,9 @@ def test_expert_ffn_staged_rows_give_the_8_row_bits(gen, T, k, E, Dl, I, shape):
         try:
             for pdl, pair_ready in ((False, True), (True, False)):
                 nv.pdl, nv.pair_ready = pdl, pair_ready
-                assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), out), f"pdl={pdl} ready={pair_ready}"
+                assert torch.equal(nv.expert_ffn(z, ids, weights, experts, 4.0, 25.0), out), (
+                    f"pdl={pdl} ready={pair_ready}"
+                )
         finally:
             nv.pdl, nv.pair_ready = saved
     finally:
@@ -923,8 +1003,12 @@ def test_expert_ffn_grouped_prefill(gen, T, k, E, Dl, I, rows):
     tb = TB.expert_ffn(z, ids, weights, experts, 4.0, 25.0)
     twin = _grouped_twin(z, ids, weights, experts, rows)
     tol = TOL if rows == "split" else GROUPED_FP16_TOL
-    assert rel(twin, ref) < tol, f"grouped twin [{rows}] vs float64 rel err {rel(twin, ref):.3g} (seed {gen.initial_seed()})"
-    assert rows == "split" or rel(twin, ref) > TOL, f"grouped twin [fp16] as accurate as the split (seed {gen.initial_seed()})"
+    assert rel(twin, ref) < tol, (
+        f"grouped twin [{rows}] vs float64 rel err {rel(twin, ref):.3g} (seed {gen.initial_seed()})"
+    )
+    assert rows == "split" or rel(twin, ref) > TOL, (
+        f"grouped twin [fp16] as accurate as the split (seed {gen.initial_seed()})"
+    )
     if NV is None:
         return
     pre = NV.for_prefill()
@@ -1011,7 +1095,9 @@ def test_expert_ffn_tc_shapes_same_bits(gen):
     from streamrt.backends.nvrtc_moe import TC_PIPES, TC_SHAPE
 
     E, T, k, Dl, I = 8, 6, 4, 640, 896  # 5 and 7 column blocks: partial last stages; up to 6 rows per expert
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights, z = rand(gen, T, k, lo=0.01, hi=1.0), randn(gen, T, Dl)
     nv = NV_IMPLS["tc"]
@@ -1036,7 +1122,9 @@ def test_expert_ffn_back_to_back_same_bits(gen, T):
     the same bits as one call alone (each call routes z to other experts: a down block reading h
     before its gate+up blocks wrote it would see the call before's)."""
     E, k, Dl, I = 6, 4, 256, 384  # a grid small enough for every block of a launch to be resident
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     nv = NV_IMPLS["tc"]
     ids = [torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)]).cpu() for _ in range(20)]
     weights = [rand(gen, T, k, lo=0.01, hi=1.0) for _ in range(20)]
@@ -1061,7 +1149,9 @@ def test_expert_ffn_error_after_launch_leaves_no_counts(gen):
     """An error raised once the resident experts' kernels are queued (a late expert of another
     intermediate size) leaves no gate+up counts behind for the next call to trust."""
     k, Dl, I = 4, 256, 384
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(k)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(k)
+    }
     bad = dict(experts)
     bad[3] = ExpertWeights(rand_nvfp4(gen, 512, Dl), rand_nvfp4(gen, 512, Dl), rand_nvfp4(gen, Dl, 512))
     nv = NV_IMPLS["tc"]
@@ -1093,7 +1183,9 @@ def test_expert_ffn_late_experts_same_bits(gen, impl):
     the result bits do not depend on that split."""
     nv = NV_IMPLS[impl]
     E, T, k, Dl, I = 12, 3, 4, 256, 384
-    experts = {e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)}
+    experts = {
+        e: ExpertWeights(rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, I, Dl), rand_nvfp4(gen, Dl, I)) for e in range(E)
+    }
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights = rand(gen, T, k, lo=0.01, hi=1.0)
     z = randn(gen, T, Dl)
@@ -1122,8 +1214,13 @@ def test_attnres_mix(gen, T, nb, D, wdt):
     kn = V / torch.sqrt((V * V).mean(-1, keepdim=True) + 1e-5)
     p = torch.softmax((kn * (norm_w.double() * proj_w.double())).sum(-1), dim=-1)
     ref = (p[..., None] * V).sum(1)
-    mix = check(f"attnres_mix T={T} nb={nb} D={D} {wdt}", gen, ref, TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
-                lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5))
+    mix = check(
+        f"attnres_mix T={T} nb={nb} D={D} {wdt}",
+        gen,
+        ref,
+        TB.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
+        lambda: NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5),
+    )
     # then the layer's RMSNorm (out_w): float64, and the bits of the two ops in turn
     out_w = (1 + randn(gen, D, scale=0.2)).to(wdt)
     ref_n = ref / torch.sqrt((ref * ref).mean(-1, keepdim=True) + 1e-6) * out_w.double()
@@ -1136,7 +1233,9 @@ def test_attnres_mix(gen, T, nb, D, wdt):
         assert torch.equal(last, mix[-1:]), "row T-1 alone: bits differ from the batch's"
         last_n = NV.attnres_mix(prefix[-1:], [b[-1:] for b in blocks], norm_w, proj_w, 1e-5, out_w, 1e-6)
         assert torch.equal(last_n, normed[-1:]), "normed row T-1 alone: bits differ from the batch's"
-        assert torch.equal(NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6), normed), "not deterministic"
+        assert torch.equal(NV.attnres_mix(prefix, blocks, norm_w, proj_w, 1e-5, out_w, 1e-6), normed), (
+            "not deterministic"
+        )
 
 
 # ---- the decode's cache append -------------------------------------------------------------------

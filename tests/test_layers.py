@@ -16,20 +16,42 @@ PKG = Path(__file__).resolve().parents[1] / "streamrt"
 # A module may not import any of these (prefix match on the dotted name).
 FORBIDDEN = {
     # the model is written against the Backend protocol; which backend runs it is the caller's choice
-    "streamrt.model": ("streamrt.backends", "streamrt.runtime", "streamrt.store", "streamrt.serve", "streamrt.run_cmd",
-                       "streamrt.parallel"),
+    "streamrt.model": (
+        "streamrt.backends",
+        "streamrt.runtime",
+        "streamrt.store",
+        "streamrt.serve",
+        "streamrt.run_cmd",
+        "streamrt.parallel",
+    ),
     # a tree's readers depend on its format, never on the program that writes it
     "streamrt.checkpoint.reader": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
     "streamrt.checkpoint.verify": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
-    "streamrt.checkpoint.manifest": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth", "streamrt.checkpoint.reader"),
+    "streamrt.checkpoint.manifest": (
+        "streamrt.checkpoint.convert",
+        "streamrt.checkpoint.synth",
+        "streamrt.checkpoint.reader",
+    ),
     "streamrt.checkpoint.release": ("streamrt.checkpoint.convert", "streamrt.checkpoint.synth"),
     "streamrt.checkpoint.names": ("streamrt.checkpoint.",),
-    "streamrt.checkpoint": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.backends", "streamrt.serve",
-                            "streamrt.parallel"),
+    "streamrt.checkpoint": (
+        "streamrt.model",
+        "streamrt.runtime",
+        "streamrt.store",
+        "streamrt.backends",
+        "streamrt.serve",
+        "streamrt.parallel",
+    ),
     # the store holds bytes; the runtime drives it
     "streamrt.store": ("streamrt.runtime", "streamrt.model", "streamrt.serve", "streamrt.run_cmd", "streamrt.parallel"),
-    "streamrt.backends": ("streamrt.model", "streamrt.runtime", "streamrt.store", "streamrt.serve", "streamrt.checkpoint",
-                          "streamrt.parallel"),
+    "streamrt.backends": (
+        "streamrt.model",
+        "streamrt.runtime",
+        "streamrt.store",
+        "streamrt.serve",
+        "streamrt.checkpoint",
+        "streamrt.parallel",
+    ),
     "streamrt.config": ("streamrt.",),
     "streamrt.ops": ("streamrt.",),
     "streamrt.jsonio": ("streamrt.",),
@@ -38,7 +60,8 @@ FORBIDDEN = {
     # expert parallelism composes model, backend and runtime for one rank; the commands compose it
     "streamrt.parallel": ("streamrt.serve", "streamrt.run_cmd", "streamrt.cli", "streamrt.session"),
 }
-ALLOWED_EVERYWHERE = ("streamrt.errors", "streamrt.jsonio", "streamrt.fileio")  # leaves: they import nothing of ours but errors
+# leaves: they import nothing of ours but errors
+ALLOWED_EVERYWHERE = ("streamrt.errors", "streamrt.jsonio", "streamrt.fileio")
 # Exceptions to a room's bans: the model is typed against the Backend protocol; the config
 # package's modules import one another (and nothing else of ours).
 ALLOWED = {"streamrt.model": ("streamrt.backends.base",), "streamrt.config": ("streamrt.config",)}

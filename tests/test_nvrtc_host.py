@@ -39,7 +39,9 @@ class _Recorder:
         self.launches, self.name = launches, name
 
     def __call__(self, grid, block, args, smem=0, stream=None, pdl=False):
-        self.launches.append((self.name, np.frombuffer(args[0], np.uint8) if "gateup" in self.name else [_int(a) for a in args[1:]]))
+        self.launches.append(
+            (self.name, np.frombuffer(args[0], np.uint8) if "gateup" in self.name else [_int(a) for a in args[1:]])
+        )
 
 
 def _int(arg: bytes) -> int:
@@ -90,7 +92,11 @@ def test_tables_put_each_pointer_where_the_kernel_structs_have_it():
     assert g[: 6 * M * 8].view(np.uint64).reshape(6, M)[:, 0].tolist() == [
         pe.gate_packed, pe.gate_scales, pe.gate_global, pe.up_packed, pe.up_scales, pe.up_global]
     assert g[6 * M * 8 :].view(np.int32).reshape(2, M)[:, 0].tolist() == [2, 5]
-    assert d[: 3 * M * 8].view(np.uint64).reshape(3, M)[:, 0].tolist() == [pe.down_packed, pe.down_scales, pe.down_global]
+    assert d[: 3 * M * 8].view(np.uint64).reshape(3, M)[:, 0].tolist() == [
+        pe.down_packed,
+        pe.down_scales,
+        pe.down_global,
+    ]
     assert int(d[3 * M * 8 :].view(np.int32)[0]) == 5
     assert scales_aligned8([(0, 0, 7)], {7: pe})
     assert not scales_aligned8([(0, 0, 7)], {7: pe._replace(up_scales=pe.up_scales + 4)})
@@ -101,8 +107,13 @@ def test_bad_expert_is_refused_after_good_ones_were_seen():
     ids, w, z = torch.arange(K).view(1, K), torch.rand(1, K), torch.randn(1, DL)
     experts = {e: _expert() for e in range(K)}
     nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
-    bad = ExpertWeights(_mat(I, DL), _mat(I, DL), NVFP4Matrix(torch.zeros(DL, I // 2, dtype=torch.int8),
-                                                               torch.zeros(DL, I // 16, dtype=torch.uint8), torch.rand(DL)))
+    bad = ExpertWeights(
+        _mat(I, DL),
+        _mat(I, DL),
+        NVFP4Matrix(
+            torch.zeros(DL, I // 2, dtype=torch.int8), torch.zeros(DL, I // 16, dtype=torch.uint8), torch.rand(DL)
+        ),
+    )
     experts[1] = bad
     with pytest.raises(ValueError, match=r"expert 1 down\.packed"):
         nv.expert_ffn(z, ids, w, experts, 4.0, 25.0)
@@ -117,7 +128,9 @@ def test_router_launch_shared_memory_and_its_limit():
     launches = []
     nv = _backend(launches)
     smems = []
-    nv._k = lambda program, name: (lambda grid, block, args, smem=0, stream=None, pdl=False: smems.append((name, grid, smem)))
+    nv._k = lambda program, name: (
+        lambda grid, block, args, smem=0, stream=None, pdl=False: smems.append((name, grid, smem))
+    )
     for E in (24, 896, 4053):
         ids, wts = nv.route(torch.randn(3, E), torch.randn(E), 16, True, 2.5)
         assert ids.shape == wts.shape == (3, 16)
@@ -134,7 +147,9 @@ def test_counts_only_where_the_sum_can_zero_them():
         nv = _backend(launches)
         experts = {e: ExpertWeights(_mat(i, dl), _mat(i, dl), _mat(dl, i)) for e in range(k)}
         nv.expert_ffn(torch.randn(1, dl), torch.arange(k).view(1, k), torch.rand(1, k), experts, 4.0, 25.0)
-        return [args[4] for name, args in launches if "down" in name], [args[5] for name, args in launches if "combine" in name]
+        return [args[4] for name, args in launches if "down" in name], [
+            args[5] for name, args in launches if "combine" in name
+        ]
 
     down, combine = ready_ptrs(4, 128, 128)
     assert all(down) and all(combine)
@@ -210,7 +225,9 @@ def test_16_row_blocks_launch_shape_phases_and_fallbacks():
     with pytest.raises(ValueError, match="multiple of 2"):
         _ffn_launches(nv, 12, 2, 3, 640, 896)
     nv.tc_phase_blocks = 28  # deep's 3584 columns in one phase: 16 x 2 x 9,024 B of rows alone, over 227 KB
-    with pytest.raises(ValueError, match="tc_phase_blocks 28: 16 rows of 28 column blocks need .* over the block's 232448"):
+    with pytest.raises(
+        ValueError, match="tc_phase_blocks 28: 16 rows of 28 column blocks need .* over the block's 232448"
+    ):
         _ffn_launches(nv, 16, 4, 6, 3584, 3072)
     nv.tc_phase_blocks = None
     for shape in ((16, 7, 2, 2), (8, 7, 3, 2)):
@@ -282,15 +299,21 @@ def test_staged_rows_from_eight_rows():
     assert dn_grid == (-(-3584 // (32 * 14)), 64) and dn_block == (14 * 32,)
     assert dn_smem == 8 * 8 * (96 * 20 + 16) + 14 * 2 * stage
     assert dn_ints[-3:] == [3072 // (16 * 12), 8, 16]  # gate+up blocks a group, down's cap, gate+up's cap
-    assert [n for n, *_ in _ffn_launches(nv, 7, 4, 6, 3584, 3072)][:2] == ["srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2"]
+    assert [n for n, *_ in _ffn_launches(nv, 7, 4, 6, 3584, 3072)][:2] == [
+        "srt_nvfp4_gateup_tc2x2",
+        "srt_nvfp4_down_tc2x2",
+    ]
     nv.tc_shape_batch = (16, 14, 3, 1)  # the 8-row down blocks' shape, checked as the unstaged path checks it
     with pytest.raises(ValueError, match=r"tc_shape_batch \(16, 14, 3, 1\): warps 1..16"):
         _ffn_launches(nv, 8, 4, 6, 3584, 3072)
     nv.tc_shape_batch = nvm.TC_SHAPE_BATCH
     for bad in ((13, 8, 4, 1), (12, 9, 4, 1), (12, 8, 3, 1)):
         nv.tc_staged_shape = bad
-        with pytest.raises(ValueError, match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "
-                                             r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"tc_staged_shape \({bad[0]}, {bad[1]}, {bad[2]}, 1\): gate\+up warps 1..12, "
+            r"down warps 0..8, \(stages, blocks\) one of \(\(2, 1\), \(4, 1\), \(6, 1\)\)",
+        ):
             _ffn_launches(nv, 8, 4, 6, 3584, 3072)
 
 
@@ -399,7 +422,9 @@ def test_gemv_tensor_core_launch_shape():
     assert smem == 4 * 2 * (32 * 128 * 2 + 8 * 128 * 4) + 3 * 8 * 32 * 4
     launches.clear()
     nv.linear(torch.empty(1, 12288, dtype=torch.bfloat16), w)
-    assert launches[0][0] == "srt_gemv_tc_xbf16_s2" and launches[0][3] == 4 * 2 * (32 * 128 * 2 + 128 * 2) + 3 * 8 * 32 * 4
+    assert (
+        launches[0][0] == "srt_gemv_tc_xbf16_s2" and launches[0][3] == 4 * 2 * (32 * 128 * 2 + 128 * 2) + 3 * 8 * 32 * 4
+    )
 
 
 def test_gemv_launches_are_built_once_per_matrices_and_x_shape():
@@ -408,7 +433,8 @@ def test_gemv_launches_are_built_once_per_matrices_and_x_shape():
     x, outputs and addends filled in; another T, other matrices or forced variants build anew."""
     launches = []
     nv = _gemv_backend(launches)
-    ws = [torch.empty(n, 512, dtype=torch.bfloat16) for n in (24, 700, 64, 300, 32, 96, 128, 40, 256)]  # 9: two launches
+    # 9: two launches
+    ws = [torch.empty(n, 512, dtype=torch.bfloat16) for n in (24, 700, 64, 300, 32, 96, 128, 40, 256)]
     built = []
     real = nv._gemv_tc_launch
     nv._gemv_tc_launch = lambda *a, **kw: built.append(a[0]) or real(*a, **kw)
@@ -429,7 +455,8 @@ def test_gemv_launches_are_built_once_per_matrices_and_x_shape():
         assert not built, "the second call rebuilt its launches"
         assert len(again) == len(first)
         for (n1, g1, b1, s1, i1, m1), (n2, g2, b2, s2, i2, m2) in zip(first, again):
-            assert (n1, g1, b1, s1, i1) == (n2, g2, b2, s2, i2) and m1[-1] == m2[-1]  # kernel, grid, T/N/K/split, blocks
+            # kernel, grid, T/N/K/split, blocks
+            assert (n1, g1, b1, s1, i1) == (n2, g2, b2, s2, i2) and m1[-1] == m2[-1]
             for a, b in zip(m1[:-1], m2[:-1]):
                 assert a[0] == b[0] and a[4:] == b[4:]  # weight address, rows, first row block
         # this call's outputs and addends, each once, in the tables
@@ -453,7 +480,14 @@ def test_gemv_k_split_depends_on_the_matrix_not_on_t():
     invariance), also for a longer batch (its 8-row groups are blocks of one launch)."""
     launches = []
     nv = _gemv_backend(launches)
-    for N, K, ks in ((2048, 4096, 8), (7168, 12288, 4), (12288, 7168, 2), (163840, 7168, 1), (4096, 256, 2), (64, 8, 1)):
+    for N, K, ks in (
+        (2048, 4096, 8),
+        (7168, 12288, 4),
+        (12288, 7168, 2),
+        (163840, 7168, 1),
+        (4096, 256, 2),
+        (64, 8, 1),
+    ):
         w = torch.empty(N, K, dtype=torch.bfloat16)
         for T in (1, 3, 8, 11):
             launches.clear()
@@ -524,7 +558,10 @@ def test_linears_share_one_tensor_core_launch_split_by_its_rows():
         assert [m[5] for m in mats[:-1]] == [0, 32, 144, 145, 177] and mats[-1] == 369  # first blocks, then the total
     # few rows: more warps per block; nine matrices: a second launch, split by its own rows
     launches.clear()
-    nv.linears(torch.randn(1, K), [torch.empty(1024, K, dtype=torch.bfloat16)] * 4 + [torch.empty(128, K, dtype=torch.bfloat16)])
+    nv.linears(
+        torch.randn(1, K),
+        [torch.empty(1024, K, dtype=torch.bfloat16)] * 4 + [torch.empty(128, K, dtype=torch.bfloat16)],
+    )
     assert launches[0][4][-1] == 4  # 4 * 32 + 4 = 132 blocks: 4 warps make 528
     launches.clear()
     nv.linears(torch.randn(1, K), [torch.empty(2048, K, dtype=torch.bfloat16)] * 9)
@@ -643,11 +680,18 @@ def test_indexer_scores_pass_the_head_weight_scale():
     nv._k = lambda program, name: (lambda grid, block, args, smem=0, stream=None, pdl=False: calls.append((name, args)))
     B, Hi, Di, n = 2, 4, 16, 33
     w_scale = 64**-0.5 * 128**-0.5
-    nv.indexer_scores(torch.randn(B, Hi, Di), torch.randn(B, Hi), torch.randn(B, n, Di), torch.full((B,), n, dtype=torch.int32), w_scale)
+    nv.indexer_scores(
+        torch.randn(B, Hi, Di),
+        torch.randn(B, Hi),
+        torch.randn(B, n, Di),
+        torch.full((B,), n, dtype=torch.int32),
+        w_scale,
+    )
     assert [name for name, _ in calls] == ["srt_indexer_scores"]
     assert calls[0][1][-1] == struct.pack("<f", w_scale) and struct.unpack("<f", calls[0][1][-1])[0] != w_scale
     w = torch.randn(1000)
-    assert torch.equal(w * w_scale, w * torch.tensor(struct.unpack("<f", calls[0][1][-1])[0]))  # torch's rounding of the scalar
+    # torch's rounding of the scalar
+    assert torch.equal(w * w_scale, w * torch.tensor(struct.unpack("<f", calls[0][1][-1])[0]))
     nv.indexer_scores(torch.randn(Hi, Di), torch.randn(Hi), torch.randn(n, Di))
     assert struct.unpack("<f", calls[-1][1][-1]) == (1.0,)
 
@@ -658,9 +702,21 @@ DECODE_OPS = ("linear", "linears", "rmsnorm", "gated_rmsnorm", "layernorm", "l2n
               "kda_conv_step", "kda_gates", "kda_step", "cache_append", "attnres_mix", "route", "expert_ffn",
               "mla_absorb", "mla_decode", "mla_expand", "indexer_scores", "select_topk")
 # what a host path may do without a launch of its own: views, allocations, and the few it needs
-NO_LAUNCH = {"aten.empty.memory_format", "aten.view.default", "aten.slice.Tensor", "aten.select.int", "aten.detach.default",
-             "aten.unsqueeze.default", "aten.alias.default", "aten.view.dtype", "aten.expand.default", "aten.t.default",
-             "aten.transpose.int", "aten.as_strided.default", "aten._reshape_alias.default"}
+NO_LAUNCH = {
+    "aten.empty.memory_format",
+    "aten.view.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.detach.default",
+    "aten.unsqueeze.default",
+    "aten.alias.default",
+    "aten.view.dtype",
+    "aten.expand.default",
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.as_strided.default",
+    "aten._reshape_alias.default",
+}
 
 
 def test_a_decode_step_launches_nothing_but_its_kernels(tmp_path):
@@ -717,8 +773,17 @@ def test_a_decode_step_launches_nothing_but_its_kernels(tmp_path):
     kernels.clear()
     with Count():
         run_sync(model.forward_steps(ids[:, 1:2], cache, last_only=True), provider)
-    for k in ("srt_mla_absorb", "srt_mla_partial", "srt_indexer_scores", "srt_kda_step", "srt_attnres_apply", "srt_router_topk",
-              "srt_moe_combine", "srt_rmsnorm", "srt_cache_append"):
+    for k in (
+        "srt_mla_absorb",
+        "srt_mla_partial",
+        "srt_indexer_scores",
+        "srt_kda_step",
+        "srt_attnres_apply",
+        "srt_router_topk",
+        "srt_moe_combine",
+        "srt_rmsnorm",
+        "srt_cache_append",
+    ):
         assert k in kernels, f"{k} not launched: the step did not take the path this test is about"
     assert [o for o in ops if o != "aten.add_.Tensor"] == [], sorted(set(ops))
     assert ops.count("aten.add_.Tensor") <= kernels.count("srt_gemv_scalar")
@@ -784,8 +849,15 @@ def test_launch_passes_a_pointer_to_each_arguments_bytes(monkeypatch, pdl, known
     rng = np.random.default_rng()
     table = rng.integers(0, 2**63, 41, dtype=np.uint64).tobytes()
     t = torch.randn(5)
-    args = [table, ptr(t), i32(int(rng.integers(-2**31, 2**31))), f32(float(rng.standard_normal())), i64(int(rng.integers(0, 2**62))),
-            i32(3), ptr(None)]
+    args = [
+        table,
+        ptr(t),
+        i32(int(rng.integers(-(2**31), 2**31))),
+        f32(float(rng.standard_normal())),
+        i64(int(rng.integers(0, 2**62))),
+        i32(3),
+        ptr(None),
+    ]
     sizes = [len(a) for a in args]
     drv = _Driver()
     k = _kernel(monkeypatch, drv, sizes if known_sizes else None)
@@ -805,6 +877,9 @@ def test_launch_passes_a_pointer_to_each_arguments_bytes(monkeypatch, pdl, known
 def test_a_failed_launch_names_the_kernel_and_its_shape(monkeypatch):
     drv = _Driver(fail=719)
     k = _kernel(monkeypatch, drv, [4])
-    with pytest.raises(nvm.CudaError, match=r"cuLaunchKernelEx\(srt_probe, grid=\(3,\), block=\(32,\), smem=0, programmatic\) "
-                                            r"failed: CUDA_ERROR_LAUNCH_FAILED \(719\)"):
+    with pytest.raises(
+        nvm.CudaError,
+        match=r"cuLaunchKernelEx\(srt_probe, grid=\(3,\), block=\(32,\), smem=0, programmatic\) "
+        r"failed: CUDA_ERROR_LAUNCH_FAILED \(719\)",
+    ):
         k((3,), (32,), [struct.pack("<i", 1)], pdl=True)

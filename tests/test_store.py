@@ -169,7 +169,9 @@ def test_relocated_views_match_the_parsed_layout():
 
 
 def test_stats_payload_has_exactly_the_documented_keys():
-    p = RuntimeStats(tokens=2, decode_s=1.0, bytes_h2d=5e9, decode_bytes_h2d=4e9).payload(retire=RetireQueue(), device=CpuDevice())
+    p = RuntimeStats(tokens=2, decode_s=1.0, bytes_h2d=5e9, decode_bytes_h2d=4e9).payload(
+        retire=RetireQueue(), device=CpuDevice()
+    )
     assert tuple(p) == PAYLOAD_KEYS == (
         "tokens", "s_per_token", "host_hits", "host_misses", "device_hits", "device_misses", "bytes_h2d",
         "bytes_disk", "evictions", "retired", "released", "full_synchronizes", "stall_s", "predicted_recall",

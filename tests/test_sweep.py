@@ -172,8 +172,13 @@ def test_point_row_flags_differing_hashes_across_repeats():
 def test_unwritable_out_fails_before_the_first_point(tiny_model, tmp_path, fake_streamrt, capsys, monkeypatch):
     monkeypatch.setenv("FAKE_SPREAD_DIR", str(tmp_path))
     (tmp_path / "file").write_text("x")
-    for out, fragment in ((tmp_path / "file", "is not a directory"), (Path("/proc/streamrt-sweep"), "cannot write in /proc")):
-        rc = sweep.main(["--model", str(tiny_model), "--out", str(out), "--groups", "window", "--streamrt", fake_streamrt])
+    for out, fragment in (
+        (tmp_path / "file", "is not a directory"),
+        (Path("/proc/streamrt-sweep"), "cannot write in /proc"),
+    ):
+        rc = sweep.main(
+            ["--model", str(tiny_model), "--out", str(out), "--groups", "window", "--streamrt", fake_streamrt]
+        )
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("streamrt: --out") and fragment in err and err.count("\n") == 1, err
     assert not list(tmp_path.glob("calls-*"))  # no point ran

@@ -109,7 +109,9 @@ def fact_conversation(country: str, template: str, split: str) -> Conversation:
     )
 
 
-def weather_conversation(city: str, template: str, split: str, variant: int = 0, result: dict | None = None) -> Conversation:
+def weather_conversation(
+    city: str, template: str, split: str, variant: int = 0, result: dict | None = None
+) -> Conversation:
     r = result or weather_result(city, variant)
     return Conversation(
         messages=[

@@ -185,7 +185,9 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         if cfg.is_moe(i):
             p = f"{layer_prefix(i)}block_sparse_moe.experts."
             out.extend(
-                new(TensorSpec, (f"{p}{e}{suffix}", shape, U8)) for e in range(cfg.num_experts) for suffix, shape in parts
+                new(TensorSpec, (f"{p}{e}{suffix}", shape, U8))
+                for e in range(cfg.num_experts)
+                for suffix, shape in parts
             )
     return out
 

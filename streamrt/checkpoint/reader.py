@@ -314,7 +314,8 @@ def read_manifest(root: Path) -> dict:
             raise CheckpointError(f"{f}: files[{rel[:200]!r}].size is {_show(size)}, not a byte count")
         if not isinstance(digest, str) or len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
             raise CheckpointError(f"{f}: files[{rel[:200]!r}].blake2b is {_show(digest)}, not 16 hex digits")
-        if not rel or rel.startswith("/") or ".." in rel.split("/") or any(ord(ch) < 32 for ch in rel):  # \n: one-line errors
+        # \n: one-line errors
+        if not rel or rel.startswith("/") or ".." in rel.split("/") or any(ord(ch) < 32 for ch in rel):
             raise CheckpointError(f"{f}: files key {rel[:200]!r} is not a path inside the tree")
     if not all(isinstance(n, str) for n in m["tensor_names"]):
         raise CheckpointError(f"{f}: field 'tensor_names' holds a non-string")
@@ -335,7 +336,12 @@ def open_tree(path: str | Path) -> StreamrtTree:
     got = manifest["geometry"]
     bad = sorted(k for k in want if got.get(k) != want[k])
     if bad:
-        raise CheckpointError(f"{root / MANIFEST}: geometry field {bad[0]!r} is {str(got.get(bad[0]))[:80]}, config.json implies {want[bad[0]]!r}")
+        raise CheckpointError(
+            f"{root / MANIFEST}: geometry field {bad[0]!r} is {str(got.get(bad[0]))[:80]}, config.json implies "
+                f"{want[bad[0]]!r}"
+        )
     if manifest.get("variant") != cfg.variant:
-        raise CheckpointError(f"{root / MANIFEST}: variant {str(manifest.get('variant'))[:40]!r} but config.json is {cfg.variant!r}")
+        raise CheckpointError(
+            f"{root / MANIFEST}: variant {str(manifest.get('variant'))[:40]!r} but config.json is {cfg.variant!r}"
+        )
     return StreamrtTree(root, cfg, ExpertLayout.for_config(cfg), manifest)

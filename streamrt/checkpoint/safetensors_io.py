@@ -73,7 +73,9 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
     entries: dict[str, STEntry] = {}
     for name, e in hdr.items():
         if not name.isprintable():  # a newline in a name would split every message that names it
-            raise CheckpointError(f"{path}: corrupt safetensors header: tensor name {clip(repr(name))} holds a control character")
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor name {clip(repr(name))} holds a control character"
+            )
         bad = lambda msg: CheckpointError(f"{path}: tensor {clip(name)}: {msg}")  # noqa: E731
         if not isinstance(e, dict):
             raise bad("header entry is not an object")
@@ -105,7 +107,8 @@ def read_header(path: Path, *, head: bytes | None = None, file_size: int | None 
         if cur.begin < prev.end:
             raise CheckpointError(
                 f"{path}: corrupt safetensors header: tensor {clip(cur.name)} (bytes {cur.begin - data_start}.."
-                f"{cur.end - data_start}) overlaps tensor {clip(prev.name)} (bytes {prev.begin - data_start}..{prev.end - data_start})"
+                f"{cur.end - data_start}) overlaps tensor {clip(prev.name)} (bytes "
+                    f"{prev.begin - data_start}..{prev.end - data_start})"
             )
     return STHeader(path, size, data_start, entries, meta if isinstance(meta, dict) else {})
 

@@ -36,7 +36,9 @@ class RankPlan:
         return min(1.0, self.slots / self.experts)
 
 
-def plan_ranks(cfg, gpu_bytes: int, world: int, *, context: int = 4096, buffers: int = 2) -> tuple[Placement, list[RankPlan]]:
+def plan_ranks(
+    cfg, gpu_bytes: int, world: int, *, context: int = 4096, buffers: int = 2
+) -> tuple[Placement, list[RankPlan]]:
     """(the one-card dense plan every rank runs, each rank's share of the experts)."""
     p = plan_placement(cfg, gpu_bytes, context=context, buffers=buffers)
     owners, eb = ExpertOwners.for_config(cfg, world), expert_bytes_nvfp4(cfg)
@@ -74,8 +76,10 @@ def format_rank_plan(cfg, gpu_bytes: int, world: int, link_gbps: float, hbm_gbps
         "|---|---|---|---|---|---|",
     ]
     for r in ranks:
-        lines.append(f"| {r.rank} | {r.experts:,} | {r.slots:,} | {r.hit:.1%} | {r.expert_bytes_per_token / GIB:.2f} GiB "
-                     f"| {r.link_bytes_per_token / GIB:.2f} GiB |")
+        lines.append(
+            f"| {r.rank} | {r.experts:,} | {r.slots:,} | {r.hit:.1%} | {r.expert_bytes_per_token / GIB:.2f} GiB "
+            f"| {r.link_bytes_per_token / GIB:.2f} GiB |"
+        )
     lines.append(f"projected {proj['s_per_token']:.3f} s/token (link {proj['link_s']:.3f} s, compute floor "
                  f"{proj['compute_floor_s']:.3f} s, {len(cfg.moe_layers)} all-reduces {proj['allreduce_s']:.3f} s at "
                  f"{ALLREDUCE_US:g} us each); {proj['summed_link_bytes_per_token'] / GIB:.1f} GiB per token over "
