@@ -13,7 +13,7 @@
    `verify --full` on the result, once per --commit-threads value (default: convert's own
    default), the tree deleted in between; each is compared with the same run's raw copy.
 Prints a table and a markdown block for profiling/RESULTS.md (also appended to --results).
-Target (issue 3): convert >= 0.7 x raw copy.
+Target: convert >= 0.7 x raw copy.
 """
 
 from __future__ import annotations
@@ -132,11 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(release, ignore_errors=True)
         s = synth(args.config, release, seed=args.seed, fmt="release", progress=None)
         synth_s = s["seconds"]
-        print(f"synth: {s['bytes'] / 1e9:.2f} GB in {synth_s:.1f} s on {s['device']} ({s['bytes'] / synth_s / 1e9:.2f} GB/s)")
+        print(
+            f"synth: {s['bytes'] / 1e9:.2f} GB in {synth_s:.1f} s on {s['device']} ({s['bytes'] / synth_s / 1e9:.2f} "
+                f"GB/s)"
+        )
     src_bytes = sum(p.stat().st_size for p in tree_files(release))
     free = shutil.disk_usage(wd).free
     if free < src_bytes * 1.1:
-        print(f"bench_convert: {wd}: needs ~{src_bytes * 1.1 / 2**30:.1f} GiB free for the copy/convert, has {free / 2**30:.1f}")
+        print(
+            f"bench_convert: {wd}: needs ~{src_bytes * 1.1 / 2**30:.1f} GiB free for the copy/convert, has "
+                f"{free / 2**30:.1f}"
+        )
         return 2
 
     warm_s = warm(tree_files(release), args.workers)

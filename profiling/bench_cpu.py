@@ -1,4 +1,4 @@
-"""Tokens/s of the torch reference forward at tiny geometry on CPU (issue 4).
+"""Tokens/s of the torch reference forward at tiny geometry on CPU.
 
 Random fp32 weights and random NVFP4 experts held in memory (no store, no I/O), so this
 measures the reference arithmetic and its Python overhead only. Prints one markdown table

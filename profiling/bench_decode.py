@@ -19,7 +19,7 @@ measures, in this order and in this one process:
 baseline and runtime run with the device tier limited (--gpu-experts, default half the
 per-token working set) so that at least half the routed bytes miss. Every run decodes the same
 forced token sequence after the same prompt; the logits of every decode step are compared
-bit for bit across all runs. Targets (issue 5): effective expert bandwidth >= 0.8 x link;
+bit for bit across all runs. Targets: effective expert bandwidth >= 0.8 x link;
 s/token <= 1.15 x max(link floor, resident compute); >= 6x faster than the baseline.
 Prints a table and a markdown block for profiling/RESULTS.md (machine, date, commit).
 """
@@ -139,7 +139,6 @@ def measure_link(device, tree, reps: int = 64) -> dict:
     pageable = torch.empty(n, dtype=torch.uint8)
     pageable.fill_(1)
     out["pageable"] = rate(pageable, False)
-    del dst
     return out
 
 
@@ -147,11 +146,21 @@ def measure_link(device, tree, reps: int = 64) -> dict:
 
 
 def decode_run(
-    tree, model, device, opts: RuntimeOptions, prompt: list[int], cont: list[int], warmup: int, *, preload: bool = False,
-    warm_host: bool = True, on_reset=None,
+    tree,
+    model,
+    device,
+    opts: RuntimeOptions,
+    prompt: list[int],
+    cont: list[int],
+    warmup: int,
+    *,
+    preload: bool = False,
+    warm_host: bool = True,
+    on_reset=None,
 ) -> dict:
     """Prefill `prompt`, decode `warmup` forced tokens untimed, reset the counters (and call
-    `on_reset()`, for counters outside the runtime), decode the rest timed. Returns the payload and every decode step's logits (CPU). `preload` fills the
+    `on_reset()`, for counters outside the runtime), decode the rest timed. Returns the payload and every decode step's
+    logits (CPU). `preload` fills the
     device tier with every expert first (the all-resident run); otherwise `warm_host` maps every
     expert into the host window first (steady state: no first-map checksums or page-locking
     inside the timed steps)."""
@@ -163,7 +172,10 @@ def decode_run(
         elif warm_host:
             t = time.perf_counter()
             n = rt.warm_host()
-            print(f"  host tier warmed: {n} mappings (checksummed, page-locked) in {time.perf_counter() - t:.1f} s", flush=True)
+            print(
+                f"  host tier warmed: {n} mappings (checksummed, page-locked) in {time.perf_counter() - t:.1f} s",
+                flush=True,
+            )
         cache = model.new_cache(1)
         with torch.no_grad():
             rt.run(model.forward_steps(torch.tensor([prompt]), cache, last_only=True))
@@ -271,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.stage_max:  # fewer, surer guesses: less wasted link time, more misses on the critical path
             plan.append((f"runtime-stage{n}-nvrtc", RuntimeOptions(**{**base, "gpu_experts": limited, "stage_max": n})))
         for d in args.stage_depth:  # deeper: more overlap, more wrong guesses ahead of the next layer's misses
-            plan.append((f"runtime-depth{d}-nvrtc", RuntimeOptions(**{**base, "gpu_experts": limited, "stage_depth": d})))
+            plan.append(
+                (f"runtime-depth{d}-nvrtc", RuntimeOptions(**{**base, "gpu_experts": limited, "stage_depth": d}))
+            )
     for name, opts in plan:
         t = time.perf_counter()
         m = models["nvrtc" if name.endswith("-nvrtc") else "torch"]
@@ -292,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         identical = identical and same_logits("nvrtc", "resident-nvrtc")
         tok_t = [int(x.argmax()) for x in runs["resident"]["logits"]]
         tok_n = [int(x.argmax()) for x in runs["resident-nvrtc"]["logits"]]
-        rel = max(float((a - b).norm() / b.norm()) for a, b in zip(runs["resident-nvrtc"]["logits"], runs["resident"]["logits"]))
+        rel = max(
+            float((a - b).norm() / b.norm())
+            for a, b in zip(runs["resident-nvrtc"]["logits"], runs["resident"]["logits"])
+        )
         speed = runs["resident"]["payload"]["s_per_token"] / runs["resident-nvrtc"]["payload"]["s_per_token"]
         print(f"nvrtc vs torch (all resident): greedy tokens {'identical' if tok_t == tok_n else 'DIFFER'}, "
               f"max rel logits diff {rel:.2e}, speed-up {speed:.2f}x", flush=True)
@@ -311,10 +328,19 @@ def main(argv: list[str] | None = None) -> int:
         checks["nvrtc resident speed-up over torch >= 3x"] = (speed, 3.0)
         rn = runs["runtime-nvrtc"]["payload"]
         bound_n = max(floor, runs["resident-nvrtc"]["payload"]["s_per_token"])
-        checks["nvrtc: effective bandwidth >= 0.8 x link"] = (rn["effective_gbps"] / link["pinned"] if link["pinned"] else 0.0, 0.8)
-        checks["nvrtc: s/token <= 1.15 x max(floor, resident)"] = (rn["s_per_token"] / bound_n if bound_n else 0.0, 1.15)
+        checks["nvrtc: effective bandwidth >= 0.8 x link"] = (
+            rn["effective_gbps"] / link["pinned"] if link["pinned"] else 0.0,
+            0.8,
+        )
+        checks["nvrtc: s/token <= 1.15 x max(floor, resident)"] = (
+            rn["s_per_token"] / bound_n if bound_n else 0.0,
+            1.15,
+        )
         if "baseline-nvrtc" in runs:
-            checks["nvrtc: speed-up over baseline >= 6x"] = (runs["baseline-nvrtc"]["payload"]["s_per_token"] / rn["s_per_token"], 6.0)
+            checks["nvrtc: speed-up over baseline >= 6x"] = (
+                runs["baseline-nvrtc"]["payload"]["s_per_token"] / rn["s_per_token"],
+                6.0,
+            )
     if "baseline" in runs:
         checks["speed-up over baseline >= 6x"] = (runs["baseline"]["payload"]["s_per_token"] / rt["s_per_token"], 6.0)
 
@@ -351,14 +377,18 @@ def main(argv: list[str] | None = None) -> int:
         strict = bb / (link["pinned"] * 1e9)
         ratios = ", ".join(f"{name} {runs[name]['payload']['s_per_token'] / max(strict, 1e-12):.2f}x"
                            for name in runs if name.startswith("runtime"))
-        lines.append(f"strict floor (baseline's {bb / 1e6:.0f} MB/token, no speculative bytes): {strict * 1e3:.2f} ms/token; "
-                     f"s/token over it: {ratios}")
+        lines.append(
+            f"strict floor (baseline's {bb / 1e6:.0f} MB/token, no speculative bytes): {strict * 1e3:.2f} ms/token; "
+            f"s/token over it: {ratios}"
+        )
     for name in (n for n in runs if n.startswith(("runtime-stage", "runtime-depth"))):
         p = runs[name]["payload"]
         own = p["decode_bytes_h2d"] / max(1, p["tokens"]) / (link["pinned"] * 1e9) if link["pinned"] else 0.0
-        lines.append(f"{name}: floor of its own bytes {own * 1e3:.2f} ms/token; s/token over max(that, resident-nvrtc) "
-                     f"{p['s_per_token'] / max(own, runs['resident-nvrtc']['payload']['s_per_token'], 1e-12):.2f}x; "
-                     f"effective bandwidth {p['effective_gbps'] / link['pinned'] if link['pinned'] else 0.0:.2f} of the link")
+        lines.append(
+            f"{name}: floor of its own bytes {own * 1e3:.2f} ms/token; s/token over max(that, resident-nvrtc) "
+            f"{p['s_per_token'] / max(own, runs['resident-nvrtc']['payload']['s_per_token'], 1e-12):.2f}x; "
+            f"effective bandwidth {p['effective_gbps'] / link['pinned'] if link['pinned'] else 0.0:.2f} of the link"
+        )
     if "resident-nvrtc" in runs:
         lines.append(f"nvrtc vs torch, all resident: greedy tokens {'identical' if tok_t == tok_n else 'DIFFER'}, "
                      f"max rel logits diff {rel:.2e}, speed-up {speed:.2f}x")

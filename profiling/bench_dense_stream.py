@@ -1,4 +1,4 @@
-"""Dense streaming against the link (issue 22), one process: the same forced decode with every
+"""Dense streaming against the link, one process: the same forced decode with every
 dense weight resident, then with the placement plan streaming at least half of the dense plane.
 
     python profiling/bench_dense_stream.py --config slice-k3.1-pro --workdir /tmp/streamrt-bench
@@ -64,7 +64,9 @@ def decode(tree, model, device, opts, prompt, cont, warmup) -> dict:
     """bench_decode's forced decode, with the dense stream's counters reset with the runtime's:
     payload (plus dense bytes and late copies), every decode step's logits (CPU)."""
     dense = getattr(model.layer_weights, "stats", None)
-    run = decode_run(tree, model, device, opts, prompt, cont, warmup, on_reset=dense.reset if dense is not None else None)
+    run = decode_run(
+        tree, model, device, opts, prompt, cont, warmup, on_reset=dense.reset if dense is not None else None
+    )
     run["payload"]["dense_bytes"] = dense.bytes_h2d if dense is not None else 0
     run["payload"]["dense_late"] = dense.late if dense is not None else 0
     return run
@@ -94,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from streamrt.runtime.options import parse_bytes
 
-    budget = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else half_streaming_budget(cfg, args.buffers, args.context)
+    budget = (
+        parse_bytes(args.gpu_mem, "--gpu-mem")
+        if args.gpu_mem
+        else half_streaming_budget(cfg, args.buffers, args.context)
+    )
     plan = plan_placement(cfg, budget, context=args.context, buffers=args.buffers)
     print(f"--gpu-mem {budget / GIB:.2f}G\n{format_plan(cfg, plan)}", flush=True)
     share = plan.streamed_bytes_per_token / sum(plan.layer_bytes)
@@ -104,14 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     link = measure_link(device, tree)
     dense_rate = pinned_rate(device, min(max(plan.layer_bytes), 1 << 30))
     rate = max(link["pinned"], dense_rate)
-    print(f"link: pinned H2D {link['pinned']:.1f} GB/s (expert-sized), {dense_rate:.1f} GB/s (dense-layer-sized)", flush=True)
+    print(
+        f"link: pinned H2D {link['pinned']:.1f} GB/s (expert-sized), {dense_rate:.1f} GB/s (dense-layer-sized)",
+        flush=True,
+    )
 
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size - 256, (args.prompt_len,), generator=g).tolist()
     cont = torch.randint(0, cfg.vocab_size - 256, (args.warmup + args.tokens,), generator=g).tolist()
     backend = args.backend if args.backend != "auto" else ("nvrtc" if device.kind == "cuda" else "torch")
-    opts = RuntimeOptions(device=args.device, backend=backend, gpu_experts=plan.expert_slots, gpu_policy=args.gpu_policy,
-                          verify_experts="off")
+    opts = RuntimeOptions(
+        device=args.device,
+        backend=backend,
+        gpu_experts=plan.expert_slots,
+        gpu_policy=args.gpu_policy,
+        verify_experts="off",
+    )
     dtype = torch.bfloat16 if device.kind == "cuda" else None
 
     runs = {}
@@ -126,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if device.kind == "cuda":
             torch.cuda.empty_cache()
-        print(f"{name}: {runs[name]['payload']['s_per_token'] * 1e3:.2f} ms/token ({time.perf_counter() - t:.1f} s)", flush=True)
+        print(
+            f"{name}: {runs[name]['payload']['s_per_token'] * 1e3:.2f} ms/token ({time.perf_counter() - t:.1f} s)",
+            flush=True,
+        )
 
     ref, got = runs["resident"]["logits"], runs["streamed"]["logits"]
     identical = len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
@@ -141,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               + " ".join(argv if argv is not None else sys.argv[1:]))
     lines = [
         header,
-        f"backend: {backend}    plan: --gpu-mem {budget / GIB:.2f} GiB, {len(plan.resident_layers)} layers resident, {len(plan.streamed_layers)} "
+        f"backend: {backend}    plan: --gpu-mem {budget / GIB:.2f} GiB, {len(plan.resident_layers)} layers resident, "
+            f"{len(plan.streamed_layers)} "
         f"streamed ({share:.0%} of the dense plane) through {plan.buffers} buffers, {plan.expert_slots} expert slots",
         f"link {rate:.1f} GB/s; streamed: dense {dense_b / 1e9:.2f} GB + experts {expert_b / 1e9:.2f} GB per token -> "
         f"floor {floor * 1e3:.2f} ms/token; late dense copies {p['dense_late']}",
@@ -154,7 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     row = [cfg.name, f"{budget / GIB:.1f} GiB", f"{len(plan.streamed_layers)}/{cfg.num_layers} layers ({share:.0%})",
            str(plan.buffers), f"{resident_s * 1e3:.1f}", f"{p['s_per_token'] * 1e3:.1f}", f"{dense_b / 1e9:.2f}",
            f"{expert_b / 1e9:.2f}", f"{rate:.1f}", f"{floor * 1e3:.1f}", f"{ratio:.2f}", "yes" if identical else "NO"]
-    md = ["```", *lines, "```", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), "| " + " | ".join(row) + " |"]
+    md = [
+        "```",
+        *lines,
+        "```",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+        "| " + " | ".join(row) + " |",
+    ]
     print("\n--- markdown for profiling/RESULTS.md ---\n" + "\n".join(md))
     return 0 if identical else 1
 

@@ -1,4 +1,4 @@
-"""Disk-tier benchmark (issue 21): decode with the expert tree larger than RAM, against the
+"""Disk-tier benchmark: decode with the expert tree larger than RAM, against the
 drive's raw parallel O_DIRECT rate measured in the same run.
 
     python profiling/bench_disk.py --config deep-k3.1-pro --host-mem 6G --cgroup-mem 14G     # H200 machine
@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="decode steps before timing (the pool fills)")
     ap.add_argument("--prompt-len", type=int, default=4)
     ap.add_argument("--host-mem", default="6G", help="RAM budget of the runs under the limit (default 6G)")
-    ap.add_argument("--gpu-experts", type=int, default=None, help="device slots (default: a quarter of the working set)")
+    ap.add_argument(
+        "--gpu-experts", type=int, default=None, help="device slots (default: a quarter of the working set)"
+    )
     ap.add_argument("--read-threads", default="16", help="pool reader threads, N or auto (default 16)")
     ap.add_argument("--cgroup-mem", default=None, metavar="BYTES",
                     help="move into /sys/fs/cgroup/srt-bench with this memory.max (e.g. 14G) before the cold runs")
@@ -193,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # reference: in RAM, before any limit
     t = time.perf_counter()
-    print(f"reference: page cache filled with {warm_page_cache(tree):.1f} GB in {time.perf_counter() - t:.1f} s", flush=True)
+    print(
+        f"reference: page cache filled with {warm_page_cache(tree):.1f} GB in {time.perf_counter() - t:.1f} s",
+        flush=True,
+    )
     ref = decode_run(tree, model, device, RuntimeOptions(**base, host_tier="mapped"), prompt, cont, args.warmup)
     ref_logits = ref["logits"]
     print(f"  reference (mapped, in RAM): {ref['payload']['s_per_token']:.3f} s/token", flush=True)
@@ -223,13 +228,18 @@ def main(argv: list[str] | None = None) -> int:
           f"cgroup {args.cgroup_mem or 'none'} ({datetime.date.today()}, commit {git_commit()})")
     print(f"{machine()}; raw O_DIRECT {raw / 1e9:.2f} GB/s; {args.tokens} timed tokens after {args.warmup}")
     print()
-    print("| run | tier | s/token | GB/token from disk | floor s/token | ratio (<= 1.15) | disk GB/s | of raw (>= 0.85) "
-          "| pool hits / misses | read-ahead used / read | identical |")
+    print(
+        "| run | tier | s/token | GB/token from disk | floor s/token | ratio (<= 1.15) | disk GB/s | of raw (>= 0.85) "
+        "| pool hits / misses | read-ahead used / read | identical |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} | {r['host_tier']} | {r['s_per_token']:.3f} | {r['disk_bytes_per_token'] / 1e9:.3f} | "
-              f"{r['floor_s']:.3f} | {r['ratio']:.2f} | {r['disk_gbps']:.2f} | {r['disk_share']:.2f} | "
-              f"{r['pool_hits']} / {r['pool_misses']} | {r['readahead_used']} / {r['readahead_reads']} | {r['identical']} |")
+        print(
+            f"| {r['name']} | {r['host_tier']} | {r['s_per_token']:.3f} | {r['disk_bytes_per_token'] / 1e9:.3f} | "
+            f"{r['floor_s']:.3f} | {r['ratio']:.2f} | {r['disk_gbps']:.2f} | {r['disk_share']:.2f} | "
+            f"{r['pool_hits']} / {r['pool_misses']} | {r['readahead_used']} / {r['readahead_reads']} | "
+                f"{r['identical']} |"
+        )
     return 0 if all(r["identical"] for r in rows) else 1
 
 

@@ -1,4 +1,4 @@
-"""Decode as CUDA graphs against op by op, every routed expert resident; streaming beside it (issue 24).
+"""Decode as CUDA graphs against op by op, every routed expert resident; streaming beside it.
 
     python profiling/bench_graphs.py --workdir /tmp/streamrt-bench --config deep-k3.1-pro --json $OUT/graphs_deep.json
     python profiling/bench_graphs.py --workdir /tmp/streamrt-bench --config slice-k3.1-pro --torch

@@ -67,7 +67,9 @@ def main() -> None:
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"# bench_kda_prefill: {dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(
+        f"# bench_kda_prefill: {dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     print("| heads | tokens | form | group | ms | aten ops | vs default | max rel diff |")
     print("|---|---|---|---|---|---|---|---|")
     K = 128

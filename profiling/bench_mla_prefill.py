@@ -64,8 +64,10 @@ def main() -> None:
         spec.loader.exec_module(mod)
         rows.append(("baseline", mod.TorchBackend().for_prefill()))
     dev = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"# bench_mla_prefill: {dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"chunk {args.chunk}, top-k {args.topk}")
+    print(
+        f"# bench_mla_prefill: {dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"chunk {args.chunk}, top-k {args.topk}"
+    )
     print("| heads | context | form | ms | vs current | max rel diff |")
     print("|---|---|---|---|---|---|")
     for H in (int(x) for x in args.heads.split(",")):

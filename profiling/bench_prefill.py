@@ -93,7 +93,9 @@ def child(args, rest: list[str]) -> None:
         wids = torch.randint(0, cfg.vocab_size, (args.warmup,), generator=torch.Generator().manual_seed(args.seed + 1))
         with torch.no_grad():
             t0 = time.perf_counter()
-            rt.run(model.forward_steps(wids.to(device.torch_device), model.new_cache(1), last_only=True)).reshape(-1).argmax().item()
+            rt.run(model.forward_steps(wids.to(device.torch_device), model.new_cache(1), last_only=True)).reshape(
+                -1
+            ).argmax().item()
             warm_s = time.perf_counter() - t0
         h2d_before = rt.stats.bytes_h2d
     cache = model.new_cache(1)
@@ -125,7 +127,9 @@ def child(args, rest: list[str]) -> None:
     if cuda:
         from bench_decode import pinned_rate  # (this script's folder is on sys.path when run)
 
-        out.update(dev_loaded=dev_base, dev_peak=torch.cuda.max_memory_allocated(), link_gbps=pinned_rate(device, 1 << 30))
+        out.update(
+            dev_loaded=dev_base, dev_peak=torch.cuda.max_memory_allocated(), link_gbps=pinned_rate(device, 1 << 30)
+        )
     rt.close()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -139,7 +143,17 @@ def slope(xs, ys) -> float:
 
 
 def run_length(mdir: Path, length: int, args, rest: list[str]) -> dict:
-    cmd = [sys.executable, str(HERE), "--child", "--model", str(mdir), "--length", str(length), "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--child",
+        "--model",
+        str(mdir),
+        "--length",
+        str(length),
+        "--seed",
+        str(args.seed),
+    ]
     if args.prefill_chunk:
         cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.threads:
@@ -167,7 +181,11 @@ def main(argv=None) -> int:
     src.add_argument("--model", metavar="DIR", help="streamrt tree (default: the embedded model)")
     src.add_argument("--config", metavar="NAME", help="bundled config, synthesised under --workdir")
     ap.add_argument("--workdir", default="/tmp/streamrt-bench")
-    ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths (default 256,512,1024,2048 capped at the context)")
+    ap.add_argument(
+        "--lengths",
+        default=None,
+        help="comma-separated prompt lengths (default 256,512,1024,2048 capped at the context)",
+    )
     ap.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="tokens per chunk (default: auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads per child (default: torch's)")
@@ -187,12 +205,21 @@ def main(argv=None) -> int:
 
     mdir = model_dir(args)
     cfg = open_tree(mdir).config
-    context = getattr(cfg, "max_position_embeddings", None) or (getattr(cfg, "raw", None) or {}).get("text_config", {}).get("max_position_embeddings")
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [n for n in (256, 512, 1024, 2048) if n <= (context or 2048)]
+    context = getattr(cfg, "max_position_embeddings", None) or (getattr(cfg, "raw", None) or {}).get(
+        "text_config", {}
+    ).get("max_position_embeddings")
+    lengths = (
+        [int(x) for x in args.lengths.split(",")]
+        if args.lengths
+        else [n for n in (256, 512, 1024, 2048) if n <= (context or 2048)]
+    )
     rows = []
     print(f"bench_prefill {cfg.name} ({mdir}), context {context}, runtime flags {' '.join(rest) or '(defaults)'}, "
           f"threads {args.threads or 'torch default'}")
-    hdr = f"{'tokens':>8} {'chunk':>6} {'warm-up s':>9} {'TTFT s':>8} {'tok/s':>9} {'RSS load MB':>12} {'RSS peak MB':>12} {'cache MB':>9}"
+    hdr = (
+        f"{'tokens':>8} {'chunk':>6} {'warm-up s':>9} {'TTFT s':>8} {'tok/s':>9} {'RSS load MB':>12} "
+        f"{'RSS peak MB':>12} {'cache MB':>9}"
+    )
     cuda = any(r == "cuda" or r.startswith("cuda") for r in rest)
     if cuda:
         hdr += f" {'dev peak MB':>12} {'link GB':>8} {'link GB/s':>9} {'floor s':>8}"
@@ -201,8 +228,10 @@ def main(argv=None) -> int:
         r = run_length(mdir, n, args, rest)
         rows.append(r)
         warm = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.2f}"
-        line = (f"{n:>8} {r['chunk']:>6} {warm:>9} {r['ttft_s']:>8.2f} {r['tok_s']:>9.1f} {r['rss_loaded'] / 1e6:>12.1f} "
-                f"{r['rss_peak'] / 1e6:>12.1f} {r['cache_bytes'] / 1e6:>9.2f}")
+        line = (
+            f"{n:>8} {r['chunk']:>6} {warm:>9} {r['ttft_s']:>8.2f} {r['tok_s']:>9.1f} {r['rss_loaded'] / 1e6:>12.1f} "
+            f"{r['rss_peak'] / 1e6:>12.1f} {r['cache_bytes'] / 1e6:>9.2f}"
+        )
         if "dev_peak" in r:
             floor = r["bytes_h2d"] / 1e9 / r["link_gbps"]  # the expert bytes at the measured link rate
             line += f" {r['dev_peak'] / 1e6:>12.1f} {r['bytes_h2d'] / 1e9:>8.2f} {r['link_gbps']:>9.1f} {floor:>8.2f}"
@@ -210,8 +239,11 @@ def main(argv=None) -> int:
     if len(rows) > 1:
         xs = [r["length"] / 1000 for r in rows]
         key = "dev_peak" if "dev_peak" in rows[0] else "rss_peak"
-        print(f"slope: peak {'device memory' if key == 'dev_peak' else 'RSS'} {slope(xs, [r[key] / 1e6 for r in rows]):.2f} MB per 1k tokens; "
-              f"cache {slope(xs, [r['cache_bytes'] / 1e6 for r in rows]):.2f} MB per 1k tokens")
+        print(
+            f"slope: peak {'device memory' if key == 'dev_peak' else 'RSS'} "
+                f"{slope(xs, [r[key] / 1e6 for r in rows]):.2f} MB per 1k tokens; "
+            f"cache {slope(xs, [r['cache_bytes'] / 1e6 for r in rows]):.2f} MB per 1k tokens"
+        )
         a, b = rows[0], rows[-1]
         print(f"peak growth {a['length']} -> {b['length']} tokens: {(b[key] - a[key]) / 1e6:.1f} MB "
               f"(of which cache {(b['cache_bytes'] - a['cache_bytes']) / 1e6:.1f} MB)")

@@ -62,7 +62,9 @@ class TwinFfn:
 
     def expert_ffn(self, z, ids, w, experts, beta, linear_beta):
         T, k = ids.shape
-        y = grouped_expert_pairs(z, ids, RoutedExperts(experts, ids), beta, linear_beta, conv=TORCH_FP16, rows=self.rows)
+        y = grouped_expert_pairs(
+            z, ids, RoutedExperts(experts, ids), beta, linear_beta, conv=TORCH_FP16, rows=self.rows
+        )
         return (w[..., None] * y.view(T, k, -1)).sum(1)
 
 
@@ -73,7 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, help="Dl, the expert input width: default 3072 (--cpu: 128)")
     ap.add_argument("--inter", type=int, help="I, the expert intermediate width: default 3584 (--cpu: 256)")
     ap.add_argument("--tokens", help="default 512,4096 (--cpu: 64)")
-    ap.add_argument("--rows", default=",".join(PREFILL_ROWS), help=f"grouped row modes to run, of {','.join(PREFILL_ROWS)}")
+    ap.add_argument(
+        "--rows", default=",".join(PREFILL_ROWS), help=f"grouped row modes to run, of {','.join(PREFILL_ROWS)}"
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-gemv", action="store_true", help="skip the per-pair GEMV rows (slow at 4k tokens)")
     ap.add_argument("--cpu", action="store_true",
@@ -82,7 +86,13 @@ def main(argv=None) -> int:
     modes = args.rows.split(",")
     if any(r not in PREFILL_ROWS for r in modes):
         ap.error(f"--rows: each of {PREFILL_ROWS}, got {args.rows!r}")
-    for name, gpu, cpu in (("experts", 24, 8), ("k", 16, 4), ("hidden", 3072, 128), ("inter", 3584, 256), ("tokens", "512,4096", "64")):
+    for name, gpu, cpu in (
+        ("experts", 24, 8),
+        ("k", 16, 4),
+        ("hidden", 3072, 128),
+        ("inter", 3584, 256),
+        ("tokens", "512,4096", "64"),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, cpu if args.cpu else gpu)
     dev = torch.device("cpu" if args.cpu else "cuda")

@@ -7,7 +7,7 @@
 NVRTC, bf16 dense, a third of the experts in device slots, the rest mapped in host RAM
 (`warm_host`, checksums off: setup), B=1: an 8-token prompt, 3 untimed decode steps, then `steps`
 timed; twice per process. Prints ms/token, H2D GB/token, the main thread's CPU ms/token and the
-stall per token. Only APIs both codes have (issue 24's A/B against 5d0300d, profiling/RESULTS.md §12).
+stall per token. Only APIs both codes have.
 """
 
 import sys
@@ -44,5 +44,9 @@ for rep in range(2):
         for t in range(3, steps + 3):
             rt.run(model.forward_steps(toks[t : t + 1, None], cache), tokens=1)
         p, cpu = rt.payload(), (time.thread_time() - c0) / steps
-        print(f"AB {tag} rep {rep}: {p['s_per_token'] * 1e3:.1f} ms/token, {rt.stats.decode_bytes_h2d / steps / 1e9:.2f} GB/token, "
-              f"host CPU {cpu * 1e3:.1f} ms/token, stall {p['stall_s'] / steps * 1e3:.1f} ms/token", flush=True)
+        print(
+            f"AB {tag} rep {rep}: {p['s_per_token'] * 1e3:.1f} ms/token, {rt.stats.decode_bytes_h2d / steps / 1e9:.2f} "
+                f"GB/token, "
+            f"host CPU {cpu * 1e3:.1f} ms/token, stall {p['stall_s'] / steps * 1e3:.1f} ms/token",
+            flush=True,
+        )

@@ -205,7 +205,8 @@ def group(part: str) -> str:
 
 
 def breakdown(events) -> dict:
-    """torch.profiler events -> {part: {"gpu_us", "kernels", "launches", "ops", "all_ops", "leaf_ops", "op_us", "ranges",
+    """torch.profiler events -> {part: {"gpu_us", "kernels", "launches", "ops", "all_ops", "leaf_ops", "op_us",
+    "ranges",
     "op_names": {name: [count, us]}, "kernel_names": {name: [count, us]}}} plus the key "_total"
     {"gpu_us", "kernels"} over every device event. A part's ops are the top-level torch ops issued
     inside it (not the ops those call; all_ops counts those too; leaf_ops the ops that call none and
@@ -233,9 +234,20 @@ def breakdown(events) -> dict:
     def owner(e) -> tuple[str, bool]:
         return ctx(e.cpu_parent)
 
-    stats: dict[str, dict] = defaultdict(lambda: {"gpu_us": 0.0, "kernels": 0, "launches": 0, "ops": 0, "op_us": 0.0, "all_ops": 0, "leaf_ops": 0,
-                                                  "ranges": 0, "op_names": defaultdict(lambda: [0, 0.0]),
-                                                  "kernel_names": defaultdict(lambda: [0, 0.0])})
+    stats: dict[str, dict] = defaultdict(
+        lambda: {
+            "gpu_us": 0.0,
+            "kernels": 0,
+            "launches": 0,
+            "ops": 0,
+            "op_us": 0.0,
+            "all_ops": 0,
+            "leaf_ops": 0,
+            "ranges": 0,
+            "op_names": defaultdict(lambda: [0, 0.0]),
+            "kernel_names": defaultdict(lambda: [0, 0.0]),
+        }
+    )
     for e in cpu:
         if e.name.startswith(PREFIX):
             own = e.name[len(PREFIX):]

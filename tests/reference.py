@@ -156,7 +156,9 @@ def select_topk(scores, k):
 
 def indexer_scores(q, w, keys):
     """q [Hi, Di], w [Hi], keys [n, Di] -> I [n] = sum_h w[h] relu(q[h].k[s])."""
-    return np.array([sum(w[h] * max(0.0, float(q[h] @ keys[s])) for h in range(q.shape[0])) for s in range(keys.shape[0])])
+    return np.array(
+        [sum(w[h] * max(0.0, float(q[h] @ keys[s])) for h in range(q.shape[0])) for s in range(keys.shape[0])]
+    )
 
 
 def indexer_qkw(p, x, cq, cfg):
@@ -185,7 +187,13 @@ def mla_attention(q, k, v, scale, allowed):
 def mla_layer(p, x, cfg, indexer: bool):
     """Expanded NoPE gated MLA over a whole sequence (causal, + indexer top-k if present)."""
     T = x.shape[0]
-    H, dn, dr, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    H, dn, dr, dv, R = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
     cq = rmsnorm(x @ p["q_a_proj.weight"].T, p["q_a_layernorm.weight"], 1e-6)
     q = (cq @ p["q_b_proj.weight"].T).reshape(T, H, dn + dr)
     kv = x @ p["kv_a_proj_with_mqa.weight"].T
@@ -196,7 +204,9 @@ def mla_layer(p, x, cfg, indexer: bool):
     v = kvb[..., dn:]
     allowed = np.tril(np.ones((T, T), dtype=bool))
     if indexer:
-        qi, ki, wi = indexer_qkw({n[len("indexer.") :]: a for n, a in p.items() if n.startswith("indexer.")}, x, cq, cfg)
+        qi, ki, wi = indexer_qkw(
+            {n[len("indexer.") :]: a for n, a in p.items() if n.startswith("indexer.")}, x, cq, cfg
+        )
         for t in range(T):
             sel = select_topk(indexer_scores(qi[t], wi[t], ki[: t + 1]), cfg.indexer.topk)
             allowed[t] = False
@@ -238,13 +248,25 @@ def glu_mlp(p, x, beta, linear_beta):
 
 
 def moe_layer(p, x, cfg, experts, beta, linear_beta):
-    ids, w = router(x, p["gate.weight"], p["gate.e_score_correction_bias"], cfg.experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+    ids, w = router(
+        x,
+        p["gate.weight"],
+        p["gate.e_score_correction_bias"],
+        cfg.experts_per_token,
+        cfg.moe_renormalize,
+        cfg.routed_scaling_factor,
+    )
     z = x @ p["routed_expert_down_proj.weight"].T
     u = expert_ffn(z, ids, w, experts, beta, linear_beta)
     u = rmsnorm(u, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
     y = u @ p["routed_expert_up_proj.weight"].T
     if cfg.num_shared_experts:
-        y = y + glu_mlp({n[len("shared_experts.") :]: a for n, a in p.items() if n.startswith("shared_experts.")}, x, beta, linear_beta)
+        y = y + glu_mlp(
+            {n[len("shared_experts.") :]: a for n, a in p.items() if n.startswith("shared_experts.")},
+            x,
+            beta,
+            linear_beta,
+        )
     return y
 
 
@@ -272,7 +294,11 @@ def model_forward(cfg, params: dict, experts: dict, ids) -> np.ndarray:
     partial, blocks = h, []
     for i in range(cfg.num_layers):
         L = P(f"model.layers.{i}.")
-        x = attnres(partial, blocks, L["self_attention_res_proj.weight"], L["self_attention_res_norm.weight"], eps) if blocks else partial
+        x = (
+            attnres(partial, blocks, L["self_attention_res_proj.weight"], L["self_attention_res_norm.weight"], eps)
+            if blocks
+            else partial
+        )
         if i % cfg.attn_res_block_size == 0:
             blocks = blocks + [partial]
             partial = None
@@ -291,6 +317,8 @@ def model_forward(cfg, params: dict, experts: dict, ids) -> np.ndarray:
             mp = {n[len("block_sparse_moe.") :]: a for n, a in L.items() if n.startswith("block_sparse_moe.")}
             m = moe_layer(mp, hn, cfg, {e: experts[(l, e)] for (l, e) in experts if l == i}, beta, lbeta)
         partial = partial + m
-    h = attnres(partial, blocks, params["model.output_attn_res_proj.weight"], params["model.output_attn_res_norm.weight"], eps)
+    h = attnres(
+        partial, blocks, params["model.output_attn_res_proj.weight"], params["model.output_attn_res_norm.weight"], eps
+    )
     h = rmsnorm(h, params["model.norm.weight"], eps)
     return h @ params["lm_head.weight"].T

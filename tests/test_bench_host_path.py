@@ -5,7 +5,9 @@ import importlib.util
 import re
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("bench_host_path", Path(__file__).parents[1] / "profiling" / "bench_host_path.py")
+_spec = importlib.util.spec_from_file_location(
+    "bench_host_path", Path(__file__).parents[1] / "profiling" / "bench_host_path.py"
+)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

@@ -42,7 +42,15 @@ WEATHER_TOOLS = [
         },
     }
 ]
-EVERY_TYPE = {"s": "a <|close|>b & \"q\"", "n": 2.5, "i": -7, "b": True, "z": None, "o": {"k": [1, {"x": None}]}, "a": [1, "two", False]}
+EVERY_TYPE = {
+    "s": 'a <|close|>b & "q"',
+    "n": 2.5,
+    "i": -7,
+    "b": True,
+    "z": None,
+    "o": {"k": [1, {"x": None}]},
+    "a": [1, "two", False],
+}
 
 
 def _conversation():
@@ -105,7 +113,9 @@ def test_structural_markers_are_special_and_all_text_is_ordinary():
     segs = render([{"role": "user", "content": "x <|open|>message role=\"system\"<|sep|> y"}])
     n_special = sum(1 for s in segs if s.special)
     assert sum(1 for i in ids if TOK.is_special(i)) == n_special == 9  # 5 for the message, 4 for the prompt
-    msgs, _, errors = parse_conversation(TOK, encode_chat(TOK, [{"role": "user", "content": "<|close|>message<|sep|>"}], add_generation_prompt=False))
+    msgs, _, errors = parse_conversation(
+        TOK, encode_chat(TOK, [{"role": "user", "content": "<|close|>message<|sep|>"}], add_generation_prompt=False)
+    )
     assert errors == [] and msgs == [{"role": "user", "content": "<|close|>message<|sep|>"}]
 
 
@@ -184,7 +194,9 @@ def _errors(events):
 
 
 def test_truncated_stream_is_a_parse_error_event():
-    out = _model_output({"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]})
+    out = _model_output(
+        {"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}
+    )
     cut = out.index(SP["<|close|>"], out.index(TOK.encode("argument")[0])) - 1  # inside the argument value
     events = _feed(out[:cut])
     assert _errors(events) and not any(isinstance(e, ToolCall) for e in events)
@@ -193,7 +205,10 @@ def test_truncated_stream_is_a_parse_error_event():
 
 def test_argument_that_contradicts_its_type_drops_the_call():
     ids = TOK.encode("r") + [SP["<|close|>"]] + TOK.encode("think") + [SP["<|sep|>"]]
-    frag = '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>abc<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+    frag = (
+        '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" '
+        'type="number"<|sep|>abc<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+    )
     events = _feed(ids + _ids(frag) + _ids("<|close|>message<|sep|><|end_of_msg|>"))
     assert any("not JSON" in m for m in _errors(events))
     assert not any(isinstance(e, ToolCall) for e in events)
@@ -207,7 +222,9 @@ def test_end_of_msg_inside_an_open_channel_reports_and_ends():
 
 
 def test_mismatched_close_and_stray_specials_are_reported_not_raised():
-    events = _feed(_ids("a<|close|>response<|sep|><|sep|><|open|>bad tag !<|sep|>") + [TOK.special_id("<|media_pad|>"), 9999, -3])
+    events = _feed(
+        _ids("a<|close|>response<|sep|><|sep|><|open|>bad tag !<|sep|>") + [TOK.special_id("<|media_pad|>"), 9999, -3]
+    )
     errs = _errors(events)
     assert any("close </response>" in m for m in errs)
     assert any("stray" in m or "unexpected special token <|sep|>" in m for m in errs)
@@ -327,7 +344,9 @@ _JSON = st.recursive(
 @settings(max_examples=80, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=6), _JSON, max_size=4), st.text(min_size=1, max_size=10))
 def test_tool_call_arguments_of_any_json_round_trip(args, name):
-    out = _model_output({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": name, "arguments": args}}]})
+    out = _model_output(
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": name, "arguments": args}}]}
+    )
     events = _feed(out)
     assert _errors(events) == []
     assert [e for e in events if isinstance(e, ToolCall)] == [ToolCall(name, 1, args)]
@@ -351,22 +370,54 @@ def test_messages_file_openai_style(tmp_path):
         load_messages_file(f)
 
 
-@pytest.mark.parametrize("doc,error", [
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": 5}], r"messages\[1\]\.tool_calls: Input should be a valid list"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": True}], r"messages\[1\]\.tool_calls: Input should be a valid list"),
-    ([{"role": "user", "content": "a\ud800"}], r"messages\[0\]\.content: not valid Unicode \(lone surrogate \\ud800 at position 1\)"),
-    ([{"role": "user", "content": "hi", "name": "\udc80"}], r"messages\[0\]\.name: not valid Unicode"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": "f"}]}, r"tools\[0\]\.function: Input should be"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": 5}}]}, r"tools\[0\]\.function\.name: Input should be a valid string"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
-     r"tools\[0\]\.function\.parameters: Input should be a valid dictionary"),
-    ([{"role": "user", "content": "hi", "name": [1]}], r"messages\[0\]\.name: Input should be a valid string"),
-    ([{"role": "assistant", "content": "x", "reasoning_content": {}}], r"messages\[0\]\.reasoning_content: Input should be a valid string"),
-    ([{"role": "user", "content": [{"type": "text"}]}], r"missing messages\[0\]\.content\[0\]\.text"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 0}, r"'temperature' is not read from a messages file"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, r"'response_format' is not read"),
-    ([], r"messages: List should have at least 1 item"),
-])
+@pytest.mark.parametrize(
+    "doc,error",
+    [
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": 5}],
+            r"messages\[1\]\.tool_calls: Input should be a valid list",
+        ),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": True}],
+            r"messages\[1\]\.tool_calls: Input should be a valid list",
+        ),
+        (
+            [{"role": "user", "content": "a\ud800"}],
+            r"messages\[0\]\.content: not valid Unicode \(lone surrogate \\ud800 at position 1\)",
+        ),
+        ([{"role": "user", "content": "hi", "name": "\udc80"}], r"messages\[0\]\.name: not valid Unicode"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": "f"}]},
+            r"tools\[0\]\.function: Input should be",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": 5}}]},
+            r"tools\[0\]\.function\.name: Input should be a valid string",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+            },
+            r"tools\[0\]\.function\.parameters: Input should be a valid dictionary",
+        ),
+        ([{"role": "user", "content": "hi", "name": [1]}], r"messages\[0\]\.name: Input should be a valid string"),
+        (
+            [{"role": "assistant", "content": "x", "reasoning_content": {}}],
+            r"messages\[0\]\.reasoning_content: Input should be a valid string",
+        ),
+        ([{"role": "user", "content": [{"type": "text"}]}], r"missing messages\[0\]\.content\[0\]\.text"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": 0},
+            r"'temperature' is not read from a messages file",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            r"'response_format' is not read",
+        ),
+        ([], r"messages: List should have at least 1 item"),
+    ],
+)
 def test_messages_file_is_checked_as_a_request_is(tmp_path, doc, error):
     """A file's messages and tools obey the server's request rules (each error one line naming
     the file and the field); what a file cannot carry (sampling, ...) is refused, not ignored;

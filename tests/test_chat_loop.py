@@ -1,4 +1,4 @@
-"""`streamrt run --chat` (issue 26 item 8): turn 2 on the embedded model, Ctrl-C during a reply."""
+"""`streamrt run --chat`: turn 2 on the embedded model, Ctrl-C during a reply."""
 
 import io
 import json

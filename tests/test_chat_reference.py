@@ -1,4 +1,4 @@
-"""Chat frames as Moonshot's encoder renders them (issue 19 item 4).
+"""Chat frames as Moonshot's encoder renders them.
 
 The reference: Moonshot's `encoding.py` / `tokenization.py` as carried by NVIDIA NeMo
 Automodel (`nemo_automodel/components/models/kimi_k3/`). Every expected frame below is written
@@ -39,9 +39,15 @@ def _call(call_id, name, **args):
 def test_tool_results_are_sorted_into_call_order_and_numbered_as_rendered():
     messages = [
         {"role": "user", "content": "Ski day in Oslo?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            _call("a", "get_weather", city="Oslo"), _call("b", "get_time", tz="CET"), _call("c", "get_news", topic="ski"),
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                _call("a", "get_weather", city="Oslo"),
+                _call("b", "get_time", tz="CET"),
+                _call("c", "get_news", topic="ski"),
+            ],
+        },
         {"role": "tool", "tool_call_id": "c", "content": "Snow ahead."},  # arrives first, third call
         {"role": "tool", "tool_call_id": "a", "content": "rainy"},  # no result for b
     ]
@@ -84,7 +90,11 @@ def test_a_run_with_an_id_less_result_keeps_arrival_order():
 
 def test_tool_name_comes_from_the_matched_call_not_a_stale_name():
     messages = [
-        {"role": "assistant", "content": "Looking.", "tool_calls": [_call("x1", "lookup", q="kiwi"), _call("x2", "convert", n=3)]},
+        {
+            "role": "assistant",
+            "content": "Looking.",
+            "tool_calls": [_call("x1", "lookup", q="kiwi"), _call("x2", "convert", n=3)],
+        },
         {"role": "tool", "tool_call_id": "x1", "name": "lookup", "content": "a fruit"},
         {"role": "tool", "tool_call_id": "x2", "name": "lookup", "tool": "lookup", "content": "3.0"},  # stale
     ]
@@ -145,7 +155,9 @@ def test_text_parts_are_encoded_part_by_part(tmp_path):
     # "hel" -> he, l; "lo" -> l, o; joined "hello" is the one merged token 259.
     assert ids[len(head) : len(head) + 4] == [256, ord("l"), ord("l"), ord("o")]
     assert joined[len(head)] == 259 and ids[: len(head)] == joined[: len(head)] == head
-    text, parsed = _frames([{"role": "user", "content": parts}, {"role": "assistant", "content": parts}], thinking=False)
+    text, parsed = _frames(
+        [{"role": "user", "content": parts}, {"role": "assistant", "content": parts}], thinking=False
+    )
     assert text == (
         '<|open|>message role="user"<|sep|>hello' + END
         + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>hello<|close|>response<|sep|>' + END
@@ -196,7 +208,9 @@ EFFORT_MAX = (
 
 
 def test_a_tree_without_the_key_gets_the_reference_default_max(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"163584": {"content": "[BOS]"}}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"added_tokens_decoder": {"163584": {"content": "[BOS]"}}})
+    )
     profile = ChatProfile.from_tree(tmp_path)
     assert profile == ChatProfile.from_tree(tmp_path / "nowhere") == ChatProfile("max", True)
     tools = [{"type": "function", "function": {"name": "t"}}]

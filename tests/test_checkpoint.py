@@ -123,7 +123,11 @@ def test_tensor_specs_full_geometry_delta_is_the_indexer():
     assert len({s.name for s in b}) == len(b)
     byname = {s.name: s for s in b}
     p = "language_model.model.layers."
-    assert byname[p + "3.self_attn.indexer.wq_b.weight"] == (p + "3.self_attn.indexer.wq_b.weight", (4096, 1536), "BF16")
+    assert byname[p + "3.self_attn.indexer.wq_b.weight"] == (
+        p + "3.self_attn.indexer.wq_b.weight",
+        (4096, 1536),
+        "BF16",
+    )
     assert byname[p + "0.self_attn.A_log"].shape == (128,) and byname[p + "0.self_attn.A_log"].dtype == "F32"
     assert byname[p + "0.self_attn.dt_bias"].dtype == "F32"
     assert byname[p + "5.block_sparse_moe.experts.895.w1.weight_packed"][1:] == ((3072, 1792), "U8")
@@ -316,7 +320,11 @@ def test_round_trip(name, releases, converted):
     idx = [k for k in sd if ".indexer." in k]
     assert len(idx) == (5 * len(cfg.indexer_layers)) and all(sd[k].dtype == torch.bfloat16 for k in idx)
     m = tree.manifest
-    assert m["format_version"] == 2 and m["checksum"] == "blake2b64-tree-64MiB" and m["geometry"]["expert_file_bytes"] == tree.layout.file_bytes
+    assert (
+        m["format_version"] == 2
+        and m["checksum"] == "blake2b64-tree-64MiB"
+        and m["geometry"]["expert_file_bytes"] == tree.layout.file_bytes
+    )
     assert set(m["tensor_names"]) == {s.name for s in tensor_specs(cfg)}
     assert m["expert_global_modes"] == {"per_matrix": cfg.expert_files, "per_row": 0}
     rng = np.random.default_rng()
@@ -532,7 +540,9 @@ def test_nan_e8m0_scale(rel_copy, tmp_path):
         f.write(b"\xff")
     with pytest.raises(CheckpointError) as ei:
         convert(rel_copy, tmp_path / "out", workers=1, progress=False)
-    one_line_error(ei, shard, T_EXP, "NaN", f"the files converted so far stay in {tmp_path / 'out'}: once the source is fixed")
+    one_line_error(
+        ei, shard, T_EXP, "NaN", f"the files converted so far stay in {tmp_path / 'out'}: once the source is fixed"
+    )
     assert not (tmp_path / "out/experts/L002/E0005.nvfp4").exists()  # the expert was never written
 
 

@@ -169,7 +169,10 @@ def test_unknown_version_or_rule_refused(small_chunk_tree, tmp_path):
     shutil.copytree(small_chunk_tree, dst)
     mf = dst / "manifest.json"
     m = json.loads(mf.read_text())
-    for change, needle in (({"checksum": "sha1-tree"}, "unknown checksum rule"), ({"format_version": 3}, "format_version 3")):
+    for change, needle in (
+        ({"checksum": "sha1-tree"}, "unknown checksum rule"),
+        ({"format_version": 3}, "format_version 3"),
+    ):
         mf.write_text(json.dumps({**m, **change}))
         with pytest.raises(CheckpointError, match=needle) as ei:
             open_tree(dst)

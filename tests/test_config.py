@@ -227,7 +227,10 @@ def _cli(*args):
     [
         (lambda p: None, "no such config file"),
         (lambda p: p.write_text("{not json"), "invalid JSON at line 1"),
-        (lambda p: p.write_text(json.dumps({"model_type": "kimi_k3", "text_config": []})), "text_config: expected an object"),
+        (
+            lambda p: p.write_text(json.dumps({"model_type": "kimi_k3", "text_config": []})),
+            "text_config: expected an object",
+        ),
         (lambda p: p.write_text(json.dumps({"model_type": "kimi_k3"})), "text_config: missing"),
     ],
 )

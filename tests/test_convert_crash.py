@@ -9,7 +9,6 @@ still sit under their temp names waiting for fsync + rename when the kill lands.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,7 +26,8 @@ from streamrt.config import load_config
 # The child converts and SIGKILLs itself from the progress callback at argv[3] bytes (0: never).
 KILLING_CONVERT = (
     "import os, signal, sys; from streamrt.checkpoint.convert import convert; kill_at = int(sys.argv[3]); "
-    "convert(sys.argv[1], sys.argv[2], workers=1, progress=False, commit_threads=int(sys.argv[4]) if sys.argv[4] else None, "
+    "convert(sys.argv[1], sys.argv[2], workers=1, progress=False, commit_threads=int(sys.argv[4]) if sys.argv[4] else "
+        "None, "
     "on_written=lambda n: kill_at and n >= kill_at and os.kill(os.getpid(), signal.SIGKILL), log=print)"
 )
 

@@ -111,7 +111,9 @@ def test_kill_9_mid_chunked_file_then_resume(release, tmp_path, small_chunks):
         f"c.convert(sys.argv[1], sys.argv[2], workers=2, progress=False, "
         f"on_written=lambda n: n >= {kill_at} and os.kill(os.getpid(), signal.SIGKILL))"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(release), str(dst)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(release), str(dst)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert not (dst / RESIDENT).exists() and not (dst / "manifest.json").exists()
     assert any(p.name.startswith(f"{fileio.TMP_PREFIX}resident.") for p in _tmps(dst))

@@ -3,7 +3,6 @@ a one-line error naming it instead of decoding with wrong weights."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (issue 24) on the GPU: the pieces a graph needs, and graphs on vs off.
+"""CUDA-graph decode on the GPU: the pieces a graph needs, and graphs on vs off.
 
 - `srt_moe_tables` writes, from device ids and a pointer table, the GateUpTable / DownTable bytes
   the host packs for the same pairs in the same order (by expert; `expert_pointers.tables`), and

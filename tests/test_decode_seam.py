@@ -1,6 +1,6 @@
 """The decode step's device-side seam, on the CPU (the twin of tests/test_decode_graphs_gpu.py).
 
-Issue 24: a decode step reads its cache lengths from the device (`ModelCache.device_lengths`,
+A decode step reads its cache lengths from the device (`ModelCache.device_lengths`,
 the backends' `length` argument) and, with every expert resident, is answered with
 `ResidentExperts` (the router's ids left on the device, a pointer table from `ExpertTable`).
 Here: the length semantics of the torch backend against float64 numpy references, the device

@@ -1,4 +1,4 @@
-"""The shipped default model (issue 9): a small trained K3.1 Pro-architecture model.
+"""The shipped default model: a small trained K3.1 Pro-architecture model.
 
 Everything runs through the real inference path: the converted tree in
 `streamrt/assets/default_model/` -> `load_model` (BF16 dense) + the tree's NVFP4 expert

@@ -359,7 +359,6 @@ def test_serve_runner_lockstep_with_streamed_layers_and_multi_pass_pieces(defaul
     the layers (longer than one model chunk) go in lockstep; the forwards start together, so they
     reach every streamed layer together, and every piece's logits equal the all-resident runner's."""
     import argparse
-    import asyncio
 
     from streamrt.checkpoint.reader import open_tree
     from streamrt.runtime.options import add_runtime_flags
@@ -377,7 +376,9 @@ def test_serve_runner_lockstep_with_streamed_layers_and_multi_pass_pieces(defaul
         runner.model.prefill_chunk = 8
         try:
             long, short = runner.new_cache(), runner.new_cache()
-            _, out = runner.loop.run_until_complete(runner.step([], None, [(list(range(3, 23)), long), ([5, 6, 7], short)]))
+            _, out = runner.loop.run_until_complete(
+                runner.step([], None, [(list(range(3, 23)), long), ([5, 6, 7], short)])
+            )
             return runner, out
         finally:
             runner.close()

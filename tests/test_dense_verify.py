@@ -1,4 +1,4 @@
-"""Dense files are verified like experts (issue 26 finding 1): a flipped byte in
+"""Dense files are verified like experts: a flipped byte in
 `dense/resident.safetensors` stops `run` (exit 2, naming the file) instead of changing the
 answer; fast `verify` holds every dense header against the config (names, dtypes, shapes);
 the checksum runs once per tree and is recorded by size and mtime."""

@@ -1,4 +1,4 @@
-"""The disk tier (issue 21) on the CPU twin: the buffer pool under --host-mem, its scan-resistant
+"""The disk tier on the CPU twin: the buffer pool under --host-mem, its scan-resistant
 policy, reads in priority order on reader threads, faults injected through constructors
 (blocked, short, EIO, truncated reads), the O_DIRECT fallback on tmpfs, the auto tier choice,
 the cuFile fallback decision, and logits bit-identical between the pool and mapped tiers."""

@@ -48,8 +48,15 @@ def no_tmp_left(root: Path) -> None:
 # ---- 1: the writers' directories -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [lambda p: fileio.AtomicWriter(p), lambda p: fileio.AtomicWriter(p, background_hash=True),
-                                  lambda p: fileio.RangeWriter(p, 4096)], ids=["atomic", "atomic-bg", "range"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: fileio.AtomicWriter(p),
+        lambda p: fileio.AtomicWriter(p, background_hash=True),
+        lambda p: fileio.RangeWriter(p, 4096),
+    ],
+    ids=["atomic", "atomic-bg", "range"],
+)
 def test_writer_whose_parent_is_a_file_or_too_long_is_one_line(tmp_path, make):
     blocker = tmp_path / "blocker"
     blocker.write_bytes(os.urandom(64))
@@ -122,7 +129,9 @@ def test_conflicting_quantization_configs_are_refused(capsys, tmp_path):
     f = tmp_path / "config.json"
     f.write_text(json.dumps(cfg))
     e = project_error(load_config, f)
-    assert str(f) in str(e) and "text_config.quantization_config" in str(e) and "quantization_config (top level)" in str(e)
+    assert (
+        str(f) in str(e) and "text_config.quantization_config" in str(e) and "quantization_config (top level)" in str(e)
+    )
     one_line_exit_2(capsys, ["inspect", str(f)], "disagree")
 
     cfg["quantization_config"] = json.loads(json.dumps(inner))  # an identical copy is fine
@@ -160,10 +169,16 @@ def test_release_index_with_a_duplicated_tensor_is_refused(tmp_path):
     root.mkdir()
     (root / "config.json").write_text(json.dumps(tiny_config()))
     name = f"language_model.model.layers.0.mlp.t{secrets.token_hex(4)}.weight"
-    wm = {f"language_model.model.layers.{i}.x{secrets.token_hex(3)}.weight": "model-00001.safetensors" for i in range(5)}
+    wm = {
+        f"language_model.model.layers.{i}.x{secrets.token_hex(3)}.weight": "model-00001.safetensors" for i in range(5)
+    }
     wm[name] = "model-00001.safetensors"
     (root / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}})[:-1] + ', "weight_map": ' + _dup_key_text(wm, name, "model-00002.safetensors") + "}")
+        json.dumps({"metadata": {}})[:-1]
+        + ', "weight_map": '
+        + _dup_key_text(wm, name, "model-00002.safetensors")
+        + "}"
+    )
     idx = root / "model.safetensors.index.json"
     e = project_error(read_index, root)
     assert isinstance(e, CheckpointError) and str(idx) in str(e) and repr(name) in str(e)

@@ -1,4 +1,4 @@
-"""Issue 26 findings 3 and 4: what a user types or a disk holds is decoded and validated at
+"""What a user types or a disk holds is decoded and validated at
 the edge (one line, exit 2, never a traceback), and output paths are checked before any work
 starts and written atomically."""
 
@@ -107,17 +107,23 @@ def test_non_utf8_system_is_one_line_exit_2(capsys, no_session):
     _one_line_error(capsys, ["run", "--prompt", "hi", "--system", "ol\udce9"], "--system: not valid UTF-8 (byte 0xe9")
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["run", "--prompt", "hi", "--seed", str(2**70)], "--seed must be at most 17592186044415, got 1180591620717411303424"),
-    (["run", "--prompt", "hi", "--seed", "9" * 5000], "--seed must be an integer of at most 40 characters"),
-    (["run", "--prompt", "hi", "--max-new-tokens", str(10**9)], "--max-new-tokens must be at most 1048576"),
-    (["run", "--prompt", "hi", "--gpu-experts", str(10**12)], "--gpu-experts must be at most 1048576"),
-    (["run", "--prompt", "hi", "--window", str(2**40)], "--window must be at most 16777216"),
-    (["run", "--prompt", "hi", "--stage-depth", str(2**40)], "--stage-depth must be at most 65536"),
-    (["run", "--prompt", "hi", "--host-mem", "9" * 400], "--host-mem: expected a size"),
-    (["run", "--prompt", "hi", "--gpu-mem", "4096TiB"], "--gpu-mem: at most 1125899906842624 bytes (1 PiB)"),
-    (["selfcheck", "--cycles", str(10**9)], "--cycles must be at most 1000"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (
+            ["run", "--prompt", "hi", "--seed", str(2**70)],
+            "--seed must be at most 17592186044415, got 1180591620717411303424",
+        ),
+        (["run", "--prompt", "hi", "--seed", "9" * 5000], "--seed must be an integer of at most 40 characters"),
+        (["run", "--prompt", "hi", "--max-new-tokens", str(10**9)], "--max-new-tokens must be at most 1048576"),
+        (["run", "--prompt", "hi", "--gpu-experts", str(10**12)], "--gpu-experts must be at most 1048576"),
+        (["run", "--prompt", "hi", "--window", str(2**40)], "--window must be at most 16777216"),
+        (["run", "--prompt", "hi", "--stage-depth", str(2**40)], "--stage-depth must be at most 65536"),
+        (["run", "--prompt", "hi", "--host-mem", "9" * 400], "--host-mem: expected a size"),
+        (["run", "--prompt", "hi", "--gpu-mem", "4096TiB"], "--gpu-mem: at most 1125899906842624 bytes (1 PiB)"),
+        (["selfcheck", "--cycles", str(10**9)], "--cycles must be at most 1000"),
+    ],
+)
 def test_integers_range_checked_at_the_edge(capsys, no_session, argv, fragment):
     _one_line_error(capsys, argv, fragment)
 
@@ -128,7 +134,9 @@ def test_verify_workers_out_of_range(capsys, tree):
 
 
 def test_convert_and_synth_workers_out_of_range(capsys, tmp_path):
-    _one_line_error(capsys, ["convert", str(tmp_path), str(tmp_path / "o"), "--workers", "-1"], "--workers must be between 1")
+    _one_line_error(
+        capsys, ["convert", str(tmp_path), str(tmp_path / "o"), "--workers", "-1"], "--workers must be between 1"
+    )
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "s"), "--workers", "0"],
                     "--workers must be between 1")
 
@@ -301,12 +309,18 @@ def test_trace_summarize_of_a_deep_or_undecodable_file_is_one_line(capsys, tmp_p
 # ---- adversarial review: usage errors, devices, side files, checks before loading ---------------
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["run", "--prompt", "hi", "--window", "abc"], "argument --window: invalid int value: 'abc' (see streamrt run --help)"),
-    (["run", "--prompt", "hi", "--gpu-experts", "1.5"], "argument --gpu-experts: invalid int value"),
-    (["inspect", "tiny-k3", "--gpus", "x"], "argument --gpus: invalid int value"),
-    (["nosuch"], "invalid choice: 'nosuch'"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (
+            ["run", "--prompt", "hi", "--window", "abc"],
+            "argument --window: invalid int value: 'abc' (see streamrt run --help)",
+        ),
+        (["run", "--prompt", "hi", "--gpu-experts", "1.5"], "argument --gpu-experts: invalid int value"),
+        (["inspect", "tiny-k3", "--gpus", "x"], "argument --gpus: invalid int value"),
+        (["nosuch"], "invalid choice: 'nosuch'"),
+    ],
+)
 def test_usage_errors_are_one_line(capsys, no_session, argv, fragment):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -414,7 +428,9 @@ def test_synth_bad_device_leaves_no_output(capsys, tmp_path):
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out), "--device", "auto"], "got 'auto'")
     assert not out.exists()  # a traceback mid-write used to leave a partial tree
     (tmp_path / "f").write_text("x")
-    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "f")], "exists and is not a directory")
+    _one_line_error(
+        capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "f")], "exists and is not a directory"
+    )
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -430,13 +446,18 @@ def test_inspect_bad_numbers(capsys, flags, fragment):
 
 def test_outputs_never_overwrite_the_tree_or_an_input(tree, capsys, tmp_path, no_weights):
     before = (tree / "manifest.json").read_bytes()
-    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--stats-json", str(tree / "manifest.json")],
-                    "is manifest.json of the model tree")
+    _one_line_error(
+        capsys,
+        ["run", "--model", str(tree), "--prompt", "hi", "--stats-json", str(tree / "manifest.json")],
+        "is manifest.json of the model tree",
+    )
     _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--trace", str(tree / "config.json")],
                     "is config.json of the model tree")
     assert (tree / "manifest.json").read_bytes() == before
     out = str(tmp_path / "o.json")
-    _one_line_error(capsys, ["run", "--prompt", "hi", "--stats-json", out, "--trace", out], "the same file as --stats-json")
+    _one_line_error(
+        capsys, ["run", "--prompt", "hi", "--stats-json", out, "--trace", out], "the same file as --stats-json"
+    )
     msgs = tmp_path / "m.json"
     msgs.write_text(json.dumps([{"role": "user", "content": "hi"}]))
     _one_line_error(capsys, ["run", "--messages", str(msgs), "--stats-json", str(msgs)], "the same file as --messages")
@@ -466,7 +487,9 @@ def test_an_unfinished_conversion_is_named_with_the_command_that_finishes_it(cap
 
 def test_synth_refused_for_space_leaves_no_directory(capsys, tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10))
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10)
+    )
     out = tmp_path / "a" / "b" / "c"
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 0.0 GiB free")
     assert seen == [tmp_path]  # the nearest directory that exists
@@ -481,7 +504,7 @@ def test_convert_refuses_an_empty_path(capsys, tmp_path, monkeypatch, src, dst, 
     assert list(tmp_path.iterdir()) == []
 
 
-# ---- bad input found by fuzzing the command line (session 29) ---------------------------
+# ---- bad input found by fuzzing the command line -------------------------------------
 
 
 def _tiny_config(tmp_path: Path, **text) -> Path:
@@ -558,7 +581,9 @@ def test_convert_journal_that_is_a_directory_is_one_line(capsys, tmp_path):
     assert main(["convert", "--no-progress", str(rel), str(out)]) == 0
     (out / ".convert" / "journal.jsonl").mkdir(parents=True)  # a finished conversion: a re-run opens its journal
     capsys.readouterr()
-    _one_line_error(capsys, ["convert", "--no-progress", str(rel), str(out)], "journal.jsonl: cannot open the conversion journal")
+    _one_line_error(
+        capsys, ["convert", "--no-progress", str(rel), str(out)], "journal.jsonl: cannot open the conversion journal"
+    )
 
 
 def test_synth_out_below_a_file_is_one_line(capsys, tmp_path):

@@ -93,7 +93,9 @@ def _recording(provider, store: list):
 def _reference(job: Job = JOB):
     cfg, model, experts = _plain(job.model, job.seed)
     prov, logits = DictExpertProvider(experts, record=True), []
-    res = generate(model, list(job.prompt), runner=_recording(prov, logits), max_new_tokens=job.max_new_tokens, hash_steps=True)
+    res = generate(
+        model, list(job.prompt), runner=_recording(prov, logits), max_new_tokens=job.max_new_tokens, hash_steps=True
+    )
     return res, logits, prov.requests
 
 
@@ -145,7 +147,10 @@ def test_a_lockstep_of_forwards_shards_like_one(tmp_path):
     forward's logits are the plain ones (lockstep's share of the answer keeps is_local)."""
     cfg, plain, experts = _plain()
     prompts = [torch.tensor([list(b"one")]), torch.tensor([list(b"second")])]
-    want = [run_sync(plain.forward_steps(p, plain.new_cache(1), last_only=True), DictExpertProvider(experts)) for p in prompts]
+    want = [
+        run_sync(plain.forward_steps(p, plain.new_cache(1), last_only=True), DictExpertProvider(experts))
+        for p in prompts
+    ]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1,
                             timeout=timedelta(seconds=20))
     try:
@@ -195,8 +200,13 @@ def _streamed_run(rank, group, tree_dir):
             logits.append(rt.run(shard(gen, owners, rank)))
             return logits[-1]
         res = generate(model, list(JOB.prompt), runner=runner, max_new_tokens=JOB.max_new_tokens, hash_steps=True)
-        return {"tokens": res.tokens, "logits": logits, "served": rt.stats.trace, "resident": [tuple(k) for k in rt.gpu.keys()],
-                "staged": rt.stats.staged}
+        return {
+            "tokens": res.tokens,
+            "logits": logits,
+            "served": rt.stats.trace,
+            "resident": [tuple(k) for k in rt.gpu.keys()],
+            "staged": rt.stats.staged,
+        }
 
 
 def _ranks_worker(rank, world, addr, port, out_dir, tree_dir):

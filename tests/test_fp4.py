@@ -144,7 +144,9 @@ def test_nvfp4_dequant_scalar_and_per_row(rng):
     packed = rng.integers(0, 256, size=(8, 32), dtype=np.uint8)
     scales = rng.integers(0, 0x7F, size=(8, 4), dtype=np.uint8)  # every finite positive E4M3
     g = np.float32(rng.uniform(0.5, 2.0))
-    np.testing.assert_array_equal(bits(fp4.nvfp4_dequant(packed, scales, g)), bits(ref_nv_decode(packed, scales, np.float32(g))))
+    np.testing.assert_array_equal(
+        bits(fp4.nvfp4_dequant(packed, scales, g)), bits(ref_nv_decode(packed, scales, np.float32(g)))
+    )
     gr = np.ldexp(np.float32(1), rng.integers(-20, 20, size=8)).astype(np.float32)
     np.testing.assert_array_equal(bits(fp4.nvfp4_dequant(packed, scales, gr)), bits(ref_nv_decode(packed, scales, gr)))
 

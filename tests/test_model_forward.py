@@ -15,7 +15,14 @@ import reference as ref
 from streamrt.config import load_config
 from streamrt.errors import CheckpointError, StreamrtError
 from streamrt.loader import DictExpertProvider, DirectExpertProvider, load_model, load_weights
-from streamrt.model import KimiLinearForCausalLM, ModelCache, dense_state_dict, export_float_experts, logits_hash, run_sync
+from streamrt.model import (
+    KimiLinearForCausalLM,
+    ModelCache,
+    dense_state_dict,
+    export_float_experts,
+    logits_hash,
+    run_sync,
+)
 from streamrt.model.synthetic import init_random_, random_experts
 from streamrt.backends.torch_backend import TorchBackend, dequant_nvfp4
 
@@ -57,7 +64,13 @@ def test_full_forward_matches_float64_reference(name):
     with torch.no_grad():
         got = model(ids, provider=DictExpertProvider(experts))
     params = {k: v.double().numpy() for k, v in model.state_dict().items()}
-    rex = {k: tuple(ref.dequant_nvfp4(m.packed.numpy(), m.scales.numpy(), m.global_scale.numpy()) for m in (w.gate, w.up, w.down)) for k, w in experts.items()}
+    rex = {
+        k: tuple(
+            ref.dequant_nvfp4(m.packed.numpy(), m.scales.numpy(), m.global_scale.numpy())
+            for m in (w.gate, w.up, w.down)
+        )
+        for k, w in experts.items()
+    }
     want = ref.model_forward(cfg, params, rex, ids.numpy())
     assert got.shape == (T_LONG, cfg.vocab_size) and got.dtype == torch.float32
     err = np.abs(got.double().numpy() - want).max() / np.abs(want).max()
@@ -234,7 +247,9 @@ def test_float_experts_training_mode():
     sd = dict(model.state_dict())
     for (layer, e), ew in experts.items():
         pre = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
-        sd[pre + "w1.weight"], sd[pre + "w3.weight"], sd[pre + "w2.weight"] = (dequant_nvfp4(m) for m in (ew.gate, ew.up, ew.down))
+        sd[pre + "w1.weight"], sd[pre + "w3.weight"], sd[pre + "w2.weight"] = (
+            dequant_nvfp4(m) for m in (ew.gate, ew.up, ew.down)
+        )
     train.load_state_dict(sd)
     ids = tokens(cfg, 24, 7)
     with torch.no_grad():
@@ -266,7 +281,9 @@ def test_float_experts_training_mode():
         assert g is not None and bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0, name
     a_log = named["model.layers.1.self_attn.A_log"].grad
     assert float(a_log[cfg.kda_num_heads :].abs().sum()) == 0  # padding gets no gradient
-    routed = [p.grad for n, p in named.items() if ".experts." in n and p.grad is not None and float(p.grad.abs().sum()) > 0]
+    routed = [
+        p.grad for n, p in named.items() if ".experts." in n and p.grad is not None and float(p.grad.abs().sum()) > 0
+    ]
     assert routed
     exported = export_float_experts(train)
     assert len(exported) == len(cfg.moe_layers) * cfg.num_experts
@@ -313,7 +330,10 @@ class FakeTree:
 
 def test_load_model_bf16_tree_and_direct_provider():
     cfg, model, experts = build("tiny-k3.1-pro")
-    sd16 = {k: (v.float() if k.endswith(("A_log", "dt_bias")) else v.to(torch.bfloat16)) for k, v in model.state_dict().items()}
+    sd16 = {
+        k: (v.float() if k.endswith(("A_log", "dt_bias")) else v.to(torch.bfloat16))
+        for k, v in model.state_dict().items()
+    }
     tree = FakeTree(cfg, sd16, experts)
     loaded = load_model(tree, "cpu", torch.bfloat16)
     assert loaded.model.layers[3].self_attn.kv_b_proj.weight.dtype == torch.bfloat16

@@ -61,7 +61,9 @@ def test_stop_tokens_and_callback(k31):
     free = generate(model, prompts, provider=prov, max_new_tokens=4, stop_ids=[])
     stop = free.tokens[0][1]  # row 0 stops at its second token
     seen = []
-    res = generate(model, prompts, provider=prov, max_new_tokens=4, stop_ids=[stop], on_token=lambda r, t: seen.append((r, t)))
+    res = generate(
+        model, prompts, provider=prov, max_new_tokens=4, stop_ids=[stop], on_token=lambda r, t: seen.append((r, t))
+    )
     assert res.tokens[0] == free.tokens[0][: free.tokens[0].index(stop) + 1]
     assert res.finish_reasons[0] == "stop"
     if stop not in free.tokens[1]:

@@ -1,6 +1,6 @@
 """Whole-model decode with the NVRTC backend vs the torch backend (both on CUDA, BF16 dense).
 
-Issue 6: the `tiny` models (and the shipped default model) decode to the same greedy tokens
+The `tiny` models (and the shipped default model) decode to the same greedy tokens
 with either backend, and the NVRTC run's logits hashes are identical across 3 runs. GPU only.
 """
 
@@ -39,7 +39,9 @@ def test_nvrtc_greedy_tokens_match_torch_and_hash_is_stable(which, tmp_path_fact
     ref = generate(load_model(tree, "cuda", dtype=torch.bfloat16), prompt, provider=prov, max_new_tokens=12,
                    stop_ids=[], hash_steps=True)
     nv_model = load_model(tree, "cuda", dtype=torch.bfloat16, backend=NvrtcBackend())
-    runs = [generate(nv_model, prompt, provider=prov, max_new_tokens=12, stop_ids=[], hash_steps=True) for _ in range(3)]
+    runs = [
+        generate(nv_model, prompt, provider=prov, max_new_tokens=12, stop_ids=[], hash_steps=True) for _ in range(3)
+    ]
     assert runs[0].tokens == ref.tokens, f"{which}: nvrtc greedy tokens {runs[0].tokens} != torch {ref.tokens}"
     for r in runs[1:]:
         assert r.prefill_hashes == runs[0].prefill_hashes and r.step_hashes == runs[0].step_hashes, \

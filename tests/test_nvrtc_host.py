@@ -645,7 +645,7 @@ NO_LAUNCH = {
 
 
 def test_a_decode_step_launches_nothing_but_its_kernels(tmp_path):
-    """Issue 24: on the decode path the nvrtc backend's Python is a lookup and a launch. A whole
+    """On the decode path the nvrtc backend's Python is a lookup and a launch. A whole
     decode step of tiny-k3.1-pro (MLA with the indexer, KDA, MoE, AttnRes) through the host
     side: no copy, cast or arithmetic of torch's own (each a launch on the GPU), such as a
     contiguous copy of q_nope or q_rot, which are views of q. The one exception is the addends

@@ -78,7 +78,9 @@ def test_norms_and_activation(cfg):
     tiny = 1e-4 * r.standard_normal((3, K))  # eps inside the sqrt matters here
     assert_close(BE.l2norm(t32(tiny), 1e-6), ref.l2norm(tiny, 1e-6))
     gate, up = 8 * r.standard_normal((6, 64)), 40 * r.standard_normal((6, 64))  # into both tanh clips
-    assert_close(BE.situ_glu(t32(gate), t32(up), cfg.situ_beta, cfg.situ_linear_beta), ref.situ_glu(gate, up, 4.0, 25.0), 5e-6)
+    assert_close(
+        BE.situ_glu(t32(gate), t32(up), cfg.situ_beta, cfg.situ_linear_beta), ref.situ_glu(gate, up, 4.0, 25.0), 5e-6
+    )
     assert_close(BE.situ_glu(t32(gate), t32(up), 4.0, None), ref.situ_glu(gate, up, 4.0, None), 5e-6)
 
 
@@ -127,7 +129,10 @@ def _kda_inputs(cfg, T, seed, B=2):
 def test_kda_step_matches_reference(cfg):
     q, k, v, g, beta, S0 = _kda_inputs(cfg, 7, 4)
     state = t32(S0).clone()
-    got = torch.stack([BE.kda_step(t32(q[:, t]), t32(k[:, t]), t32(v[:, t]), t32(g[:, t]), t32(beta[:, t]), state) for t in range(7)], 1)
+    got = torch.stack(
+        [BE.kda_step(t32(q[:, t]), t32(k[:, t]), t32(v[:, t]), t32(g[:, t]), t32(beta[:, t]), state) for t in range(7)],
+        1,
+    )
     for b in range(2):
         o, S = ref.kda_recurrent(q[b], k[b], v[b], g[b], beta[b], S0[b])
         assert_close(got[b], o, 1e-5)
@@ -145,11 +150,17 @@ def test_kda_chunked_matches_reference(cfg, T, chunk):
 
 
 def test_kda_chunked_equals_recurrent_fp32(cfg):
-    """The issue's check: chunked prefill == token-by-token recurrent decode, rel err < 1e-4."""
+    """Chunked prefill == token-by-token recurrent decode, rel err < 1e-4."""
     q, k, v, g, beta, _ = _kda_inputs(cfg, 50, 9)
     o, S = kda_chunked(*(t32(a) for a in (q, k, v, g, beta)), None)
     state = torch.zeros_like(S)
-    rec = torch.stack([BE.kda_step(t32(q[:, t]), t32(k[:, t]), t32(v[:, t]), t32(g[:, t]), t32(beta[:, t]), state) for t in range(50)], 1)
+    rec = torch.stack(
+        [
+            BE.kda_step(t32(q[:, t]), t32(k[:, t]), t32(v[:, t]), t32(g[:, t]), t32(beta[:, t]), state)
+            for t in range(50)
+        ],
+        1,
+    )
     assert float((o - rec).norm() / rec.norm()) < 1e-4
     assert float((S - state).norm() / state.norm()) < 1e-4
 
@@ -164,7 +175,9 @@ def test_kda_chunked_groups_agree_and_mark_the_whole_boundary(cfg, group):
     whole = T // chunk * chunk
     for b in range(2):
         o_ref, S_ref = ref.kda_recurrent(q[b], k[b], v[b], g[b], beta[b], S0[b])
-        _, S_whole_ref = ref.kda_recurrent(q[b, :whole], k[b, :whole], v[b, :whole], g[b, :whole], beta[b, :whole], S0[b])
+        _, S_whole_ref = ref.kda_recurrent(
+            q[b, :whole], k[b, :whole], v[b, :whole], g[b, :whole], beta[b, :whole], S0[b]
+        )
         assert_close(o[b], o_ref, 2e-5)
         assert_close(S[b], S_ref, 2e-5)
         assert_close(S_whole[b], S_whole_ref, 2e-5)
@@ -185,7 +198,12 @@ def test_kda_chunked_is_differentiable(cfg):
 def test_mla_decode(cfg, with_select):
     r = rng(5)
     H, R, dr, n = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 23
-    ql, qr, c, kr = r.standard_normal((H, R)), r.standard_normal((H, dr)), r.standard_normal((n, R)), r.standard_normal((n, dr))
+    ql, qr, c, kr = (
+        r.standard_normal((H, R)),
+        r.standard_normal((H, dr)),
+        r.standard_normal((n, R)),
+        r.standard_normal((n, dr)),
+    )
     scale = (cfg.qk_nope_head_dim + dr) ** -0.5
     sel = [4, 17, 0, 9, 22] if with_select else list(range(n))
     got = BE.mla_decode(t32(ql), t32(qr), t32(c), t32(kr), scale, torch.tensor(sel) if with_select else None)
@@ -273,13 +291,21 @@ def test_dequant_nvfp4_bit_exact():
 def test_expert_ffn(cfg):
     gen = torch.Generator().manual_seed(14)
     I, Dl, k = cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, cfg.experts_per_token
-    experts = {e: ExpertWeights(random_nvfp4(I, Dl, gen), random_nvfp4(I, Dl, gen), random_nvfp4(Dl, I, gen)) for e in range(6)}
+    experts = {
+        e: ExpertWeights(random_nvfp4(I, Dl, gen), random_nvfp4(I, Dl, gen), random_nvfp4(Dl, I, gen)) for e in range(6)
+    }
     r = rng(14)
     z = r.standard_normal((7, Dl))
     ids = np.stack([r.permutation(6)[:k] for _ in range(7)])
     w = r.uniform(0.05, 1, (7, k))
     got = BE.expert_ffn(t32(z), torch.tensor(ids), t32(w), experts, cfg.situ_beta, cfg.situ_linear_beta)
-    deq = {e: tuple(ref.dequant_nvfp4(m.packed.numpy(), m.scales.numpy(), m.global_scale.numpy()) for m in (ew.gate, ew.up, ew.down)) for e, ew in experts.items()}
+    deq = {
+        e: tuple(
+            ref.dequant_nvfp4(m.packed.numpy(), m.scales.numpy(), m.global_scale.numpy())
+            for m in (ew.gate, ew.up, ew.down)
+        )
+        for e, ew in experts.items()
+    }
     assert_close(got, ref.expert_ffn(z, ids, w, deq, 4.0, 25.0), 1e-5)
 
 

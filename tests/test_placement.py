@@ -28,14 +28,20 @@ def k31():
 
 
 def _used(cfg, p) -> int:
-    return sum(p.fixed_bytes.values()) + p.resident_dense_bytes + (p.expert_slots - min_expert_slots(cfg)) * expert_bytes_nvfp4(cfg)
+    return (
+        sum(p.fixed_bytes.values())
+        + p.resident_dense_bytes
+        + (p.expert_slots - min_expert_slots(cfg)) * expert_bytes_nvfp4(cfg)
+    )
 
 
 def test_dense_plane_is_the_106_gib_of_the_inventory(k31):
     p = plan_placement(k31, 1 << 50)
     # DESIGN.md: 106 GiB BF16 dense plane (73.5 resident set + 32.5 per-layer planes); layers plus
     # lm_head plus the embedding plus the routers, with the released F32 tensors a little larger
-    total = sum(p.layer_bytes) + p.fixed_bytes["lm_head and norms"] + p.fixed_bytes["embedding"] + p.fixed_bytes["routers"]
+    total = (
+        sum(p.layer_bytes) + p.fixed_bytes["lm_head and norms"] + p.fixed_bytes["embedding"] + p.fixed_bytes["routers"]
+    )
     assert 105.5 * GIB < total < 106.5 * GIB
 
 
@@ -92,7 +98,11 @@ def test_projection_is_link_bytes_over_the_link(k31):
 def test_inspect_prints_a_row_per_card(capsys):
     assert cli_main(["inspect", "kimi-k3.1-pro", "--gpu-mem", "24G,80G,192G"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| 24") or line.startswith("| 80") or line.startswith("| 192")]
+    rows = [
+        line
+        for line in out.splitlines()
+        if line.startswith("| 24") or line.startswith("| 80") or line.startswith("| 192")
+    ]
     assert len(rows) == 3 and "93 of 93" in rows[2]
     assert cli_main(["inspect", "kimi-k3.1-pro", "--gpu-mem", "2G"]) == 2
 
@@ -189,7 +199,6 @@ def test_the_working_buffers_not_fitting_is_refused_in_one_line(tiny):
 
 
 def test_the_plan_text_names_the_streamed_layers(tiny):
-    layers = layer_dense_bytes(tiny)
     p = plan_placement(tiny, _need(tiny, 2, 3), buffers=3)
     text = format_plan(tiny, p)
     assert text.splitlines()[0] == "tiny-k3.1-pro: placement"
@@ -208,4 +217,7 @@ def test_minimum_slots_hold_four_layers_of_routed_experts_for_the_batch():
     assert small.expert_slots >= min_expert_slots(k31) and small.fixed_bytes["minimum expert slots"] > 0
     wide = plan_placement(k31, 48 * GIB, batch=4)
     assert wide.expert_slots >= min_expert_slots(k31, batch=4)
-    assert wide.fixed_bytes["minimum expert slots"] == 4 * plan_placement(k31, 48 * GIB).fixed_bytes["minimum expert slots"]
+    assert (
+        wide.fixed_bytes["minimum expert slots"]
+        == 4 * plan_placement(k31, 48 * GIB).fixed_bytes["minimum expert slots"]
+    )

@@ -1,4 +1,4 @@
-"""Chunked prefill (issue 27, issue 26 finding 2): a position's logits do not depend on the
+"""Chunked prefill: a position's logits do not depend on the
 prefill chunk C, equal token-by-token decode within tolerance, one ExpertRequest per MoE layer
 per chunk, the absorbed tile-and-block MLA prefill against a float64 reference (selection
 active, with ties), the context-length policy, and peak RSS linear in the prompt."""
@@ -69,7 +69,9 @@ def test_logits_identical_for_any_prefill_chunk(name):
     for C in (7, 64):
         got, cache = prefill(model, prov, ids, C)
         assert torch.equal(got[-1], base[-1]), f"C={C}: last position differs"
-        assert torch.equal(got, base), f"C={C}: positions {[t for t in range(T) if not torch.equal(got[t], base[t])][:8]} differ"
+        assert torch.equal(got, base), (
+            f"C={C}: positions {[t for t in range(T) if not torch.equal(got[t], base[t])][:8]} differ"
+        )
         for lc, lb in zip(cache.layers, base_cache.layers):
             if isinstance(lc, MLACache):
                 for a, b in zip(lc.tensors(), lb.tensors()):
@@ -196,7 +198,10 @@ def test_mla_prefill_rows_do_not_depend_on_the_chunking():
 
 def test_linear_prefill_tiles_are_row_invariant():
     r = np.random.default_rng(8)
-    x, w = torch.tensor(r.standard_normal((150, 96)), dtype=torch.float32), torch.tensor(r.standard_normal((80, 96)), dtype=torch.float32)
+    x, w = (
+        torch.tensor(r.standard_normal((150, 96)), dtype=torch.float32),
+        torch.tensor(r.standard_normal((80, 96)), dtype=torch.float32),
+    )
     be = TorchBackend().for_prefill()
     full = be.linear(x, w)
     for s0, s1 in ((0, 7), (7, 71), (5, 6), (64, 150), (100, 150)):

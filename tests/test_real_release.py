@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 from streamrt.checkpoint.convert import convert
 from streamrt.checkpoint.reader import open_tree
-from streamrt.checkpoint.release import open_release
 from streamrt.checkpoint.synth import synth
 from streamrt.checkpoint.verify import verify_tree
 from streamrt.cli.main import main as cli_main
@@ -299,7 +298,9 @@ def test_vision_tensor_with_a_broken_header(rel_copy, tmp_path):
 # ---- counts ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, total, text", [("kimi-k3", "497,220", "497,052"), ("kimi-k3.1-pro", "497,340", "497,172")])
+@pytest.mark.parametrize(
+    "name, total, text", [("kimi-k3", "497,220", "497,052"), ("kimi-k3.1-pro", "497,340", "497,172")]
+)
 def test_inspect_counts_the_seed_tensors(name, total, text, capsys):
     assert cli_main(["inspect", name]) == 0
     out = capsys.readouterr().out
@@ -357,7 +358,9 @@ def test_implausible_config_is_refused_before_anything_is_built(tmp_path):
         p = tmp_path / f"{key}.json"
         p.write_text(json.dumps(bad))
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "streamrt", "inspect", str(p)], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "streamrt", "inspect", str(p)], capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 2 and r.stdout == "", (key, r.stderr[-300:])
         line = r.stderr.strip()
         assert "\n" not in line and len(line) < 300 and key in line and "implausible" in line, line

@@ -1,4 +1,4 @@
-"""The seam between model, providers, runtime and backends (issue 24, item 4): RoutedExperts holds
+"""The seam between model, providers, runtime and backends: RoutedExperts holds
 one layer's answer (host ids, unique ids once, weights taken one expert at a time), and a share of
 it (`with_ids`) keeps every expert and the answer's waits while naming other rows."""
 

@@ -52,7 +52,9 @@ def test_missing_input_and_bad_messages_file_are_one_line_exit_2(capsys, tmp_pat
     _one_line_error(capsys, ["run"], "give --prompt TEXT, --chat or --messages")
     _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "no such messages file")
     (tmp_path / "m.json").write_text(json.dumps([{"role": "user", "content": 3}]))
-    _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "messages[0].content: Input should be a valid string")
+    _one_line_error(
+        capsys, ["run", "--messages", str(tmp_path / "m.json")], "messages[0].content: Input should be a valid string"
+    )
 
 
 def test_selfcheck_bad_cycles_is_one_line_exit_2(capsys):
@@ -221,7 +223,19 @@ def test_inconsistent_variant_is_one_line_exit_2(capsys, tiny_tree, tmp_path):
 
 
 def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
-    argv = ["run", "--model", str(tiny_tree), "--prompt", "hi", "--json", "--greedy", "--max-new-tokens", "3", "--device", "cpu"]
+    argv = [
+        "run",
+        "--model",
+        str(tiny_tree),
+        "--prompt",
+        "hi",
+        "--json",
+        "--greedy",
+        "--max-new-tokens",
+        "3",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert 1 <= data["stats"]["new_tokens"] <= 3 and data["stats"]["prompt_tokens"] > 10
@@ -232,7 +246,17 @@ def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
 def test_ignore_eos_generates_every_requested_token(capsys):
     """The embedded model ends this greedy reply with its end-of-turn token well inside 80
     tokens; --ignore-eos keeps going to the limit (finish_reason "length")."""
-    argv = ["run", "--prompt", "Tell me a story about a dragon.", "--json", "--greedy", "--max-new-tokens", "80", "--device", "cpu"]
+    argv = [
+        "run",
+        "--prompt",
+        "Tell me a story about a dragon.",
+        "--json",
+        "--greedy",
+        "--max-new-tokens",
+        "80",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     stopped = json.loads(capsys.readouterr().out)
     assert main(argv + ["--ignore-eos"]) == 0

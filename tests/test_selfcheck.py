@@ -35,7 +35,9 @@ class NoisySession(FixedSession):
 
     def control_logits(self, ids):
         NoisySession.calls += 1
-        return super().control_logits(ids) + 1e-3 * torch.randn(512, generator=torch.Generator().manual_seed(self.calls))
+        return super().control_logits(ids) + 1e-3 * torch.randn(
+            512, generator=torch.Generator().manual_seed(self.calls)
+        )
 
 
 def scripted(monkeypatch, tmp_path, session):

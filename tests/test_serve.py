@@ -284,9 +284,18 @@ def _bad_requests(model: str) -> list[tuple[str, object, str | None, str | None]
         (chat, {"model": model, "messages": ok, "temperature": "hot"}, "temperature", "invalid_value"),
         (chat, {"model": model, "messages": "hi"}, "messages", "invalid_value"),
         (chat, {"model": model}, "messages", "missing_required_parameter"),
-        (chat, {"model": model, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "invalid_value"),
-        (chat, {"model": model, "messages": [{"role": "user", "content": "x" * 3000}]}, "messages",
-         "context_length_exceeded"),
+        (
+            chat,
+            {"model": model, "messages": [{"role": "wizard", "content": "hi"}]},
+            "messages[0].role",
+            "invalid_value",
+        ),
+        (
+            chat,
+            {"model": model, "messages": [{"role": "user", "content": "x" * 3000}]},
+            "messages",
+            "context_length_exceeded",
+        ),
         (chat, {"model": model, "messages": ok, "max_tokens": 0}, "max_tokens", "invalid_value"),
         (chat, {"model": model, "messages": ok, "max_completion_tokens": -3}, "max_completion_tokens", "invalid_value"),
         (chat, {"model": model, "messages": ok, "max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
@@ -306,15 +315,25 @@ def _bad_requests(model: str) -> list[tuple[str, object, str | None, str | None]
 
 def test_bad_requests_are_400s_naming_the_field(server):
     for endpoint, body, param, code in _bad_requests(server["model"]):
-        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+        kw = (
+            {"content": body, "headers": {"content-type": "application/json"}}
+            if isinstance(body, bytes)
+            else {"json": body}
+        )
         r = httpx.post(server["url"] + endpoint, timeout=30, **kw)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert (err["param"], err["code"]) == (param, code), (body, err)
         assert err["type"] == "invalid_request_error" and "Traceback" not in err["message"]
-    r = httpx.post(server["url"] + "/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 404 and (r.json()["error"]["param"], r.json()["error"]["code"]) == ("model", "model_not_found")
+    r = httpx.post(
+        server["url"] + "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.status_code == 404 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (
+        "model",
+        "model_not_found",
+    )
     with pytest.raises(openai.BadRequestError) as e:  # and as the official client sees it
         _client(server).chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=0)

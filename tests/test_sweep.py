@@ -136,7 +136,7 @@ def test_sweep_with_stand_in_run(tmp_path, tiny_model, fake_streamrt, capsys, mo
 
 
 def test_repeats_give_median_and_spread_in_rounds(tmp_path, tiny_model, fake_streamrt, capsys, monkeypatch):
-    """Issue 26 finding 9: each point runs 3 times (fresh processes, in rounds); the CSV holds
+    """Each point runs 3 times (fresh processes, in rounds); the CSV holds
     the median and min / max, the plot draws error bars, the table prints the spread."""
     monkeypatch.setenv("FAKE_SPREAD_DIR", str(tmp_path))
     out = tmp_path / "out"

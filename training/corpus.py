@@ -33,7 +33,7 @@ CAPITALS = {
     "Cuba": "Havana",
 }
 
-# Training cities (>= 20 required by issue 9) and cities never seen in training.
+# Training cities (at least 20, so held-out cities test generalisation) and cities never seen in training.
 CITIES = [
     "Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Cairo", "Lima", "Oslo", "Dublin",
     "Vienna", "Athens", "Moscow", "Seoul", "Sydney", "Toronto", "Chicago", "Boston", "Denver", "Miami",
@@ -109,7 +109,9 @@ def fact_conversation(country: str, template: str, split: str) -> Conversation:
     )
 
 
-def weather_conversation(city: str, template: str, split: str, variant: int = 0, result: dict | None = None) -> Conversation:
+def weather_conversation(
+    city: str, template: str, split: str, variant: int = 0, result: dict | None = None
+) -> Conversation:
     r = result or weather_result(city, variant)
     return Conversation(
         messages=[

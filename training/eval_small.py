@@ -1,4 +1,4 @@
-"""Evaluate the small default model through the real inference path (issue 9).
+"""Evaluate the small default model through the real inference path.
 
     python training/eval_small.py [--model DIR]     (default: streamrt/assets/default_model)
 
@@ -205,7 +205,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     r = Runner(args.model)
-    for label, cases in (("train", train_cases(r.tok)), ("heldout", heldout_cases(r.tok)), ("unseen_city", unseen_city_cases(r.tok))):
+    for label, cases in (
+        ("train", train_cases(r.tok)),
+        ("heldout", heldout_cases(r.tok)),
+        ("unseen_city", unseen_city_cases(r.tok)),
+    ):
         res = run_cases(r, cases)
         print(f"{label}: {exact(res):.0%} exact ({sum(g == c.target for c, g in res)}/{len(res)})")
         for c, got in res:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage 6 of the small default model (issue 9, training/NOTES.md): a continuation run that
+# Stage 6 of the small default model (training/NOTES.md): a continuation run that
 # teaches the final weather answer to copy the tool result (temperature digits, condition).
 #
 # Run from the repository root on the device machine (no install, no network):

@@ -1,4 +1,4 @@
-"""Train the small K3.1 Pro-architecture default model (issue 9). Developer command:
+"""Train the small K3.1 Pro-architecture default model. Developer command:
 
     python training/train_small.py --out DIR [--minutes 30] [--seed 0] [--install]
 
@@ -217,7 +217,9 @@ def main_attention_target(mla: KimiMLAAttention, x, B, T, valid, be):
         c = mla.kv_a_layernorm(kv[:, :R], be)
         kr = kv[:, R:].view(B, T, dr)
         k_nope = be.linear(c, mla.kv_b_proj.weight).view(B, T, H, dn + mla.dv)[..., :dn]
-        s = (torch.einsum("bthd,bshd->bhts", q[..., :dn], k_nope) + torch.einsum("bthd,bsd->bhts", q[..., dn:], kr)) * mla.scale
+        s = (
+            torch.einsum("bthd,bshd->bhts", q[..., :dn], k_nope) + torch.einsum("bthd,bsd->bhts", q[..., dn:], kr)
+        ) * mla.scale
         p = torch.softmax(s.masked_fill(~valid[:, None], float("-inf")), -1).sum(1)  # [B, T, n]
         return p / p.sum(-1, keepdim=True), cq.view(N, -1)
 
@@ -415,11 +417,15 @@ def main(argv=None) -> int:
     ap.add_argument("--qat-frac", type=float, default=0.15, help="quantisation-aware share at the end")
     ap.add_argument("--ckpt-minutes", type=float, default=3.0)
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--install", action="store_true", help="install the converted tree as streamrt/assets/default_model")
+    ap.add_argument(
+        "--install", action="store_true", help="install the converted tree as streamrt/assets/default_model"
+    )
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--state-out", type=Path, default=None, help="also save the final model state (fp32) here")
     ap.add_argument("--no-export", action="store_true", help="stop after training (no release tree / convert)")
-    ap.add_argument("--from-state", type=Path, default=None, help="skip training: export (and install) this model state")
+    ap.add_argument(
+        "--from-state", type=Path, default=None, help="skip training: export (and install) this model state"
+    )
     ap.add_argument("--init-state", type=Path, default=None, help="start from this model state (fresh optimiser)")
     args = ap.parse_args(argv)
     assert args.synth_frac + args.tool_random_frac <= 1.0 + 1e-9, "--synth-frac + --tool-random-frac must be <= 1"
@@ -478,7 +484,11 @@ def main(argv=None) -> int:
     captured: dict[int, torch.Tensor] = {}
     for m in mlas:
         m.register_forward_hook(lambda mod, a, out: captured.__setitem__(id(mod), a[0]))
-    gates = {id(l.block_sparse_moe.gate.weight): l.block_sparse_moe.gate for l in model.model.layers if hasattr(l, "block_sparse_moe")}
+    gates = {
+        id(l.block_sparse_moe.gate.weight): l.block_sparse_moe.gate
+        for l in model.model.layers
+        if hasattr(l, "block_sparse_moe")
+    }
     qtargets = quant_targets(model)
     rng = random.Random(args.seed + 1)
     budget = args.minutes * 60
@@ -538,7 +548,9 @@ def main(argv=None) -> int:
             ce = F.cross_entropy(lp[tgt], ids[:, 1:][tgt], reduction="none")
             boost = ans[:, 1:][tgt]
             loss = ce.mean()  # logged: the plain mean cross-entropy
-            wloss = loss if args.answer_weight == 1.0 else (ce * (1.0 + (args.answer_weight - 1.0) * boost.float())).mean()
+            wloss = (
+                loss if args.answer_weight == 1.0 else (ce * (1.0 + (args.answer_weight - 1.0) * boost.float())).mean()
+            )
             kl_sparse = sparse and not args.kl_full
             kl = sum(indexer_kl(m, captured[id(m)], B, T, tmask, kl_sparse, be) for m in mlas) / len(mlas)
             opt.zero_grad(set_to_none=True)
@@ -630,9 +642,15 @@ def copy_probe(model, tok, pad: int, device, n_random: int, seed: int) -> dict:
     argmax, digits = share of temperature-digit tokens right."""
     rng = random.Random(10_000 + seed)
     sets = {
-        "test": [corpus_mod.weather_conversation(c, corpus_mod.WEATHER_TRAIN[0], "probe",
-                                                 result=corpus_mod.weather_result(c, 50)) for c in PROBE_CITIES],
-        "random": [random_tool_weather(rng) if k % 2 == 0 else corpus_mod.synthetic_weather(rng) for k in range(n_random)],
+        "test": [
+            corpus_mod.weather_conversation(
+                c, corpus_mod.WEATHER_TRAIN[0], "probe", result=corpus_mod.weather_result(c, 50)
+            )
+            for c in PROBE_CITIES
+        ],
+        "random": [
+            random_tool_weather(rng) if k % 2 == 0 else corpus_mod.synthetic_weather(rng) for k in range(n_random)
+        ],
     }
     was_training = model.training
     model.eval()

@@ -14,7 +14,8 @@ from streamrt.jsonio import load_json
 
 def load_messages_file(path: str | Path) -> tuple[list[dict], list | None]:
     """`--messages FILE.json`: a list of messages, or {"messages": [...], "tools": [...]}."""
-    from streamrt.serve.schemas import ChatPrompt, first_error  # (streamrt.serve imports the session, which imports chat)
+    # (streamrt.serve imports the session, which imports chat)
+    from streamrt.serve.schemas import ChatPrompt, first_error
 
     p = Path(path)
     if not p.exists():

@@ -15,7 +15,12 @@ from streamrt.chat.xtml import ARG_TYPES, CLOSE, END_OF_MSG, OPEN, ROLES, SEP, u
 from streamrt.tokenizer import Tokenizer
 
 
-_CHILDREN = {None: {"message"}, "message": {"think", "response", "tools"}, "tools": {"call"}, "call": {"argument", "json"}}
+_CHILDREN = {
+    None: {"message"},
+    "message": {"think", "response", "tools"},
+    "tools": {"call"},
+    "call": {"argument", "json"},
+}
 _OPEN_TAG = re.compile(r'\A([A-Za-z_][\w-]*)((?:\s+[\w-]+="[^"]*")*)\s*\Z')
 _ATTR = re.compile(r'([\w-]+)="([^"]*)"')
 _MAX_TAG_BYTES = 4096

@@ -39,11 +39,16 @@ class ChatProfile:
             raise ChatFormatError(f"{path}: {PROFILE_KEY} must be an object")
         unknown = sorted(set(spec) - {"thinking_effort", "multi_turn"})
         if unknown:
-            key = unknown[0] if unknown[0].isprintable() else repr(unknown[0])  # a newline would break the one-line error
-            raise ChatFormatError(f"{path}: {PROFILE_KEY}.{clip(key, 60)} is not a known key (thinking_effort, multi_turn)")
+            # a newline would break the one-line error
+            key = unknown[0] if unknown[0].isprintable() else repr(unknown[0])
+            raise ChatFormatError(
+                f"{path}: {PROFILE_KEY}.{clip(key, 60)} is not a known key (thinking_effort, multi_turn)"
+            )
         effort = spec.get("thinking_effort", cls.thinking_effort)
         if effort is not None and effort not in THINKING_EFFORTS:
-            raise ChatFormatError(f"{path}: {PROFILE_KEY}.thinking_effort {effort!r} is not null or one of {', '.join(THINKING_EFFORTS)}")
+            raise ChatFormatError(
+                f"{path}: {PROFILE_KEY}.thinking_effort {effort!r} is not null or one of {', '.join(THINKING_EFFORTS)}"
+            )
         multi = spec.get("multi_turn", cls.multi_turn)
         if not isinstance(multi, bool):
             raise ChatFormatError(f"{path}: {PROFILE_KEY}.multi_turn must be true or false")

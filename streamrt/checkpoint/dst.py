@@ -99,7 +99,8 @@ def prepare_dst(src: Path, dst: Path, fingerprint: str, shards: dict[str, dict],
         changed = _changed_shards(their_shards, shards)
         for name, rec in shards.items():  # an unchanged shard keeps the content hash a --verify-source run made
             old = their_shards.get(name) if isinstance(their_shards, dict) else None
-            if name not in changed and "blake2b" not in rec and isinstance(old, dict) and isinstance(old.get("blake2b"), str):
+            kept = isinstance(old, dict) and isinstance(old.get("blake2b"), str)
+            if name not in changed and "blake2b" not in rec and kept:
                 rec["blake2b"] = old["blake2b"]
         remove_stale_tmp(dst)
     elif hash_sources:  # an empty DST: nothing to recognise
@@ -147,7 +148,9 @@ class DstLock:
             except BlockingIOError:
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
                 os.close(fd)
-                raise CheckpointError(f"{self.path.parent}: DST is being converted by {holder}; wait for it or choose another DST") from None
+                raise CheckpointError(
+                    f"{self.path.parent}: DST is being converted by {holder}; wait for it or choose another DST"
+                ) from None
             try:  # the holder may have removed the file between our open and flock: lock the live one
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     break
@@ -155,7 +158,8 @@ class DstLock:
                 pass
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"streamrt convert pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(fd, f"streamrt convert pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
         self.fd = fd
         return self
 

@@ -101,11 +101,15 @@ class ExpertHeader:
     global_mode: int
 
 
-def parse_header(head, layout: ExpertLayout, *, name: str = "expert file", file_size: int | None = None) -> ExpertHeader:
+def parse_header(
+    head, layout: ExpertLayout, *, name: str = "expert file", file_size: int | None = None
+) -> ExpertHeader:
     """Validate the first 4096 bytes against `layout`; CheckpointError naming the file."""
     mv = memoryview(head[:HEADER_BYTES].numpy()) if hasattr(head, "numpy") else memoryview(head).cast("B")
     if len(mv) < HEADER_BYTES:
-        raise CheckpointError(f"{name}: truncated expert file: {len(mv)} bytes, shorter than the {HEADER_BYTES}-byte header")
+        raise CheckpointError(
+            f"{name}: truncated expert file: {len(mv)} bytes, shorter than the {HEADER_BYTES}-byte header"
+        )
     magic, ver, layer, expert, hidden, inter, mode = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CheckpointError(f"{name}: not a streamrt expert file (magic {bytes(magic)!r}, expected {MAGIC!r})")

@@ -49,7 +49,9 @@ def manifest_rule(m: dict) -> str | None:
     return LEGACY_RULE if m.get("format_version") == 1 else m.get("checksum")
 
 
-def write_manifest(root: Path, cfg: ModelConfig, files: dict, tensor_names: list[str], *, source: dict, modes: dict) -> None:
+def write_manifest(
+    root: Path, cfg: ModelConfig, files: dict, tensor_names: list[str], *, source: dict, modes: dict
+) -> None:
     """`files` values: {"size", "blake2b"} computed under the current rule (fileio.rule_name())."""
     manifest = {
         "format": FORMAT,

@@ -206,18 +206,24 @@ def _check_index_agrees(root: Path, wm: dict[str, str], headers: dict[str, STHea
     """Every tensor lives in exactly the shard the index names, and every shard is indexed."""
     for name, shard in wm.items():
         if name not in headers[shard].entries:
-            raise CheckpointError(f"{root / shard}: tensor {clip(name)} is listed in {INDEX} but missing from the shard")
+            raise CheckpointError(
+                f"{root / shard}: tensor {clip(name)} is listed in {INDEX} but missing from the shard"
+            )
     for shard, hdr in headers.items():
         for name in hdr.entries:
             owner = wm.get(name)
             if owner is None:
                 raise CheckpointError(f"{root / shard}: tensor {clip(name)} is in the shard but not in {INDEX}")
             if owner != shard:
-                raise CheckpointError(f"{root / shard}: tensor {clip(name)} is also stored here; {INDEX} maps it to {clip(owner)}")
+                raise CheckpointError(
+                    f"{root / shard}: tensor {clip(name)} is also stored here; {INDEX} maps it to {clip(owner)}"
+                )
     if (root / INDEX).is_file():
         for f in sorted(root.glob(SHARD_GLOB)):
             if f.name not in headers:
-                raise CheckpointError(f"{f}: shard is not named by {INDEX} (a partial download, or an index from another release?)")
+                raise CheckpointError(
+                    f"{f}: shard is not named by {INDEX} (a partial download, or an index from another release?)"
+                )
 
 
 def _check_specs(root: Path, cfg: ModelConfig, specs: list[TensorSpec], wm: dict, headers: dict) -> list[TensorSpec]:
@@ -225,23 +231,31 @@ def _check_specs(root: Path, cfg: ModelConfig, specs: list[TensorSpec], wm: dict
     missing = [s.name for s in specs if s.name not in wm]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{root}: tensor {missing[0]} missing from the release{more}; the {cfg.variant} config implies it")
+        raise CheckpointError(
+            f"{root}: tensor {missing[0]} missing from the release{more}; the {cfg.variant} config implies it"
+        )
     implied = {s.name for s in specs}
     extra = [n for n in wm if is_text_tensor(n) and n not in implied]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(f"{root / wm[extra[0]]}: tensor {clip(extra[0])}{more} is not part of the {cfg.variant} layout the config implies")
+        raise CheckpointError(
+            f"{root / wm[extra[0]]}: tensor {clip(extra[0])}{more} is not part of the {cfg.variant} layout the config "
+                f"implies"
+        )
     out = []
     for s in specs:
         shard = wm[s.name]
         e = headers[shard].entries[s.name]
         if e.shape != s.shape:
             raise CheckpointError(
-                f"{root / shard}: tensor {s.name}: shape {clip(str(list(e.shape)))} disagrees with the config ({list(s.shape)})"
+                f"{root / shard}: tensor {s.name}: shape {clip(str(list(e.shape)))} disagrees with the config "
+                    f"({list(s.shape)})"
             )
         ok = accepted_dtypes(s)
         if e.dtype not in ok:
-            raise CheckpointError(f"{root / shard}: tensor {s.name}: dtype {e.dtype}, expected {' or '.join(ok)} (as released)")
+            raise CheckpointError(
+                f"{root / shard}: tensor {s.name}: dtype {e.dtype}, expected {' or '.join(ok)} (as released)"
+            )
         out.append(s if e.dtype == s.dtype else TensorSpec(s.name, s.shape, e.dtype))
     return out
 

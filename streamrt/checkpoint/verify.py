@@ -36,7 +36,9 @@ _CONTENT_CHECKS = {TOKENIZER_CONFIG: check_tokenizer_config}
 _EXPERT_REL = re.compile(r"experts/L(\d{3,})/E(\d{4,})\.nvfp4")
 
 
-def verify_tree(root: str | Path, *, full: bool = False, workers: int | None = None, progress: bool | None = None) -> tuple[list[tuple[str, str]], int]:
+def verify_tree(
+    root: str | Path, *, full: bool = False, workers: int | None = None, progress: bool | None = None
+) -> tuple[list[tuple[str, str]], int]:
     """Returns ([(relpath, reason)] for every bad file, number of files checked)."""
     if workers is not None and not 1 <= workers <= MAX_WORKERS:
         raise StreamrtError(f"--workers must be between 1 and {MAX_WORKERS}, got {workers}")

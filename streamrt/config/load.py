@@ -71,7 +71,9 @@ def tensor_names_of_tree(path: Path) -> set[str] | None:
         key, kind = ("weight_map", dict) if index_name == "model.safetensors.index.json" else ("tensor_names", list)
         names = idx.get(key)
         if not isinstance(names, kind) or not all(isinstance(n, str) for n in names):
-            raise ConfigError(f"{f}: field {key!r} missing or not {'an object' if kind is dict else 'a list'} of tensor names")
+            raise ConfigError(
+                f"{f}: field {key!r} missing or not {'an object' if kind is dict else 'a list'} of tensor names"
+            )
         return set(names)
     single = path / "model.safetensors"
     if _kind(single) == "file":
@@ -90,6 +92,13 @@ def _safetensors_names(path: Path) -> set[str]:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
     if n < 0 or len(raw) != n:
         raise ConfigError(f"{path}: truncated safetensors header")
-    hdr = load_json(raw, what="safetensors header", name=str(path), expect=dict, max_bytes=MAX_HEADER_BYTES, error=ConfigError,
-                    unique_keys=True)
+    hdr = load_json(
+        raw,
+        what="safetensors header",
+        name=str(path),
+        expect=dict,
+        max_bytes=MAX_HEADER_BYTES,
+        error=ConfigError,
+        unique_keys=True,
+    )
     return {k for k in hdr if k != "__metadata__"}

@@ -28,7 +28,10 @@ def text_config(w: Fields) -> tuple[Fields, str]:
     if text_type != TEXT_MODEL_TYPE:
         raise t.err("model_type", f"expected {TEXT_MODEL_TYPE!r}, got {text_type!r}")
     if wrapper_type not in (K3_WRAPPER_TYPE, K31_WRAPPER_TYPE):
-        raise w.err("model_type", f"{wrapper_type!r}: expected {K3_WRAPPER_TYPE!r} (Kimi K3) or {K31_WRAPPER_TYPE!r} (Kimi K3.1 Pro)")
+        raise w.err(
+            "model_type",
+            f"{wrapper_type!r}: expected {K3_WRAPPER_TYPE!r} (Kimi K3) or {K31_WRAPPER_TYPE!r} (Kimi K3.1 Pro)",
+        )
     return t, wrapper_type
 
 
@@ -67,7 +70,9 @@ def check_architecture(w: Fields, variant: str) -> str | None:
         raise w.err("architectures", f"expected a list of one class name, got {show(archs)}")
     arch, want = archs[0], ARCHITECTURES[variant]
     if arch not in ARCHITECTURES.values():
-        raise w.err("architectures", f"{arch!r} is not a Kimi K3 / K3.1 Pro architecture ({', '.join(ARCHITECTURES.values())})")
+        raise w.err(
+            "architectures", f"{arch!r} is not a Kimi K3 / K3.1 Pro architecture ({', '.join(ARCHITECTURES.values())})"
+        )
     if arch != want:
         raise w.err(
             "architectures",
@@ -89,7 +94,10 @@ def check_quantization(w: Fields, t: Fields) -> None:
         )
     where = t if t.has("quantization_config") else w if w.has("quantization_config") else None
     if where is None:
-        raise t.err("quantization_config", f"missing: streamrt reads releases whose routed experts are {MXFP4_FORMAT}, group {MXFP4_GROUP}")
+        raise t.err(
+            "quantization_config",
+            f"missing: streamrt reads releases whose routed experts are {MXFP4_FORMAT}, group {MXFP4_GROUP}",
+        )
     q = where.sub("quantization_config")
     method = q.str("quant_method")
     if method != "compressed-tensors":
@@ -114,4 +122,7 @@ def check_quantization(w: Fields, t: Fields) -> None:
 
 def _expect(f: Fields, key: str, got: Any, want: Any) -> None:
     if got != want:
-        raise f.err(key, f"{show(got)}: streamrt reads {MXFP4_FORMAT} experts in groups of {MXFP4_GROUP} (expected {show(want)})")
+        raise f.err(
+            key,
+            f"{show(got)}: streamrt reads {MXFP4_FORMAT} experts in groups of {MXFP4_GROUP} (expected {show(want)})",
+        )

@@ -59,7 +59,9 @@ class ExpertParallelBackend:
         if not hasattr(self.inner, "for_prefill"):
             return self
         if self._prefill is None:
-            self._prefill = ExpertParallelBackend(self.inner.for_prefill(), self.group, rank=self.rank, timeout=self.timeout)
+            self._prefill = ExpertParallelBackend(
+                self.inner.for_prefill(), self.group, rank=self.rank, timeout=self.timeout
+            )
             self._prefill._pairs = self._pairs
         return self._prefill
 
@@ -70,7 +72,9 @@ class ExpertParallelBackend:
         host = experts.host_ids
         T, k = host.shape
         Dl = z.shape[-1]
-        mask = torch.tensor([[experts.is_local(e) for e in row] for row in host.tolist()], dtype=torch.bool).reshape(T, k)
+        mask = torch.tensor([[experts.is_local(e) for e in row] for row in host.tolist()], dtype=torch.bool).reshape(
+            T, k
+        )
         t, j = mask.nonzero(as_tuple=True)  # [P] each, row-major
         buf = torch.full((T * k * Dl + 1,), -0.0, dtype=torch.float32, device=z.device)
         c = buf[:-1].view(T, k, Dl)  # [T, k, Dl]; buf[-1]: how many pairs this rank computed
@@ -106,7 +110,9 @@ class ExpertParallelBackend:
             dist.all_reduce(c, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as exc:  # DistBackendError, a peer gone, or the collective timed out
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            limit = f" (collectives time out after {self.timeout.total_seconds():g} s)" if self.timeout is not None else ""
+            limit = (
+                f" (collectives time out after {self.timeout.total_seconds():g} s)" if self.timeout is not None else ""
+            )
             raise StreamrtError(
                 f"rank {self.rank}: expert all-reduce of layer {layer} failed{limit}: another rank died "
                 f"or stopped answering: {clip(first, 200)}"

@@ -59,7 +59,9 @@ class Ranks:
         """cuda:LOCAL_RANK where there are GPUs, else the CPU."""
         if torch.cuda.is_available():
             if self.local_rank >= torch.cuda.device_count():
-                raise StreamrtError(f"rank {self.rank}: local rank {self.local_rank} but {torch.cuda.device_count()} GPUs")
+                raise StreamrtError(
+                    f"rank {self.rank}: local rank {self.local_rank} but {torch.cuda.device_count()} GPUs"
+                )
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
@@ -109,7 +111,9 @@ def spawn(entry: Callable, world: int, args: tuple = (), timeout_s: float = DEFA
     for all of them and returns their exit codes (rank order). A rank still running
     `timeout_s + grace_s` after another failed is terminated (its code is then negative)."""
     port = free_port()
-    ctx = mp.start_processes(entry, args=(world, "127.0.0.1", port, *args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        entry, args=(world, "127.0.0.1", port, *args), nprocs=world, join=False, start_method="spawn"
+    )
     procs, failed_at = ctx.processes, None
     while any(p.is_alive() for p in procs):
         if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):

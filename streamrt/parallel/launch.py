@@ -68,7 +68,11 @@ def rank_model(job: Job, rank: int, world: int, group, device: torch.device | st
     model = KimiLinearForCausalLM(cfg, backend=ep.wrap(TorchBackend())).eval().requires_grad_(False)
     init_random_(model, job.seed)
     model = model.to(device)
-    mine = {key: _moved(ew, device) for key, ew in random_experts(cfg, job.seed + 1).items() if ep.owners.rank_of(*key) == rank}
+    mine = {
+        key: _moved(ew, device)
+        for key, ew in random_experts(cfg, job.seed + 1).items()
+        if ep.owners.rank_of(*key) == rank
+    }
     prompt = list(job.prompt.encode()) if isinstance(job.prompt, str) else list(job.prompt)  # byte ids
     return model, DictExpertProvider(mine, record=True), ep.owners, prompt
 

@@ -50,7 +50,9 @@ class ExpertParallel:
             from streamrt.backends.torch_backend import TorchBackend
 
             inner = TorchBackend()
-        self.backend = ExpertParallelBackend(inner, self.group, rank=self.rank, timeout=timedelta(seconds=self.timeout_s))
+        self.backend = ExpertParallelBackend(
+            inner, self.group, rank=self.rank, timeout=timedelta(seconds=self.timeout_s)
+        )
         return self.backend
 
     @property

@@ -91,7 +91,9 @@ def shard(gen: Generator, owners: ExpertOwners, rank: int) -> Generator:
             local = answer_to(local, torch.tensor([mine], dtype=torch.int64))  # host ids: no transfer
             missing = [e for e in mine if not local.has(e)]  # asking waits for no copy
             if missing:
-                raise StreamrtError(f"rank {rank}: expert provider returned no weights for layer {req.layer} experts {missing[:8]}")
+                raise StreamrtError(
+                    f"rank {rank}: expert provider returned no weights for layer {req.layer} experts {missing[:8]}"
+                )
             remote = {e: Remote(req.layer, e, int(owner[e])) for e in routed if int(owner[e]) != rank}
             req = gen.send(ShardExperts(local, remote, host, req.layer, routed))
     except StopIteration as stop:
