@@ -82,6 +82,9 @@ class Sampling:
     seed: int
     greedy: bool
     ignore_eos: bool = False  # generate all max_new_tokens (benchmarks); the stop tokens are sampled like any other
+    top_k: int = 0  # <= 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Sampling":
@@ -93,7 +96,14 @@ class Sampling:
         if not 0 < p <= 1:
             raise StreamrtError(f"--top-p must be in (0, 1], got {args.top_p}")
         seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
-        return cls(n, t, p, seed, bool(args.greedy) or t == 0, bool(getattr(args, "ignore_eos", False)))
+        k = parse_int(getattr(args, "top_k", "0"), "--top-k", -(1 << 62))
+        min_p = parse_float(getattr(args, "min_p", "0"), "--min-p")
+        if not 0 <= min_p <= 1:
+            raise StreamrtError(f"--min-p must be in [0, 1], got {args.min_p}")
+        rep = parse_float(getattr(args, "repetition_penalty", "1"), "--repetition-penalty")
+        if not rep > 0:
+            raise StreamrtError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+        return cls(n, t, p, seed, bool(args.greedy) or t == 0, bool(getattr(args, "ignore_eos", False)), k, min_p, rep)
 
 
 def prefill_chunk(args: argparse.Namespace) -> int | None:

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
     src.add_argument("--chat", action="store_true", help="interactive: one user message per stdin line")
-    src.add_argument("--messages", metavar="FILE.json", help='OpenAI-style messages (a list, or {"messages", "tools"}), checked as the server checks them')
+    src.add_argument("--messages", metavar="FILE.json",
+                     help='OpenAI-style messages (a list, or {"messages", "tools"}), checked as the server checks them')
     p.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     p.add_argument("--no-thinking", action="store_true", help="answer without the think channel")
     p.add_argument("--show-thinking", action="store_true", help="print the think channel too")
@@ -46,6 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sampling temperature >= 0 (default 0: greedy, the same answer every time; "
                         "> 0 samples with --top-p and --seed)")
     p.add_argument("--top-p", default="0.95", metavar="P", help="nucleus mass in (0, 1] (default 0.95)")
+    p.add_argument("--top-k", default="0", metavar="K",
+                   help="keep the K most probable tokens (default 0: off; as vLLM's)")
+    p.add_argument("--min-p", default="0", metavar="P",
+                   help="drop tokens below P times the most probable one's probability, P in [0, 1] (default 0: off)")
+    p.add_argument("--repetition-penalty", default="1", metavar="R",
+                   help="> 0: logits of tokens in the prompt or reply divided by R when positive, multiplied "
+                        "when negative (default 1: off; as vLLM's and llama-server's)")
     p.add_argument("--seed", default="0", metavar="S", help="sampling seed (default 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -137,7 +145,8 @@ def _run(session, history, tools, sampling, thinking, args) -> int:
     if args.chat:
         session.load()  # a bad tree or budget before the first line is typed
         return _chat_loop(session, history, sampling, thinking, args, sys.stdin)
-    ids = encode_chat(session.tokenizer, history, tools, thinking=thinking, thinking_effort=session.chat.thinking_effort)
+    ids = encode_chat(session.tokenizer, history, tools, thinking=thinking,
+                      thinking_effort=session.chat.thinking_effort)
     ids = fit_context(ids, session.context, getattr(args, "truncate", None), sampling.max_new_tokens)
     printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
     reply, stats = _one_reply(session, ids, sampling, thinking, printer)
@@ -155,7 +164,8 @@ def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int
     Egypt?" after Spain gave Madrid), so each line is framed on its own. Ctrl-C ends the reply."""
     tty = stdin.isatty()
     if tty and not args.json:
-        print("streamrt: chat with the model; empty line skips, /reset clears history, /exit or Ctrl-D quits", file=sys.stderr)
+        print("streamrt: chat with the model; empty line skips, /reset clears history, /exit or Ctrl-D quits",
+              file=sys.stderr)
     if not session.chat.multi_turn and not args.json:
         print("streamrt: this model was trained on single exchanges (streamrt_chat.multi_turn false in its "
               "tokenizer_config.json); each line starts a new conversation", file=sys.stderr)

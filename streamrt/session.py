@@ -227,6 +227,9 @@ class _ModelSession(Session):
             max_new_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
             seed=sampling.seed,
             stop_ids=[] if sampling.ignore_eos else sorted(self.tokenizer.stop_ids),
             on_token=on_token,
@@ -273,7 +276,8 @@ class _LoadBar:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(desc=desc, total=total, file=sys.stderr, leave=False, bar_format="{desc}: {bar} {n}/{total} {postfix}")
+            self._bar = tqdm(desc=desc, total=total, file=sys.stderr, leave=False,
+                             bar_format="{desc}: {bar} {n}/{total} {postfix}")
 
     def step(self, what: str) -> None:
         if self._bar is not None:
