@@ -16,18 +16,17 @@ before this rule) use `LEGACY_RULE`: blake2b-64 of the whole file.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import os
 import re
 import stat
-import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
+from streamrt.diskspace import nearest_existing, writable_dir_error  # noqa: F401  (re-exported)
 from streamrt.errors import CheckpointError
 
 TMP_PREFIX, TMP_SUFFIX = ".srt-", ".tmp"
@@ -436,32 +435,11 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     return path
 
 
-def nearest_existing(path: Path) -> Path:
-    """`path`, or its nearest parent that exists (what a directory still to be made lives in)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def writable_dir_error(directory: Path) -> str | None:
-    """Why files cannot be created in an existing directory (None if they can). Probed by
-    creating and removing a temp file: permission bits say nothing for root, a read-only
-    mount or /proc."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + "probe-", suffix=TMP_SUFFIX, dir=directory)
-    except OSError as e:
-        return e.strerror or str(e)
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(tmp)
-    return None
-
-
 def check_output_path(path: str | os.PathLike, flag: str) -> Path:
     """Before any work: StreamrtError (one line, naming `flag` and the path) unless `path` can
-    be written: not a directory, device, FIFO or socket, and the nearest existing parent a
-    directory where files can be created (missing parents are created at write time). Returns
-    the path."""
+    be written: not a directory, device, FIFO or socket, in an existing directory where files
+    can be created (a missing one is an error, not made: a typo must not build a tree of
+    directories). Returns the path."""
     from streamrt.errors import StreamrtError
 
     path = Path(path).expanduser()
@@ -478,6 +456,8 @@ def check_output_path(path: str | os.PathLike, flag: str) -> Path:
         parent_is_dir = parent.is_dir()
     except OSError as e:
         raise StreamrtError(f"{flag} {path}: cannot be written: {e.strerror or e}") from None
+    if parent_is_dir and parent != path.parent:
+        raise StreamrtError(f"{flag} {path}: directory {path.parent} does not exist; create it first")
     if not parent_is_dir:
         raise StreamrtError(f"{flag} {path}: {parent} is not a directory")
     why = writable_dir_error(parent)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from streamrt.checkpoint.names import dense_layer_specs, global_specs
 from streamrt.config import ModelConfig
+from streamrt.diskspace import human_bytes
 from streamrt.errors import StreamrtError
 from streamrt.plan import GIB, expert_bytes_nvfp4, kda_state_scalars, kv_cache_bytes_per_token
 
@@ -130,11 +131,12 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
     if not fits:
         r = min(range(n + 1), key=need.__getitem__)
         parts = {"dense of resident layers": prefix[r]} if r else {}
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in {**fixed, "stream buffers": buffers * suffix_max[r], **parts}.items())
+        parts = {**fixed, "stream buffers": buffers * suffix_max[r], **parts}
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
         raise StreamrtError(
-            f"{cfg.name} cannot run in {gpu_bytes / GIB:.1f} GiB of GPU memory even streaming every layer: "
-            f"it needs {need[r] / GIB:.1f} GiB ({parts} GiB) at context {context}; "
-            f"{(need[r] - gpu_bytes) / GIB:.1f} GiB short"
+            f"{cfg.name} cannot run in {human_bytes(gpu_bytes)} of GPU memory even streaming every layer: "
+            f"it needs {human_bytes(need[r])} ({parts}) at context {context}; "
+            f"{human_bytes(need[r] - gpu_bytes)} short"
         )
     r = max(fits)  # more memory never streams more: the feasible set only grows
     resident, streamed = tuple(range(r)), tuple(range(r, n))

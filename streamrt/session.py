@@ -43,11 +43,13 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
         if (path / STATE_DIR).is_dir():
             raise StreamrtError(f"--model {model}: an unfinished conversion (no manifest.json yet); finish it: "
                                 f"streamrt convert {shlex.quote(recorded_source(path) or 'SRC')} {shlex.quote(model)}")
+        if (path / "experts").is_dir() or (path / "dense").is_dir():
+            raise StreamrtError(f"--model {model}: manifest.json is missing from this converted tree (its dense/ "
+                                "and experts/ are here, so it was damaged or copied in part); convert again into "
+                                "an empty directory: streamrt convert SRC NEW_DIR")
         if release:
-            raise StreamrtError(
-                f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
-                f"streamrt convert {model} OUT_DIR"
-            )
+            raise StreamrtError(f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
+                                f"streamrt convert {model} OUT_DIR")
         raise StreamrtError(f"--model {model}: no manifest.json (not a converted streamrt tree)")
     return path
 

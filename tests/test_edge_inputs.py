@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -257,18 +258,24 @@ def test_stats_json_directory_fails_before_any_work(capsys, tmp_path, no_session
 
 
 def test_trace_unwritable_fails_before_any_work(capsys, tmp_path, no_session):
-    _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", "/proc/streamrt-test/trace.json"],
-                    "--trace /proc/streamrt-test/trace.json: cannot write in /proc")
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", "/proc/streamrt-test.json"],
+                    "--trace /proc/streamrt-test.json: cannot write in /proc")
     (tmp_path / "file").write_text("x")
     _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", str(tmp_path / "file" / "t.json")],
                     f"{tmp_path / 'file'} is not a directory")
     _one_line_error(capsys, ["selfcheck", "--stats-json", str(tmp_path)], "is a directory")
 
 
-def test_missing_parents_of_an_output_are_fine(tmp_path):
-    p = fileio.check_output_path(tmp_path / "a" / "b" / "stats.json", "--stats-json")
-    assert p == tmp_path / "a" / "b" / "stats.json" and not (tmp_path / "a").exists()
-    assert [f for f in os.listdir(tmp_path)] == []  # the probe left nothing behind
+def test_an_output_in_a_missing_directory_is_refused_and_nothing_made(capsys, tmp_path, no_session):
+    """A typo in --trace / --stats-json must not build directories (it made /nonexistent/)."""
+    for flag in ("--trace", "--stats-json"):
+        path = tmp_path / "a" / "b" / "out.json"
+        _one_line_error(capsys, ["run", "--prompt", "hi", flag, str(path)],
+                        f"{flag} {path}: directory {path.parent} does not exist")
+    _one_line_error(capsys, ["selfcheck", "--trace", str(tmp_path / "a" / "t.json")], "does not exist")
+    assert os.listdir(tmp_path) == []  # no directory made, the probe left nothing behind
+    p = fileio.check_output_path(tmp_path / "stats.json", "--stats-json")
+    assert p == tmp_path / "stats.json" and os.listdir(tmp_path) == []
 
 
 def test_stats_and_trace_written_atomically(tmp_path, monkeypatch):
@@ -467,9 +474,14 @@ def test_an_unfinished_conversion_is_named_with_the_command_that_finishes_it(cap
 def test_synth_refused_for_space_leaves_no_directory(capsys, tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(shutil, "disk_usage", lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10))
-    out = tmp_path / "a" / "b" / "c"
-    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 0.0 GiB free")
+    out = tmp_path / "c"
+    # sizes in units that say something: the old "needs 0.0 GiB, only 0.0 GiB free" did not
+    err = _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 1.0 KiB free")
+    assert re.search(r"needs \d+\.\d (KiB|MiB)", err), err
     assert seen == [tmp_path]  # the nearest directory that exists
+    assert not out.exists()
+    deep = tmp_path / "a" / "b" / "c"  # a missing parent is an error, not a tree of new directories
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(deep)], "does not exist")
     assert not (tmp_path / "a").exists()
 
 

@@ -31,6 +31,8 @@ def _check_dst(dst: str) -> None:
         raise StreamrtError(f"{dst}: DST cannot be created: {e.strerror or e}") from None
     if not parent.is_dir():
         raise StreamrtError(f"{dst}: DST cannot be created: {parent} is not a directory")
+    if parent not in (path, path.parent):  # a typo must not build a tree of directories
+        raise StreamrtError(f"{dst}: directory {path.parent} does not exist; create it first")
     why = writable_dir_error(parent)
     if why:
         where = "DST" if parent == path else f"its parent {parent}"

@@ -46,6 +46,7 @@ from typing import Callable
 from streamrt import fp4
 from streamrt.checkpoint.dst import JOURNAL, STATE_DIR, DstLock, check_paths, prepare_dst
 from streamrt.checkpoint.expert_file import HEADER_BYTES, ExpertLayout, parse_header, write_expert_file
+from streamrt.diskspace import space_error
 from streamrt.fileio import AtomicWriter, DiskFull, RangeWriter, file_digest, fsync_dir
 from streamrt.checkpoint.manifest import dense_files, write_manifest
 from streamrt.checkpoint.names import TensorSpec, expert_prefix, expert_relpath, is_expert_tensor, strip_prefix
@@ -261,11 +262,9 @@ def convert(
 
 def _check_space(dst: Path, tasks: list[Task]) -> None:
     todo = sum(t.size for t in tasks if not (dst / t.rel).is_file() or (dst / t.rel).stat().st_size != t.size)
-    free = shutil.disk_usage(dst).free
-    if free < todo:
-        raise CheckpointError(
-            f"{dst}: not enough space: the conversion needs {todo / 2**30:.2f} GiB more, {free / 2**30:.2f} GiB free"
-        )
+    why = space_error(dst, todo)
+    if why:
+        raise CheckpointError(f"{dst}: not enough space for the conversion: {why}")
 
 
 def _make_dirs(dst: Path, tasks: list[Task]) -> None:

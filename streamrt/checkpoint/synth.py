@@ -421,6 +421,8 @@ def synth(
         raise CheckpointError(f"{out}: --out exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
+    if not out.parent.exists():  # a typo must not build a tree of directories
+        raise CheckpointError(f"{out}: directory {out.parent} does not exist; create it first")
     _check_space(out, nbytes)  # before any directory is made: a refusal leaves nothing behind
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -446,10 +448,8 @@ def _disable(progress: bool | None) -> bool | None:
 
 
 def _check_space(out: Path, need: int) -> None:
-    import shutil
+    from streamrt.diskspace import space_error
 
-    from streamrt.fileio import nearest_existing
-
-    free = shutil.disk_usage(nearest_existing(out)).free  # out and its parents may not exist yet
-    if free < need:
-        raise CheckpointError(f"{out}: needs {need / 2**30:.1f} GiB, only {free / 2**30:.1f} GiB free")
+    why = space_error(out, need)  # out and its parents may not exist yet
+    if why:
+        raise CheckpointError(f"{out}: {why}")

@@ -1,0 +1,62 @@
+"""Where output goes, asked before any work: does its directory exist, can files be created
+there, is there room; sizes in units a reader can use (`human_bytes`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB', 3 -> '3 B', 5.2e9 -> '4.8 GiB', 6e11 -> '559 GiB': the largest unit in
+    which the number is >= 1; never '0.0 GiB' for a size that is not zero."""
+    n = float(n)
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    unit = 0
+    while n >= 1024 and unit < len(_UNITS) - 1:
+        n /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{sign}{n:.0f} B"
+    return f"{sign}{n:.1f} {_UNITS[unit]}" if n < 100 else f"{sign}{n:.0f} {_UNITS[unit]}"
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (what a directory still to be made lives in)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def writable_dir_error(directory: Path) -> str | None:
+    """Why files cannot be created in an existing directory (None if they can). Probed by
+    creating and removing a temp file: permission bits say nothing for root, a read-only
+    mount or /proc."""
+    from streamrt.fileio import TMP_PREFIX, TMP_SUFFIX
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + "probe-", suffix=TMP_SUFFIX, dir=directory)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    return None
+
+
+def space_error(path: Path, need: int) -> str | None:
+    """Why `need` bytes cannot be written under `path` (which may not exist yet), or None: the
+    real cause first (a read-only file system, no permission), then the room left."""
+    where = nearest_existing(Path(path))
+    why = writable_dir_error(where) if where.is_dir() else None
+    if why:
+        return f"cannot write in {where}: {why}"
+    free = shutil.disk_usage(where).free
+    if free < need:
+        return f"needs {human_bytes(need)}, only {human_bytes(free)} free on the file system of {where}"
+    return None

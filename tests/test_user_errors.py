@@ -1,0 +1,66 @@
+"""What a new user meets when something is wrong: the diagnosis names the real cause, sizes come
+in units that say something, output paths are checked before any work, each in one line."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import pytest
+
+from streamrt.cli import main
+from streamrt.diskspace import human_bytes
+
+
+def _one_line(capsys, argv, fragment, rc=2) -> str:
+    got = main(argv)
+    out, err = capsys.readouterr()
+    assert got == rc, out + err
+    assert err.count("\n") == 1 and err.startswith("streamrt: ") and "Traceback" not in err, err
+    assert fragment in err, err
+    return err
+
+
+def test_human_bytes_picks_the_unit_by_size():
+    assert human_bytes(0) == "0 B" and human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB" and human_bytes(38 << 30) == "38.0 GiB"
+    assert human_bytes(600 << 30) == "600 GiB" and human_bytes(3 << 40) == "3.0 TiB"
+    for _ in range(200):
+        n = secrets.randbelow(1 << 50) + 1
+        text = human_bytes(n)
+        value, unit = text.split()
+        scale = 1 << (10 * ["B", "KiB", "MiB", "GiB", "TiB", "PiB"].index(unit))
+        assert float(value) >= 1 and abs(float(value) * scale - n) <= 0.05 * n + 1, (n, text)
+        assert float(value) < 1024 or unit == "PiB"
+
+
+def test_a_converted_tree_without_its_manifest_is_named_so(capsys, tmp_path):
+    tree = tmp_path / "conv"
+    (tree / "experts").mkdir(parents=True)
+    (tree / "dense").mkdir()
+    (tree / "config.json").write_text(json.dumps({"model_type": "kimi_k3"}))
+    err = _one_line(capsys, ["run", "--model", str(tree), "--prompt", "hi"], "manifest.json is missing")
+    assert "release checkpoint" not in err and "convert again into an empty directory" in err
+
+
+def test_output_on_a_read_only_file_system_names_the_cause(capsys, tmp_path):
+    # /proc refuses new files for everyone, root included
+    _one_line(capsys, ["synth", "--config", "tiny-k3", "--out", "/proc/streamrt-out"], "cannot write in /proc")
+    err = _one_line(capsys, ["run", "--prompt", "hi", "--stats-json", "/proc/s.json"], "cannot write in /proc")
+    assert "0.0 GiB" not in err
+
+
+def test_convert_into_a_missing_directory_is_refused_before_any_work(capsys, tmp_path):
+    dst = tmp_path / "no" / "such" / "conv"
+    _one_line(capsys, ["convert", str(tmp_path), str(dst)], f"directory {dst.parent} does not exist")
+    assert not (tmp_path / "no").exists()
+
+
+def test_placement_shortfall_in_readable_units():
+    from streamrt.config import load_config
+    from streamrt.errors import StreamrtError
+    from streamrt.placement import plan_placement
+
+    with pytest.raises(StreamrtError) as e:
+        plan_placement(load_config("tiny-k3"), 1 << 20)
+    assert "0.0 GiB" not in str(e.value) and "short" in str(e.value), str(e.value)
