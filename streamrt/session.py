@@ -175,8 +175,8 @@ class _ModelSession(Session):
                                            backend=backend, tracer=self.tracer)
             self.options = self.options.with_plan(plan)
             if plan is not None and plan.streamed_layers:
-                print(format_plan(tree.config, plan), file=sys.stderr)
-                print(f"streamrt: {self.model.layer_weights.line()}", file=sys.stderr)
+                bar.say(format_plan(tree.config, plan))
+                bar.say(f"streamrt: {self.model.layer_weights.line()}")
             self.model.prefill_chunk = prefill_chunk(args)
             bar.step("expert store")
             predictor = None
@@ -186,9 +186,9 @@ class _ModelSession(Session):
             self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer,
                                             predictor=predictor)
             if self.ep is None or self.ep.rank == 0:
-                print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
+                bar.say(f"streamrt: {self.runtime.host_tier_line}")
                 if self.ep is not None:
-                    print(f"streamrt: {self.ep.line()}", file=sys.stderr)
+                    bar.say(f"streamrt: {self.ep.line()}")
         self._loaded = True
 
     def _runner(self):
@@ -285,6 +285,16 @@ class _LoadBar:
         if self._bar is not None:
             self._bar.set_postfix_str(what, refresh=False)
             self._bar.update(1)
+
+    def say(self, line: str) -> None:
+        """A line on stderr while the bar is up: the bar is cleared first and redrawn below it,
+        so neither is cut (a bare print lands mid-bar and the bar's next redraw eats its start)."""
+        if self._bar is not None:
+            self._bar.clear()
+            print(line, file=sys.stderr, flush=True)
+            self._bar.refresh()
+        else:
+            print(line, file=sys.stderr)
 
     def __enter__(self):
         return self
