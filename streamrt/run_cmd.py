@@ -17,7 +17,7 @@ from streamrt import selfcheck
 from streamrt.chat import ChatParser, ParseError, Reply, encode_chat, load_messages_file
 from streamrt.errors import StreamrtError
 from streamrt.run_args import Sampling, check_runtime_flags, parse_int, prefill_chunk, read_user_line, user_text
-from streamrt.run_output import StreamPrinter, report, reply_json
+from streamrt.run_output import StreamPrinter, prior_calls, report, reply_json
 from streamrt.runtime.options import add_runtime_flags
 from streamrt.session import GenStats, Session, open_session, resolve_model_dir
 
@@ -148,10 +148,11 @@ def _run(session, history, tools, sampling, thinking, args) -> int:
     ids = encode_chat(session.tokenizer, history, tools, thinking=thinking,
                       thinking_effort=session.chat.thinking_effort)
     ids = fit_context(ids, session.context, getattr(args, "truncate", None), sampling.max_new_tokens)
-    printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
+    base = prior_calls(history)
+    printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking, call_base=base)
     reply, stats = _one_reply(session, ids, sampling, thinking, printer)
     if args.json:
-        print(reply_json(session.name, reply, stats))
+        print(reply_json(session.name, reply, stats, base))
     else:
         report(reply, stats, sampling)
     return 0
@@ -199,7 +200,8 @@ def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int
             history.pop()
             print(f"streamrt: {exc}; line ignored", file=sys.stderr, flush=True)
             continue
-        printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
+        calls = prior_calls(history)
+        printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking, call_base=calls)
         try:
             reply, stats = _one_reply(session, ids, sampling, thinking, printer)
         except KeyboardInterrupt:  # the reply, not the session: drop the unanswered question
@@ -210,7 +212,7 @@ def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int
             continue
         history.append(reply.to_message())
         if args.json:
-            print(reply_json(session.name, reply, stats), flush=True)
+            print(reply_json(session.name, reply, stats, calls), flush=True)
         else:
             report(reply, stats, sampling)
     return 0

@@ -111,7 +111,9 @@ def test_prompt_streams_answer_tool_call_json_and_stats(scripted, capsys):
     holder["session"] = ScriptedSession([_reply_ids(WEATHER)])
     assert main(["run", "--model", str(tree), "--prompt", "Weather in Paris?"]) == 0
     out, err = capsys.readouterr()
-    assert out == 'Let me check.\n{"tool_call": {"name": "get_weather", "index": 1, "arguments": {"city": "Paris"}}}\n'
+    # the id the server gives the same call (functions.NAME:IDX, IDX from 0 over the conversation)
+    assert out == ('Let me check.\n{"tool_call": {"id": "functions.get_weather:0", "name": "get_weather", '
+                   '"arguments": {"city": "Paris"}}}\n')
     assert "Use the tool" not in out
     assert "tok/s decode" in err and "device 25.0%" in err
     prompt = TOK.decode(holder["session"].prompts[0])
@@ -144,7 +146,7 @@ def test_json_output_is_one_parseable_object(scripted, capsys):
     assert main(["run", "--model", str(tree), "--prompt", "x", "--json", "--greedy"]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
-    assert data["tool_calls"] == [{"name": "get_weather", "index": 1, "arguments": {"city": "Paris"}}]
+    assert data["tool_calls"] == [{"id": "functions.get_weather:0", "name": "get_weather", "arguments": {"city": "Paris"}}]
     assert data["thinking"] == "Use the tool." and data["content"] == "Let me check."
     assert data["finish_reason"] == "tool_calls" and data["parse_errors"] == []
     assert data["stats"]["new_tokens"] > 0 and data["stats"]["decode_tok_s"] > 0
@@ -238,3 +240,22 @@ def test_ignore_eos_generates_every_requested_token(capsys):
     full = json.loads(capsys.readouterr().out)
     assert stopped["finish_reason"] == "stop" and stopped["stats"]["new_tokens"] < 80, stopped
     assert full["finish_reason"] == "length" and full["stats"]["new_tokens"] == 80, full
+
+
+def test_tool_call_ids_count_the_conversations_calls_as_the_server_does(scripted, capsys, tmp_path):
+    from streamrt.serve.replies import prior_calls as server_prior_calls
+
+    holder, tree = scripted
+    holder["session"] = ScriptedSession([_reply_ids(WEATHER)])
+    earlier = {"id": "functions.get_weather:0", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": "", "tool_calls": [earlier]},
+                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+                {"role": "user", "content": "And in Paris?"}]
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(messages))
+    assert main(["run", "--model", str(tree), "--messages", str(path)]) == 0
+    out = capsys.readouterr().out
+    n = server_prior_calls(messages)
+    assert n == 1 and f'"id": "functions.get_weather:{n}"' in out, out
