@@ -17,7 +17,7 @@ from streamrt import selfcheck
 from streamrt.chat import ChatParser, ParseError, Reply, encode_chat, load_messages_file
 from streamrt.errors import StreamrtError
 from streamrt.run_args import Sampling, check_runtime_flags, parse_int, prefill_chunk, read_user_line, user_text
-from streamrt.run_output import StreamPrinter, prior_calls, report, reply_json
+from streamrt.run_output import StreamPrinter, cut_note, prior_calls, report, reply_json
 from streamrt.runtime.options import add_runtime_flags
 from streamrt.session import GenStats, Session, open_session, resolve_model_dir
 
@@ -153,6 +153,8 @@ def _run(session, history, tools, sampling, thinking, args) -> int:
     reply, stats = _one_reply(session, ids, sampling, thinking, printer)
     if args.json:
         print(reply_json(session.name, reply, stats, base))
+        if (note := cut_note(stats, sampling)) and stats.new_tokens < sampling.max_new_tokens:
+            print(f"streamrt: {note}", file=sys.stderr)  # the context, which --json's "length" does not tell
     else:
         report(reply, stats, sampling)
     return 0

@@ -88,9 +88,20 @@ def reply_json(name: str, reply: Reply, stats: GenStats, call_base: int = 0) -> 
     )
 
 
+def cut_note(stats: GenStats, sampling: Sampling) -> str | None:
+    """Why a reply ended without its stop token: the token budget, or the model's context."""
+    if stats.stop != "length":
+        return None
+    if stats.new_tokens >= sampling.max_new_tokens:
+        return f"reply cut at --max-new-tokens {sampling.max_new_tokens}"
+    return (f"reply cut at the model's context: prompt {stats.prompt_tokens} + reply {stats.new_tokens} tokens "
+            f"reach its limit of {stats.prompt_tokens + stats.new_tokens} (max_position_embeddings)")
+
+
 def report(reply: Reply, stats: GenStats, sampling: Sampling) -> None:
-    if reply.truncated:
-        print(f"streamrt: reply cut at --max-new-tokens {sampling.max_new_tokens}", file=sys.stderr)
+    note = cut_note(stats, sampling)
+    if note and (reply.truncated or stats.new_tokens < sampling.max_new_tokens):
+        print(f"streamrt: {note}", file=sys.stderr)
     if reply.errors:
         print(
             f"streamrt: {len(reply.errors)} malformed frame(s) in the model output (first: {reply.errors[0]})",

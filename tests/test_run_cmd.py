@@ -259,3 +259,20 @@ def test_tool_call_ids_count_the_conversations_calls_as_the_server_does(scripted
     out = capsys.readouterr().out
     n = server_prior_calls(messages)
     assert n == 1 and f'"id": "functions.get_weather:{n}"' in out, out
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_reply_the_context_ends_says_so(scripted, capsys, as_json):
+    """The session stops at the model's context ("length" with fewer tokens than asked): the
+    reply says why it ended, not silently, and not as if --max-new-tokens had cut it."""
+    holder, tree = scripted
+    cut = _reply_ids(WEATHER)[:7]  # mid-reply, as a context limit cuts it
+    holder["session"] = ScriptedSession([cut])
+    argv = ["run", "--model", str(tree), "--prompt", "x"] + (["--json"] if as_json else [])
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    prompt = len(holder["session"].prompts[0])
+    assert f"reply cut at the model's context: prompt {prompt} + reply 7 tokens" in err, err
+    assert "--max-new-tokens" not in err
+    if as_json:
+        assert json.loads(out)["finish_reason"] == "length"
