@@ -16,6 +16,7 @@ from typing import Callable
 
 from streamrt.chat import ChatProfile
 from streamrt.checkpoint.dst import STATE_DIR, recorded_source
+from streamrt.diskspace import human_bytes
 from streamrt.errors import StreamrtError
 from streamrt.run_args import Sampling, prefill_chunk
 from streamrt.tokenizer import Tokenizer
@@ -139,6 +140,9 @@ class _ModelSession(Session):
             from streamrt.runtime.streams import make_device
 
             self._device = make_device(self.options.device)
+            if self.options.gpu_mem is not None and self._device.kind != "cuda":
+                print(f"streamrt: --gpu-mem on the CPU (no CUDA device in use): it only sizes the placement plan "
+                      f"and expert slots as for a card of {human_bytes(self.options.gpu_mem)}", file=sys.stderr)
             if self.options.backend != "torch" and self._device.kind != "cuda":
                 self.options.make_backend(self._device)  # the one-line refusal, before any weights
             # the runtime's own sizing (StreamingRuntime), on the plan load_placed will make

@@ -64,3 +64,27 @@ def test_placement_shortfall_in_readable_units():
     with pytest.raises(StreamrtError) as e:
         plan_placement(load_config("tiny-k3"), 1 << 20)
     assert "0.0 GiB" not in str(e.value) and "short" in str(e.value), str(e.value)
+
+
+def test_gpu_mem_without_a_gpu_is_explained(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: --gpu-mem is its budget")
+    from streamrt.cli import build_parser
+    from streamrt.default_model import default_model_dir
+    from streamrt.session import open_session
+
+    args = build_parser().parse_args(["run", "--prompt", "hi", "--gpu-mem", "10G"])
+    open_session(default_model_dir(), args, progress=False).close()
+    err = capsys.readouterr().err.strip().splitlines()
+    said = [ln for ln in err if "--gpu-mem" in ln]
+    assert len(said) == 1 and "CPU" in said[0] and "10.0 GiB" in said[0], err
+
+
+def test_a_negative_size_names_its_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--prompt", "hi", "--host-mem", "-5G"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--host-mem needs a value" in err, err
+    assert "--host-mem=VALUE" in err
+    _one_line(capsys, ["run", "--prompt", "hi", "--host-mem=-5G"], "--host-mem: expected a size")
