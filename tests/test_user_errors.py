@@ -4,6 +4,7 @@ in units that say something, output paths are checked before any work, each in o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import secrets
 
 import pytest
@@ -88,3 +89,17 @@ def test_a_negative_size_names_its_flag(capsys):
     assert e.value.code == 2 and err.count("\n") == 1 and "--host-mem needs a value" in err, err
     assert "--host-mem=VALUE" in err
     _one_line(capsys, ["run", "--prompt", "hi", "--host-mem=-5G"], "--host-mem: expected a size")
+
+
+def test_a_vision_config_missing_a_field_is_only_a_warning(capsys, tmp_path):
+    """streamrt never runs the vision tower: its geometry must not refuse a release."""
+    from streamrt.config import load_config
+
+    src = json.loads((Path(__file__).resolve().parents[1] / "streamrt" / "configs" / "tiny-k3.json").read_text())
+    field = secrets.choice(["intermediate_size", "hidden_size", "num_hidden_layers", "patch_size"])
+    del src["vision_config"][field]
+    (tmp_path / "config.json").write_text(json.dumps(src))
+    cfg = load_config(tmp_path / "config.json")
+    err = capsys.readouterr().err
+    assert cfg.vision is None and cfg.num_layers == load_config("tiny-k3").num_layers
+    assert err.count("\n") == 1 and "warning" in err and f"vision_config.{field}" in err, err

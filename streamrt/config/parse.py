@@ -9,6 +9,7 @@ and nowhere else.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Iterable
 
 from streamrt.config.fields import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, MAX_MODEL_BYTES, MAX_VOCAB, Fields, few, show
@@ -241,12 +242,27 @@ def _moe_fields(t: Fields) -> dict[str, Any]:
     }
 
 
+_WARNED: set[str] = set()
+
+
 def _vision_config(w: Fields) -> VisionConfig | None:
+    """The vision geometry, which only synth and inspect use (streamrt never runs the tower):
+    a field missing or malformed there is a warning and no geometry, never a refused release."""
     if not w.has("vision_config"):
         return None
-    v = w.sub("vision_config")
+    try:
+        return _vision_geometry(w.sub("vision_config"))
+    except ConfigError as e:
+        if str(e) not in _WARNED:
+            _WARNED.add(str(e))
+            print(f"streamrt: warning: {e}; ignored (streamrt does not run the vision tower)", file=sys.stderr)
+        return None
+
+
+def _vision_geometry(v: Fields) -> VisionConfig:
     merge = v.d.get("merge_kernel_size", [2, 2])
-    if not (isinstance(merge, list) and len(merge) == 2 and all(isinstance(m, int) and not isinstance(m, bool) and 0 < m <= 64 for m in merge)):
+    if not (isinstance(merge, list) and len(merge) == 2
+            and all(isinstance(m, int) and not isinstance(m, bool) and 0 < m <= 64 for m in merge)):
         raise v.err("merge_kernel_size", f"expected two positive integers, got {show(merge)}")
     return VisionConfig(
         hidden_size=v.int("hidden_size", max_value=MAX_DIM),
