@@ -28,6 +28,8 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
         from streamrt.default_model import default_model_dir
 
         return default_model_dir(notice)
+    if not model.strip():  # an unset shell variable: Path("") is the current directory
+        raise StreamrtError("--model is empty; give a converted streamrt tree")
     path = Path(model).expanduser()
     try:
         if not path.exists():

@@ -54,6 +54,7 @@ def test_output_on_a_read_only_file_system_names_the_cause(capsys, tmp_path):
 def test_convert_into_a_missing_directory_is_refused_before_any_work(capsys, tmp_path):
     dst = tmp_path / "no" / "such" / "conv"
     _one_line(capsys, ["convert", str(tmp_path), str(dst)], f"directory {dst.parent} does not exist")
+    _one_line(capsys, ["run", "--model", "", "--prompt", "hi"], "--model is empty")
     assert not (tmp_path / "no").exists()
 
 
