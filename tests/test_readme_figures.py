@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import secrets
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _checker():
     spec = importlib.util.spec_from_file_location("readme_check", ROOT / "tests" / "readme_check.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["readme_check"] = mod  # its dataclass looks its module up there
     spec.loader.exec_module(mod)
     return mod
 
