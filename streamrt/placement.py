@@ -89,7 +89,9 @@ def layer_dense_bytes(cfg: ModelConfig) -> tuple[int, ...]:
 
 def router_bytes(cfg: ModelConfig) -> int:
     """Every layer's router (gate weight and score-correction bias): always resident."""
-    return sum(s.nbytes for i in range(cfg.num_layers) for s in dense_layer_specs(cfg, i) if s.name.endswith(ROUTER_SUFFIXES))
+    return sum(
+        s.nbytes for i in range(cfg.num_layers) for s in dense_layer_specs(cfg, i) if s.name.endswith(ROUTER_SUFFIXES)
+    )
 
 
 def min_expert_slots(cfg: ModelConfig, batch: int = 1) -> int:
@@ -97,8 +99,9 @@ def min_expert_slots(cfg: ModelConfig, batch: int = 1) -> int:
     return MIN_SLOT_LAYERS * min(cfg.num_experts, batch * cfg.experts_per_token)
 
 
-def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, batch: int = 1,
-                   buffers: int = STREAM_BUFFERS) -> Placement:
+def plan_placement(
+    cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, batch: int = 1, buffers: int = STREAM_BUFFERS
+) -> Placement:
     """The placement for a card with `gpu_bytes` free; StreamrtError naming the shortfall when
     even streaming every layer cannot fit the working buffers."""
     if gpu_bytes <= 0:
@@ -106,7 +109,9 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
     if context < 1 or batch < 1:
         raise StreamrtError(f"context and batch must be >= 1, got {context} and {batch}")
     if buffers < 2:
-        raise StreamrtError(f"dense streaming needs at least 2 device buffers (layer l+1 copies while l computes), got {buffers}")
+        raise StreamrtError(
+            f"dense streaming needs at least 2 device buffers (layer l+1 copies while l computes), got {buffers}"
+        )
     glob = {s.name.rsplit(".", 2)[-2]: s.nbytes for s in global_specs(cfg)}
     embed = glob.pop("embed_tokens")
     layers = layer_dense_bytes(cfg)
@@ -168,18 +173,37 @@ def describe(cfg: ModelConfig, p: Placement, link_gbps: float, hbm_gbps: float) 
     n_res, n_str = len(p.resident_layers), len(p.streamed_layers)
     return [
         ("GPU memory", f"{p.gpu_bytes / GIB:,.1f} GiB (context {p.context:,} tokens)"),
-        ("resident", f"lm_head and norms {p.fixed_bytes['lm_head and norms'] / GIB:.2f} GiB, routers "
-                     f"{p.fixed_bytes['routers'] / GIB:.2f} GiB, caches "
-                     f"{(p.fixed_bytes['KV cache'] + p.fixed_bytes['KDA state']) / GIB:.2f} GiB, dense of {n_res} layers "
-                     f"{p.resident_dense_bytes / GIB:.2f} GiB"),
-        ("streamed per layer", f"{n_str} layers, {p.streamed_bytes_per_token / GIB:.2f} GiB per token"
-                               + (f" (layers {layer_ranges(p.streamed_layers)}; {p.buffers} device buffers "
-                                  f"{p.fixed_bytes['stream buffers'] / GIB:.2f} GiB)" if n_str else "")),
-        ("expert slots", f"{p.expert_slots:,} of {cfg.expert_files:,} ({p.expert_slots * expert_bytes_nvfp4(cfg) / GIB:.1f} GiB)"),
-        ("host memory", ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.host_bytes.items()) + ", plus the expert store"),
-        (f"projected @ {link_gbps:g} GB/s link", f"{proj['s_per_token']:.3f} s/token (link {proj['link_s']:.3f} s: "
-                                                  f"{p.link_bytes_per_token(cfg) / GIB:.2f} GiB/token with uniform expert hits; "
-                                                  f"compute floor {proj['compute_floor_s']:.3f} s at {hbm_gbps:g} GB/s HBM)"),
+        (
+            "resident",
+            f"lm_head and norms {p.fixed_bytes['lm_head and norms'] / GIB:.2f} GiB, routers "
+            f"{p.fixed_bytes['routers'] / GIB:.2f} GiB, caches "
+            f"{(p.fixed_bytes['KV cache'] + p.fixed_bytes['KDA state']) / GIB:.2f} GiB, dense of {n_res} layers "
+            f"{p.resident_dense_bytes / GIB:.2f} GiB",
+        ),
+        (
+            "streamed per layer",
+            f"{n_str} layers, {p.streamed_bytes_per_token / GIB:.2f} GiB per token"
+            + (
+                f" (layers {layer_ranges(p.streamed_layers)}; {p.buffers} device buffers "
+                f"{p.fixed_bytes['stream buffers'] / GIB:.2f} GiB)"
+                if n_str
+                else ""
+            ),
+        ),
+        (
+            "expert slots",
+            f"{p.expert_slots:,} of {cfg.expert_files:,} ({p.expert_slots * expert_bytes_nvfp4(cfg) / GIB:.1f} GiB)",
+        ),
+        (
+            "host memory",
+            ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.host_bytes.items()) + ", plus the expert store",
+        ),
+        (
+            f"projected @ {link_gbps:g} GB/s link",
+            f"{proj['s_per_token']:.3f} s/token (link {proj['link_s']:.3f} s: "
+            f"{p.link_bytes_per_token(cfg) / GIB:.2f} GiB/token with uniform expert hits; "
+            f"compute floor {proj['compute_floor_s']:.3f} s at {hbm_gbps:g} GB/s HBM)",
+        ),
     ]
 
 

@@ -1,6 +1,7 @@
 """Throughput sweep: one fresh `streamrt run` per point, one table, one plot, one identity check.
 
-    streamrt sweep --model DIR   (or: python profiling/sweep.py --model DIR) [--points 0.35 1 1.4 large] [--tokens N] [--out DIR]
+    streamrt sweep --model DIR   (or: python profiling/sweep.py --model DIR)
+        [--points 0.35 1 1.4 large] [--tokens N] [--out DIR]
 
 Groups of points (one knob moved at a time from the defaults, `--groups` picks):
 
@@ -227,11 +228,11 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     atomic_write(path, buf.getvalue().encode())
 
 
-def _num(v) -> float | None:
+def _num(v, default: float | None = None) -> float | None:
     try:
         return float(v)
     except (TypeError, ValueError):
-        return None
+        return default
 
 
 def _line(ax, rows: list[dict], xkey: str, ykey: str, label: str | None = None, scale: float = 1.0) -> None:
@@ -281,8 +282,8 @@ def plot(path: Path, rows: list[dict], title: str) -> None:
             a.legend()
     bars = [r for r in ok if _num(r["s_per_token"]) is not None and r["s_per_token"] != ""]
     med = [_num(r["s_per_token"]) for r in bars]
-    lo = [m - (_num(r.get("s_per_token_min")) if _num(r.get("s_per_token_min")) is not None else m) for m, r in zip(med, bars)]
-    hi = [(_num(r.get("s_per_token_max")) if _num(r.get("s_per_token_max")) is not None else m) - m for m, r in zip(med, bars)]
+    lo = [m - _num(r.get("s_per_token_min"), m) for m, r in zip(med, bars)]
+    hi = [_num(r.get("s_per_token_max"), m) - m for m, r in zip(med, bars)]
     ax[1, 2].barh([r["label"] for r in bars], med, xerr=[lo, hi], capsize=2)
     ax[1, 2].invert_yaxis()
     n = max((int(_num(r.get("repeats")) or 1) for r in bars), default=1)
@@ -324,7 +325,8 @@ def identity_verdict(rows: list[dict]) -> tuple[bool, str]:
         return False, "logits: no point finished, nothing to compare"
     missing = [r["label"] for r in done if not r["logits_hash"]]
     if missing:
-        return False, f"logits: no logits_hash reported at {len(missing)} point(s) ({missing[0]}, ...); cannot check identity"
+        return False, (f"logits: no logits_hash reported at {len(missing)} point(s) ({missing[0]}, ...); "
+                       "cannot check identity")
     hashes: dict[str, list[str]] = {}
     for r in done:
         hashes.setdefault(r["logits_hash"], []).append(r["label"])
@@ -340,8 +342,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fraction(text: str, flag: str) -> float:
-    """A point: a finite number > 0 and at most 1000 (working sets; more is no longer a sweep)."""
-    x = _num(text)
+    x = _num(text)  # a finite number > 0, at most 1000 working sets (more is no longer a sweep)
     if x is None or not 0 < x <= 1000:
         raise StreamrtError(f"{flag} takes numbers > 0 and at most 1000 (fractions of the working set), "
                             f"got {text!r}")
@@ -367,8 +368,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", default=str(DEFAULT_REPEATS),
                     help=f"runs per point, each in a fresh process (default {DEFAULT_REPEATS}): the CSV and "
                          "plot give the median and the min-max spread")
-    ap.add_argument("--streamrt", default=None,
-                    help="command that runs streamrt (default: this Python's -m streamrt)")
+    ap.add_argument("--streamrt", default=None, help="command that runs streamrt (default: this Python's -m streamrt)")
     args = ap.parse_args(argv)
     args.groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     bad = [g for g in args.groups if g not in GROUPS]
@@ -384,17 +384,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.timeout = parse_float(args.timeout, "--timeout")
     if not args.timeout > 0:
         raise StreamrtError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    args.streamrt = _streamrt_command(args.streamrt)
     if not str(args.prompt).strip():
         raise StreamrtError("--prompt is empty; give the text of a user message")
+    args.streamrt = _streamrt_command(args.streamrt)
     return args
 
 
 def _streamrt_command(text: str | None) -> list[str]:
-    if text is None:
-        return [sys.executable, "-m", "streamrt"]
     try:
-        cmd = shlex.split(text)
+        cmd = [sys.executable, "-m", "streamrt"] if text is None else shlex.split(text)
     except ValueError as e:  # an unbalanced quote
         raise StreamrtError(f"--streamrt {text!r}: {e}") from None
     if not cmd:
@@ -428,9 +426,7 @@ def _prepare_out(out: Path, *, given: bool) -> None:
             raise StreamrtError(f"--out {out}: is not a directory; give a folder")
         if given and not out.is_dir():
             check_output_path(out, "--out")
-            out.mkdir()
-        else:
-            out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=not given, exist_ok=True)
         for f in (out / "sweep.csv", out / "sweep.png"):
             check_output_path(f, "--out")
         (out / "points").mkdir(parents=True, exist_ok=True)

@@ -105,15 +105,29 @@ def _synth(args: argparse.Namespace) -> int:
         from streamrt.run_args import check_device
 
         if args.device == "auto":
-            raise StreamrtError("--device: expected cpu, cuda or cuda:N (leave it out for cuda if available), got 'auto'")
+            raise StreamrtError(
+                "--device: expected cpu, cuda or cuda:N (leave it out for cuda if available), got 'auto'"
+            )
         check_device(args.device)
     s = synth(
-        args.config, args.out, seed=args.seed, skew=args.skew, fmt=args.format, dry_run=args.dry_run,
-        shards=args.shards, workers=args.workers, device=args.device,
+        args.config,
+        args.out,
+        seed=args.seed,
+        skew=args.skew,
+        fmt=args.format,
+        dry_run=args.dry_run,
+        shards=args.shards,
+        workers=args.workers,
+        device=args.device,
     )
     where = "would write" if args.dry_run else "wrote"
-    extra = f" ({s['text_tensors']:,} text) in {s['shards']} shards" if "shards" in s else f" ({s['expert_files']:,} expert files)"
-    line = f"{s['config']} ({s['variant']}, {s['format']}): {s['tensors']:,} tensors, {s['bytes']:,} bytes ({s['bytes'] / 2**30:,.2f} GiB){extra}"
+    extra = (
+        f" ({s['text_tensors']:,} text) in {s['shards']} shards"
+        if "shards" in s
+        else f" ({s['expert_files']:,} expert files)"
+    )
+    line = (f"{s['config']} ({s['variant']}, {s['format']}): {s['tensors']:,} tensors, {s['bytes']:,} bytes "
+            f"({s['bytes'] / 2**30:,.2f} GiB){extra}")
     print(f"{line}; {where}" + (f" {s['out']} in {s['seconds']:.1f} s on {s['device']}" if not args.dry_run else ""))
     return 0
 
@@ -127,9 +141,16 @@ def _convert(args: argparse.Namespace) -> int:
         if not str(value).strip():  # an unset shell variable: Path("") is the current directory
             raise StreamrtError(f"convert: {name} is empty; give a directory")
     _check_dst(args.dst)
-    convert(args.src, args.dst, workers=args.workers, allow_per_row=args.allow_per_row,
-            progress=False if args.no_progress else None, log=print, commit_threads=args.commit_threads,
-            verify_source=args.verify_source)
+    convert(
+        args.src,
+        args.dst,
+        workers=args.workers,
+        allow_per_row=args.allow_per_row,
+        progress=False if args.no_progress else None,
+        log=print,
+        commit_threads=args.commit_threads,
+        verify_source=args.verify_source,
+    )
     return 0
 
 

@@ -95,14 +95,17 @@ def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
         renamed = [TensorSpec(strip_prefix(s.name), s.shape, s.dtype) for s in specs]
         hdr, offs = build_header(renamed)
         sources = frozenset(rt.weight_map[s.name] for s in specs)
-        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), fill=_dense_fill(rt, hdr, specs), sources=sources))
+        size = len(hdr) + (offs[-1][1] if offs else 0)
+        tasks.append(Task(rel, size, fill=_dense_fill(rt, hdr, specs), sources=sources))
     layout = ExpertLayout.for_config(cfg)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
             rel = expert_relpath(layer, e)
             p = expert_prefix(layer, e)
-            sources = frozenset(rt.weight_map[f"{p}{w}.weight_{k}"] for w in ("w1", "w2", "w3") for k in ("packed", "scale"))
-            tasks.append(Task(rel, layout.file_bytes, _expert_task(rt, dst / rel, layer, e, layout, allow_per_row), sources=sources))
+            sources = frozenset(rt.weight_map[f"{p}{w}.weight_{k}"]
+                                for w in ("w1", "w2", "w3") for k in ("packed", "scale"))
+            fill = _expert_task(rt, dst / rel, layer, e, layout, allow_per_row)
+            tasks.append(Task(rel, layout.file_bytes, fill, sources=sources))
     return tasks
 
 
@@ -251,7 +254,8 @@ def convert(
             except DiskFull:  # says how to resume already
                 raise
             except CheckpointError as e:  # bad source data, found once read
-                raise CheckpointError(f"{e}; the files converted so far stay in {dst}: once the source is fixed, a re-run resumes") from None
+                raise CheckpointError(f"{e}; the files converted so far stay in {dst}: once the source is fixed, "
+                                      "a re-run resumes") from None
             source = {"path": str(src.resolve()), "fingerprint": fingerprint, "shards": shards}
             return run.finish(src, source, log)
     except CheckpointError:
@@ -313,7 +317,8 @@ class Conversion:
             journal = open(path, "a")
         except OSError as e:  # a directory in its place, no permission
             raise CheckpointError(f"{path}: cannot open the conversion journal: {e.strerror or e}") from None
-        committer = ThreadPoolExecutor(self.commit_threads, thread_name_prefix="srt-commit") if self.commit_threads else None
+        committer = (ThreadPoolExecutor(self.commit_threads, thread_name_prefix="srt-commit")
+                     if self.commit_threads else None)
         self.journal, self.committer = journal, committer
         t0 = time.perf_counter()
         try:
@@ -339,7 +344,8 @@ class Conversion:
         """Directories synced, the manifest written last, the state removed; the summary."""
         for d in {(self.dst / t.rel).parent for t in self.tasks}:
             fsync_dir(d)
-        write_manifest(self.dst, self.rt.config, self.files, [s.name for s in self.rt.specs], source=source, modes=self.modes)
+        write_manifest(self.dst, self.rt.config, self.files, [s.name for s in self.rt.specs], source=source,
+                       modes=self.modes)
         fsync_dir(self.dst)
         shutil.rmtree(self.dst / STATE_DIR, ignore_errors=True)
         self.rt.close()
@@ -398,7 +404,8 @@ class Conversion:
         mode = -1
         if t.rel.endswith(".nvfp4"):
             with open(path, "rb") as f:
-                mode = parse_header(f.read(HEADER_BYTES), ExpertLayout.for_config(self.rt.config), name=str(path)).global_mode
+                layout = ExpertLayout.for_config(self.rt.config)
+                mode = parse_header(f.read(HEADER_BYTES), layout, name=str(path)).global_mode
         with self.lock:
             self.files[t.rel] = self.prior[t.rel]
             self.counters["skipped"] += 1
@@ -461,7 +468,8 @@ class Conversion:
 def _summary_line(s: dict) -> str:
     rate = s["bytes_written"] / s["seconds"] / 1e9 if s["seconds"] > 0 else 0.0
     return (
-        f"converted {s['src']} -> {s['dst']}: {s['files']} files ({s['written']} written, {s['skipped']} already complete), "
+        f"converted {s['src']} -> {s['dst']}: {s['files']} files ({s['written']} written, "
+        f"{s['skipped']} already complete), "
         f"{s['bytes_written'] / 2**30:.2f} GiB in {s['seconds']:.1f} s ({rate:.2f} GB/s); expert global scales: "
         f"{s['expert_files_per_matrix_global']} per matrix, {s['expert_files_per_row_global']} per row"
     )

@@ -307,7 +307,8 @@ def tokenizer_config_json() -> bytes:
     return (json.dumps(cfg, indent=2) + "\n").encode()
 
 
-def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int, bar, allow_per_row: bool = False) -> dict:
+def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int, bar,
+                   allow_per_row: bool = False) -> dict:
     """Write a converted tree directly (no release on disk): dense files, expert files, manifest."""
     from streamrt.checkpoint.manifest import dense_files, write_manifest
     from streamrt.checkpoint.expert_file import ExpertLayout, write_expert_file
@@ -340,10 +341,14 @@ def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int,
         mats, per_row = {}, False
         for m, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
             packed, scales = gen.expert_mxfp4(layer, e, w)
-            p, s, g, pr = fp4.repack_expert_matrix(packed, scales, allow_per_row=allow_per_row, name=f"L{layer}.E{e}.{w}")
+            p, s, g, pr = fp4.repack_expert_matrix(
+                packed, scales, allow_per_row=allow_per_row, name=f"L{layer}.E{e}.{w}"
+            )
             mats[m], per_row = (p, s, g), per_row or pr
         rel = expert_relpath(layer, e)
-        size, d = write_expert_file(out / rel, mats, layer=layer, expert=e, global_mode=int(per_row), layout=layout, on_bytes=tick)
+        size, d = write_expert_file(
+            out / rel, mats, layer=layer, expert=e, global_mode=int(per_row), layout=layout, on_bytes=tick
+        )
         record(rel, size, d)
         with lock:
             modes[int(per_row)] += 1
@@ -352,11 +357,16 @@ def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int,
         (expert_task, (l, e)) for l in cfg.moe_layers for e in range(cfg.num_experts)
     ]
     _run_pool(lambda t: t[0](t[1]), tasks, workers)
-    for name, data in (("config.json", _config_json(cfg)), ("tiktoken.model", synthetic_bpe(cfg.vocab_size, gen.seed)),
-                       ("tokenizer_config.json", tokenizer_config_json())):
+    for name, data in (
+        ("config.json", _config_json(cfg)),
+        ("tiktoken.model", synthetic_bpe(cfg.vocab_size, gen.seed)),
+        ("tokenizer_config.json", tokenizer_config_json()),
+    ):
         size, d = write_bytes_atomic(out / name, data)
         files[name] = {"size": size, "blake2b": d}
-    write_manifest(out, cfg, files, [s.name for s in tensor_specs(cfg)], source={"synth": True, "seed": gen.seed}, modes=modes)
+    write_manifest(
+        out, cfg, files, [s.name for s in tensor_specs(cfg)], source={"synth": True, "seed": gen.seed}, modes=modes
+    )
     return {"files": len(files), "tensors": len(tensor_specs(cfg)), "bytes": sum(f["size"] for f in files.values())}
 
 
@@ -404,7 +414,11 @@ def synth(
     if shards is not None and shards < 1:
         raise StreamrtError(f"--shards must be >= 1, got {shards}")
     specs = tensor_specs(cfg) + (vision_specs(cfg) if fmt == "release" else [])
-    nbytes = sum(s.nbytes if s.dtype != "U8" else s.shape[0] * s.shape[1] for s in specs) if fmt == "release" else streamrt_bytes(cfg)
+    nbytes = (
+        sum(s.nbytes if s.dtype != "U8" else s.shape[0] * s.shape[1] for s in specs)
+        if fmt == "release"
+        else streamrt_bytes(cfg)
+    )
     summary = {"config": cfg.name, "variant": cfg.variant, "format": fmt, "tensors": len(specs), "bytes": nbytes}
     if fmt == "release":
         shards = shards or default_shard_count(nbytes)
@@ -430,7 +444,9 @@ def synth(
         raise CheckpointError(f"{out}: cannot create --out: {e.strerror or e}") from None
     gen = Generator(cfg, seed, skew, device)
     if workers is None:
-        workers = min(6, os.cpu_count() or 1) if gen.device.type == "cuda" else max(1, min(4, (os.cpu_count() or 2) // 2))
+        workers = (
+            min(6, os.cpu_count() or 1) if gen.device.type == "cuda" else max(1, min(4, (os.cpu_count() or 2) // 2))
+        )
     from tqdm import tqdm
 
     t0 = time.perf_counter()

@@ -103,7 +103,9 @@ def _layer_schedule(la: Fields, n_layers: int) -> tuple[tuple[int, ...], tuple[i
         raise la.err("full_attn_layers", f"layers {few(both)} (1-based) are also in kda_layers")
     missing = sorted(set(range(1, n_layers + 1)) - set(full) - set(kda))
     if missing:
-        raise la.err("full_attn_layers", f"full_attn_layers and kda_layers must partition 1..{n_layers}; missing {few(missing)}")
+        raise la.err(
+            "full_attn_layers", f"full_attn_layers and kda_layers must partition 1..{n_layers}; missing {few(missing)}"
+        )
     return tuple(sorted(i - 1 for i in full)), tuple(sorted(i - 1 for i in kda))
 
 
@@ -141,8 +143,11 @@ def _expert_geometry(t: Fields, n_exp: int, topk: int) -> dict[str, int]:
     if topk_group > n_group:
         raise t.err("topk_group", f"{topk_group} exceeds num_expert_group {n_group}")
     if topk_group * (n_exp // n_group) < topk:
-        raise t.err("topk_group", f"{topk_group} groups of {n_exp // n_group} experts hold fewer than the "
-                                  f"{topk} experts a token takes (num_experts_per_token)")
+        raise t.err(
+            "topk_group",
+            f"{topk_group} groups of {n_exp // n_group} experts hold fewer than the "
+            f"{topk} experts a token takes (num_experts_per_token)",
+        )
     routed_hidden = t.int("routed_expert_hidden_size", max_value=MAX_DIM)
     moe_inter = t.int("moe_intermediate_size", max_value=MAX_DIM)
     for key, v in (("routed_expert_hidden_size", routed_hidden), ("moe_intermediate_size", moe_inter)):
@@ -261,8 +266,11 @@ def _vision_config(w: Fields) -> VisionConfig | None:
 
 def _vision_geometry(v: Fields) -> VisionConfig:
     merge = v.d.get("merge_kernel_size", [2, 2])
-    if not (isinstance(merge, list) and len(merge) == 2
-            and all(isinstance(m, int) and not isinstance(m, bool) and 0 < m <= 64 for m in merge)):
+    if not (
+        isinstance(merge, list)
+        and len(merge) == 2
+        and all(isinstance(m, int) and not isinstance(m, bool) and 0 < m <= 64 for m in merge)
+    ):
         raise v.err("merge_kernel_size", f"expected two positive integers, got {show(merge)}")
     return VisionConfig(
         hidden_size=v.int("hidden_size", max_value=MAX_DIM),
@@ -276,8 +284,12 @@ def _vision_geometry(v: Fields) -> VisionConfig:
 def _check_plausible_size(cfg: ModelConfig, source: str) -> None:
     """Refuse a geometry no machine holds before anything is sized from it (a rough count:
     MXFP4 experts, embeddings and lm_head, and a generous bound for each layer's dense weights)."""
-    experts = len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 17 // 32
-    dense = 4 * cfg.vocab_size * cfg.hidden_size + cfg.num_layers * 64 * cfg.hidden_size * max(cfg.hidden_size, cfg.intermediate_size)
+    experts = (
+        len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 17 // 32
+    )
+    dense = 4 * cfg.vocab_size * cfg.hidden_size + cfg.num_layers * 64 * cfg.hidden_size * max(
+        cfg.hidden_size, cfg.intermediate_size
+    )
     if experts + dense > MAX_MODEL_BYTES:
         raise ConfigError(
             f"{source}: the geometry implies about {(experts + dense) / 2**50:,.1f} PiB of weights "
