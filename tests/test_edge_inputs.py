@@ -109,7 +109,8 @@ def test_non_utf8_system_is_one_line_exit_2(capsys, no_session):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["run", "--prompt", "hi", "--seed", str(2**70)], "--seed must be at most 17592186044415, got 1180591620717411303424"),
+    (["run", "--prompt", "hi", "--seed", str(2**70)],
+     "--seed must be at most 17592186044415, got 1180591620717411303424"),
     (["run", "--prompt", "hi", "--seed", "9" * 5000], "--seed must be an integer of at most 40 characters"),
     (["run", "--prompt", "hi", "--max-new-tokens", str(10**9)], "--max-new-tokens must be at most 1048576"),
     (["run", "--prompt", "hi", "--gpu-experts", str(10**12)], "--gpu-experts must be at most 1048576"),
@@ -129,7 +130,8 @@ def test_verify_workers_out_of_range(capsys, tree):
 
 
 def test_convert_and_synth_workers_out_of_range(capsys, tmp_path):
-    _one_line_error(capsys, ["convert", str(tmp_path), str(tmp_path / "o"), "--workers", "-1"], "--workers must be between 1")
+    _one_line_error(capsys, ["convert", str(tmp_path), str(tmp_path / "o"), "--workers", "-1"],
+                    "--workers must be between 1")
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "s"), "--workers", "0"],
                     "--workers must be between 1")
 
@@ -309,7 +311,8 @@ def test_trace_summarize_of_a_deep_or_undecodable_file_is_one_line(capsys, tmp_p
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["run", "--prompt", "hi", "--window", "abc"], "argument --window: invalid int value: 'abc' (see streamrt run --help)"),
+    (["run", "--prompt", "hi", "--window", "abc"],
+     "argument --window: invalid int value: 'abc' (see streamrt run --help)"),
     (["run", "--prompt", "hi", "--gpu-experts", "1.5"], "argument --gpu-experts: invalid int value"),
     (["inspect", "tiny-k3", "--gpus", "x"], "argument --gpus: invalid int value"),
     (["nosuch"], "invalid choice: 'nosuch'"),
@@ -421,7 +424,8 @@ def test_synth_bad_device_leaves_no_output(capsys, tmp_path):
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out), "--device", "auto"], "got 'auto'")
     assert not out.exists()  # a traceback mid-write used to leave a partial tree
     (tmp_path / "f").write_text("x")
-    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "f")], "exists and is not a directory")
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "f")],
+                    "exists and is not a directory")
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -437,13 +441,15 @@ def test_inspect_bad_numbers(capsys, flags, fragment):
 
 def test_outputs_never_overwrite_the_tree_or_an_input(tree, capsys, tmp_path, no_weights):
     before = (tree / "manifest.json").read_bytes()
-    _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--stats-json", str(tree / "manifest.json")],
+    _one_line_error(capsys,
+                    ["run", "--model", str(tree), "--prompt", "hi", "--stats-json", str(tree / "manifest.json")],
                     "is manifest.json of the model tree")
     _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--trace", str(tree / "config.json")],
                     "is config.json of the model tree")
     assert (tree / "manifest.json").read_bytes() == before
     out = str(tmp_path / "o.json")
-    _one_line_error(capsys, ["run", "--prompt", "hi", "--stats-json", out, "--trace", out], "the same file as --stats-json")
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--stats-json", out, "--trace", out],
+                    "the same file as --stats-json")
     msgs = tmp_path / "m.json"
     msgs.write_text(json.dumps([{"role": "user", "content": "hi"}]))
     _one_line_error(capsys, ["run", "--messages", str(msgs), "--stats-json", str(msgs)], "the same file as --messages")
@@ -473,7 +479,8 @@ def test_an_unfinished_conversion_is_named_with_the_command_that_finishes_it(cap
 
 def test_synth_refused_for_space_leaves_no_directory(capsys, tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10))
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10))
     out = tmp_path / "c"
     # sizes in units that say something: the old "needs 0.0 GiB, only 0.0 GiB free" did not
     err = _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 1.0 KiB free")
@@ -570,7 +577,8 @@ def test_convert_journal_that_is_a_directory_is_one_line(capsys, tmp_path):
     assert main(["convert", "--no-progress", str(rel), str(out)]) == 0
     (out / ".convert" / "journal.jsonl").mkdir(parents=True)  # a finished conversion: a re-run opens its journal
     capsys.readouterr()
-    _one_line_error(capsys, ["convert", "--no-progress", str(rel), str(out)], "journal.jsonl: cannot open the conversion journal")
+    _one_line_error(capsys, ["convert", "--no-progress", str(rel), str(out)],
+                    "journal.jsonl: cannot open the conversion journal")
 
 
 def test_synth_out_below_a_file_is_one_line(capsys, tmp_path):

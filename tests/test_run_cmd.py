@@ -51,7 +51,8 @@ def test_missing_input_and_bad_messages_file_are_one_line_exit_2(capsys, tmp_pat
     _one_line_error(capsys, ["run"], "give --prompt TEXT, --chat or --messages")
     _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "no such messages file")
     (tmp_path / "m.json").write_text(json.dumps([{"role": "user", "content": 3}]))
-    _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "messages[0].content: Input should be a valid string")
+    _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")],
+                    "messages[0].content: Input should be a valid string")
 
 
 def test_selfcheck_bad_cycles_is_one_line_exit_2(capsys):
@@ -146,7 +147,8 @@ def test_json_output_is_one_parseable_object(scripted, capsys):
     assert main(["run", "--model", str(tree), "--prompt", "x", "--json", "--greedy"]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
-    assert data["tool_calls"] == [{"id": "functions.get_weather:0", "name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert data["tool_calls"] == [{"id": "functions.get_weather:0", "name": "get_weather",
+                                   "arguments": {"city": "Paris"}}]
     assert data["thinking"] == "Use the tool." and data["content"] == "Let me check."
     assert data["finish_reason"] == "tool_calls" and data["parse_errors"] == []
     assert data["stats"]["new_tokens"] > 0 and data["stats"]["decode_tok_s"] > 0
@@ -222,7 +224,8 @@ def test_inconsistent_variant_is_one_line_exit_2(capsys, tiny_tree, tmp_path):
 
 
 def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
-    argv = ["run", "--model", str(tiny_tree), "--prompt", "hi", "--json", "--greedy", "--max-new-tokens", "3", "--device", "cpu"]
+    argv = ["run", "--model", str(tiny_tree), "--prompt", "hi", "--json", "--greedy", "--max-new-tokens", "3",
+            "--device", "cpu"]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert 1 <= data["stats"]["new_tokens"] <= 3 and data["stats"]["prompt_tokens"] > 10
@@ -233,7 +236,8 @@ def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
 def test_ignore_eos_generates_every_requested_token(capsys):
     """The embedded model ends this greedy reply with its end-of-turn token well inside 80
     tokens; --ignore-eos keeps going to the limit (finish_reason "length")."""
-    argv = ["run", "--prompt", "Tell me a story about a dragon.", "--json", "--greedy", "--max-new-tokens", "80", "--device", "cpu"]
+    argv = ["run", "--prompt", "Tell me a story about a dragon.", "--json", "--greedy", "--max-new-tokens", "80",
+            "--device", "cpu"]
     assert main(argv) == 0
     stopped = json.loads(capsys.readouterr().out)
     assert main(argv + ["--ignore-eos"]) == 0

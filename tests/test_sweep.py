@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-
-
 import streamrt.sweep as sweep
+
+ROOT = Path(__file__).parents[1]
 
 # A stand-in for `streamrt run`: parses the flags the sweep passes, writes the stats JSON with
 # an LRU-like host cliff (window < working set -> no hits), prints `--json` output with a hash.
@@ -173,8 +172,10 @@ def test_point_row_flags_differing_hashes_across_repeats():
 def test_unwritable_out_fails_before_the_first_point(tiny_model, tmp_path, fake_streamrt, capsys, monkeypatch):
     monkeypatch.setenv("FAKE_SPREAD_DIR", str(tmp_path))
     (tmp_path / "file").write_text("x")
-    for out, fragment in ((tmp_path / "file", "is not a directory"), (Path("/proc/streamrt-sweep"), "cannot write in /proc")):
-        rc = sweep.main(["--model", str(tiny_model), "--out", str(out), "--groups", "window", "--streamrt", fake_streamrt])
+    for out, fragment in ((tmp_path / "file", "is not a directory"),
+                          (Path("/proc/streamrt-sweep"), "cannot write in /proc")):
+        rc = sweep.main(["--model", str(tiny_model), "--out", str(out), "--groups", "window",
+                         "--streamrt", fake_streamrt])
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("streamrt: --out") and fragment in err and err.count("\n") == 1, err
     assert not list(tmp_path.glob("calls-*"))  # no point ran
