@@ -141,10 +141,7 @@ def generate(
     longer than it is an error (the caller truncates or refuses first).
     """
     prompts, single = _as_batch(prompts)
-    _check_request(prompts, max_new_tokens, top_p, max_context)
-    if not 0 <= min_p <= 1 or not repetition_penalty > 0:
-        raise StreamrtError(f"generate: min_p must be in [0, 1] and repetition_penalty > 0, got {min_p}, "
-                            f"{repetition_penalty}")
+    _check_request(prompts, max_new_tokens, top_p, max_context, min_p, repetition_penalty)
     runner = runner or (lambda gen: run_sync(gen, provider))
     rows = _Rows([len(p) for p in prompts], max_new_tokens, max_context,
                  set(stop_ids) if stop_ids is not None else {model.config.eos_token_id})
@@ -184,13 +181,17 @@ def _as_batch(prompts: Sequence[Sequence[int]] | Sequence[int] | Tensor) -> tupl
     return [list(p) for p in prompts], single
 
 
-def _check_request(prompts: list[list[int]], max_new_tokens: int, top_p: float, max_context: int | None) -> None:
+def _check_request(prompts: list[list[int]], max_new_tokens: int, top_p: float, max_context: int | None,
+                   min_p: float = 0.0, repetition_penalty: float = 1.0) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise StreamrtError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise StreamrtError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < top_p <= 1:
         raise StreamrtError(f"generate: top_p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p <= 1 or not repetition_penalty > 0:
+        raise StreamrtError(f"generate: min_p must be in [0, 1] and repetition_penalty > 0, got {min_p}, "
+                            f"{repetition_penalty}")
     if max_context is not None and max(len(p) for p in prompts) > max_context:
         raise StreamrtError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens exceeds the context "
                             f"of {max_context}")
