@@ -52,9 +52,18 @@ class GenerationResult:
         return n / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def apply_penalties(logits: Tensor, generated: Sequence[int], presence: float, frequency: float) -> Tensor:
-    """OpenAI's presence and frequency penalties over the tokens generated so far (not the
-    prompt): logits[j] - frequency * count_j - presence * (count_j > 0). Unchanged when both are 0."""
+def apply_penalties(logits: Tensor, generated: Sequence[int], presence: float, frequency: float,
+                    repetition: float = 1.0, prompt: Sequence[int] = ()) -> Tensor:
+    """The penalties in vLLM's order. repetition (vLLM's repetition_penalty, llama-server's
+    repeat_penalty over the whole context): the logit of every token in prompt or generated is
+    divided by it when positive, multiplied by it otherwise. Then OpenAI's presence and frequency
+    penalties over the generated tokens only: logits[j] - frequency * count_j - presence * (count_j > 0).
+    Unchanged when repetition is 1 and both others are 0."""
+    if repetition != 1.0 and (prompt or generated):
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.int64, device=logits.device)
+        logits = logits.float().clone()
+        x = logits[seen]
+        logits[seen] = torch.where(x > 0, x / repetition, x * repetition)
     if not generated or (presence == 0 and frequency == 0):
         return logits
     V = logits.shape[-1]
@@ -62,19 +71,43 @@ def apply_penalties(logits: Tensor, generated: Sequence[int], presence: float, f
     return logits.float() - frequency * counts - presence * (counts > 0)
 
 
-def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """One token from logits [V]: argmax (first max) when temperature == 0, else nucleus sampling."""
+def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                   min_p: float = 0.0) -> Tensor | None:
+    """The distribution a token is drawn from, fp64 [V] on the CPU, as vLLM builds it: softmax of
+    logits / temperature; min_p drops tokens below min_p * the largest probability; top_k (<= 0:
+    off) keeps the k most probable; top_p keeps the smallest prefix, by probability, whose mass
+    reaches top_p; each filter renormalises. None when the temperature is 0 or so small that the
+    scaled logits overflow: the draw is the argmax then."""
     if temperature <= 0:
-        return int(torch.argmax(logits))
+        return None
     scaled = logits.detach().cpu().double() / temperature  # CPU: device-independent draws
-    if not math.isfinite(float(scaled.max())):  # a temperature so small it overflows: argmax is its limit
-        return int(torch.argmax(logits))
+    if not math.isfinite(float(scaled.max())):
+        return None
     probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
+    if min_p > 0:
+        probs = torch.where(probs < min_p * probs.max(), 0.0, probs)
+        probs = probs / probs.sum()
+    V = probs.numel()
+    if 0 < top_k < V or top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True, stable=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # smallest prefix reaching top_p (always >= 1 token)
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+        if 0 < top_k < V:
+            sorted_p, order = sorted_p[:top_k], order[:top_k]
+            sorted_p = sorted_p / sorted_p.sum()
+        if top_p < 1.0:
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # the smallest prefix reaching top_p (>= 1 token)
+            sorted_p, order = sorted_p[keep], order[keep]
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    return probs / probs.sum()
+
+
+def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+           top_k: int = 0, min_p: float = 0.0) -> int:
+    """One token from logits [V]: argmax (first max) when temperature == 0, else a draw from
+    `sampling_probs`."""
+    probs = sampling_probs(logits, temperature, top_p, top_k, min_p)
+    if probs is None:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def generate(
@@ -110,6 +143,9 @@ def generate_tokens(
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     seed: int = 0,
     stop_ids: Iterable[int] | None = None,
     hash_steps: bool = False,
@@ -122,11 +158,12 @@ def generate_tokens(
     stop_ids default to the config's eos_token_id. Sampling is seeded per row (seed, row), so
     a row's samples do not depend on the batch. prefill_chunk: tokens per prefill chunk
     (default the model's, else chosen from free memory; the logits do not depend on it).
+    top_k, min_p, repetition_penalty: as vLLM's (see `sampling_probs`, `apply_penalties`).
     max_context: a row stops ("length") once prompt + generated tokens reach it; a prompt
     longer than it is an error (the caller truncates or refuses first).
     """
     prompts, _ = _as_batch(prompts)
-    _check_request(prompts, max_new_tokens, top_p, max_context)
+    _check_request(prompts, max_new_tokens, top_p, max_context, min_p, repetition_penalty)
     runner = runner or (lambda gen: run_sync(gen, provider))
     rows = _Rows([len(p) for p in prompts], max_new_tokens, max_context,
                  set(stop_ids) if stop_ids is not None else {model.config.eos_token_id})
@@ -138,7 +175,8 @@ def generate_tokens(
     cache = ModelCache.stack(caches) if len(prompts) > 1 else caches[0]
 
     def draw(row: int, logits: Tensor) -> int:
-        return sample(logits, temperature, top_p, gens[row])
+        logits = apply_penalties(logits, rows.tokens[row], 0.0, 0.0, repetition_penalty, prompts[row])
+        return sample(logits, temperature, top_p, gens[row], top_k, min_p)
 
     steps = yield from _decode(model, runner, cache, prefill_logits, rows, draw, hash_steps)
     t2 = time.perf_counter()
@@ -164,16 +202,20 @@ def _as_batch(prompts: Sequence[Sequence[int]] | Sequence[int] | Tensor) -> tupl
     return [list(p) for p in prompts], single
 
 
-def _check_request(prompts: list[list[int]], max_new_tokens: int, top_p: float, max_context: int | None) -> None:
+def _check_request(prompts: list[list[int]], max_new_tokens: int, top_p: float, max_context: int | None,
+                   min_p: float = 0.0, repetition_penalty: float = 1.0) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise StreamrtError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise StreamrtError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < top_p <= 1:
         raise StreamrtError(f"generate: top_p must be in (0, 1], got {top_p}")
-    longest = max(len(p) for p in prompts)
-    if max_context is not None and longest > max_context:
-        raise StreamrtError(f"generate: a prompt of {longest} tokens exceeds the context of {max_context}")
+    if not 0 <= min_p <= 1 or not repetition_penalty > 0:
+        raise StreamrtError(f"generate: min_p must be in [0, 1] and repetition_penalty > 0, got {min_p}, "
+                            f"{repetition_penalty}")
+    if max_context is not None and max(len(p) for p in prompts) > max_context:
+        raise StreamrtError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens exceeds the context "
+                            f"of {max_context}")
 
 
 def _prefill(

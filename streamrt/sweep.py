@@ -1,7 +1,7 @@
 """Throughput sweep: one fresh `streamrt run` per point, one table, one plot, one identity check.
 
     streamrt sweep --model DIR   (or: python profiling/sweep.py --model DIR)
-                   [--points 0.35 1 1.4 large] [--tokens N] [--out DIR]
+        [--points 0.35 1 1.4 large] [--tokens N] [--out DIR]
 
 Groups of points (one knob moved at a time from the defaults, `--groups` picks):
 
@@ -231,11 +231,11 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     atomic_write(path, buf.getvalue().encode())
 
 
-def _num(v) -> float | None:
+def _num(v, default: float | None = None) -> float | None:
     try:
         return float(v)
     except (TypeError, ValueError):
-        return None
+        return default
 
 
 def _line(ax, rows: list[dict], xkey: str, ykey: str, label: str | None = None, scale: float = 1.0) -> None:
@@ -285,10 +285,8 @@ def plot(path: Path, rows: list[dict], title: str) -> None:
             a.legend()
     bars = [r for r in ok if _num(r["s_per_token"]) is not None and r["s_per_token"] != ""]
     med = [_num(r["s_per_token"]) for r in bars]
-    lo = [m - (_num(r.get("s_per_token_min")) if _num(r.get("s_per_token_min")) is not None else m)
-          for m, r in zip(med, bars)]
-    hi = [(_num(r.get("s_per_token_max")) if _num(r.get("s_per_token_max")) is not None else m) - m
-          for m, r in zip(med, bars)]
+    lo = [m - _num(r.get("s_per_token_min"), m) for m, r in zip(med, bars)]
+    hi = [_num(r.get("s_per_token_max"), m) - m for m, r in zip(med, bars)]
     ax[1, 2].barh([r["label"] for r in bars], med, xerr=[lo, hi], capsize=2)
     ax[1, 2].invert_yaxis()
     n = max((int(_num(r.get("repeats")) or 1) for r in bars), default=1)
@@ -341,45 +339,79 @@ def identity_verdict(rows: list[dict]) -> tuple[bool, str]:
     return False, f"logits: DIFFER across points ({len(hashes)} distinct hashes) — {groups}"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line naming the flag, as every streamrt user error
+        raise StreamrtError(f"sweep: {message} (see streamrt sweep --help)")
+
+
+def _fraction(text: str, flag: str) -> float:
+    x = _num(text)  # a finite number > 0, at most 1000 working sets (more is no longer a sweep)
+    if x is None or not 0 < x <= 1000:
+        raise StreamrtError(f"{flag} takes numbers > 0 and at most 1000 (fractions of the working set), "
+                            f"got {text!r}")
+    return x
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="streamrt sweep", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    """The flags, each checked here: a bad value is one `streamrt: ...` line (StreamrtError)."""
+    from streamrt.cli.args import parse_float, parse_int
+
+    ap = _Parser(prog="streamrt sweep", description=__doc__.splitlines()[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--model", required=True, type=Path, help="converted streamrt tree")
     ap.add_argument("--points", nargs="+", default=["0.35", "1.0", "1.4", "large"],
                     help="host windows as fractions of the per-token working set, or 'large'")
-    ap.add_argument("--cache-points", nargs="+", type=float, default=[0.25, 0.5, 1.0],
+    ap.add_argument("--cache-points", nargs="+", default=["0.25", "0.5", "1.0"],
                     help="--gpu-experts as fractions of the working set (device group)")
     ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
-    ap.add_argument("--tokens", type=int, default=8, help="new tokens per point (default 8)")
+    ap.add_argument("--tokens", default="8", help="new tokens per point (default 8)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--out", type=Path, default=None, help="output folder (default sweep-results/<model>)")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds per run of a point")
-    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+    ap.add_argument("--timeout", default="3600", help="seconds per run of a point")
+    ap.add_argument("--repeats", default=str(DEFAULT_REPEATS),
                     help=f"runs per point, each in a fresh process (default {DEFAULT_REPEATS}): the CSV and "
                          "plot give the median and the min-max spread")
-    ap.add_argument("--streamrt", type=shlex.split, default=[sys.executable, "-m", "streamrt"],
-                    help="command that runs streamrt (default: this Python's -m streamrt)")
+    ap.add_argument("--streamrt", default=None, help="command that runs streamrt (default: this Python's -m streamrt)")
     args = ap.parse_args(argv)
     args.groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     renamed = [g for g in args.groups if g in RENAMED_GROUPS]
     if renamed:
-        ap.error(f"--groups: {renamed[0]} was renamed {RENAMED_GROUPS[renamed[0]]}")
-    bad = [g for g in args.groups if g not in GROUPS] + \
-          [p for p in args.points if p != "large" and _num(p) is None]
-    if bad:
-        ap.error(f"unknown group or point: {', '.join(bad)}")
-    if not 1 <= args.tokens <= 1 << 20:
-        ap.error(f"--tokens must be between 1 and {1 << 20}")
-    if not 1 <= args.repeats <= MAX_REPEATS:
-        ap.error(f"--repeats must be between 1 and {MAX_REPEATS}")
-    if not 0 < args.timeout < float("inf"):
-        ap.error("--timeout must be a positive number of seconds")
+        raise StreamrtError(f"--groups: {renamed[0]} was renamed {RENAMED_GROUPS[renamed[0]]}")
+    bad = [g for g in args.groups if g not in GROUPS]
+    if bad or not args.groups:
+        raise StreamrtError(f"--groups: unknown group {', '.join(bad) or '(none given)'}; "
+                            f"give a comma list of {', '.join(GROUPS)}")
+    for p in args.points:
+        if p != "large":
+            _fraction(p, "--points")
+    args.cache_points = [_fraction(c, "--cache-points") for c in args.cache_points]
+    args.tokens = parse_int(args.tokens, "--tokens", 1, 1 << 20)
+    args.repeats = parse_int(args.repeats, "--repeats", 1, MAX_REPEATS)
+    args.timeout = parse_float(args.timeout, "--timeout")
+    if not args.timeout > 0:
+        raise StreamrtError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if not str(args.prompt).strip():
+        raise StreamrtError("--prompt is empty; give the text of a user message")
+    args.streamrt = _streamrt_command(args.streamrt)
     return args
+
+
+def _streamrt_command(text: str | None) -> list[str]:
+    try:
+        cmd = [sys.executable, "-m", "streamrt"] if text is None else shlex.split(text)
+    except ValueError as e:  # an unbalanced quote
+        raise StreamrtError(f"--streamrt {text!r}: {e}") from None
+    if not cmd:
+        raise StreamrtError("--streamrt is empty; give the command that runs streamrt")
+    return cmd
 
 
 def missing_flags(streamrt: list[str], points: list[Point]) -> list[str]:
     """Flags the sweep needs that `streamrt run --help` does not list (fail before point 1)."""
-    proc = subprocess.run([*streamrt, "run", "--help"], capture_output=True, text=True)
+    try:
+        proc = subprocess.run([*streamrt, "run", "--help"], capture_output=True, text=True)
+    except OSError as e:  # no such program, not executable
+        raise StreamrtError(f"--streamrt {shlex.join(streamrt)}: cannot run it: {e.strerror or e}") from None
     need = ["--model", "--prompt", "--greedy", "--max-new-tokens", "--json", "--stats-json"]
     need += [f for p in points for f in p.argv() if f.startswith("--")]
     return [f for f in dict.fromkeys(need) if f not in proc.stdout]
@@ -393,11 +425,26 @@ def register(sub) -> None:
     p.set_defaults(func=lambda a: main(a.sweep_args))
 
 
+def _prepare_out(out: Path, *, given: bool) -> None:
+    """The output folder and its points/: a given --out is made only in an existing folder."""
+    try:
+        if given and out.exists() and not out.is_dir():
+            raise StreamrtError(f"--out {out}: is not a directory; give a folder")
+        if given and not out.is_dir():
+            check_output_path(out, "--out")
+        out.mkdir(parents=not given, exist_ok=True)
+        for f in (out / "sweep.csv", out / "sweep.png"):
+            check_output_path(f, "--out")
+        (out / "points").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StreamrtError(f"--out {out}: cannot create {out / 'points'}: {e.strerror or e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     from streamrt.config import load_config
 
     try:
+        args = parse_args(argv)
         cfg = load_config(args.model, check_tensors=False)
     except StreamrtError as e:
         print(f"streamrt: {e}", file=sys.stderr)
@@ -405,17 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("sweep-results") / args.model.name
     pts_dir = out / "points"
     try:  # before any point runs: a sweep that cannot write its results must not start
-        for f in (out / "sweep.csv", out / "sweep.png"):
-            check_output_path(f, "--out")
-        pts_dir.mkdir(parents=True, exist_ok=True)
+        _prepare_out(out, given=args.out is not None)
     except StreamrtError as e:
         print(f"streamrt: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"streamrt: --out {out}: cannot create {pts_dir}: {e.strerror or e}", file=sys.stderr)
-        return 2
     points = plan_points(cfg.working_set_experts, cfg.expert_files, args.points, args.cache_points, args.groups)
-    missing = missing_flags(args.streamrt, points)
+    try:
+        missing = missing_flags(args.streamrt, points)
+    except StreamrtError as e:
+        print(f"streamrt: {e}", file=sys.stderr)
+        return 2
     if missing:
         print(f"streamrt: `{shlex.join(args.streamrt)} run` has no {', '.join(missing)}; the sweep needs "
               "the runtime flags (streamrt/runtime/options.py)", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -107,23 +108,18 @@ def test_non_utf8_system_is_one_line_exit_2(capsys, no_session):
     _one_line_error(capsys, ["run", "--prompt", "hi", "--system", "ol\udce9"], "--system: not valid UTF-8 (byte 0xe9")
 
 
-@pytest.mark.parametrize(
-    "argv, fragment",
-    [
-        (
-            ["run", "--prompt", "hi", "--seed", str(2**70)],
-            "--seed must be at most 17592186044415, got 1180591620717411303424",
-        ),
-        (["run", "--prompt", "hi", "--seed", "9" * 5000], "--seed must be an integer of at most 40 characters"),
-        (["run", "--prompt", "hi", "--max-new-tokens", str(10**9)], "--max-new-tokens must be at most 1048576"),
-        (["run", "--prompt", "hi", "--gpu-experts", str(10**12)], "--gpu-experts must be at most 1048576"),
-        (["run", "--prompt", "hi", "--window", str(2**40)], "--window must be at most 16777216"),
-        (["run", "--prompt", "hi", "--stage-depth", str(2**40)], "--stage-depth must be at most 65536"),
-        (["run", "--prompt", "hi", "--host-mem", "9" * 400], "--host-mem: expected a size"),
-        (["run", "--prompt", "hi", "--gpu-mem", "4096TiB"], "--gpu-mem: at most 1125899906842624 bytes (1 PiB)"),
-        (["selfcheck", "--cycles", str(10**9)], "--cycles must be at most 1000"),
-    ],
-)
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "--prompt", "hi", "--seed", str(2**70)],
+     "--seed must be at most 17592186044415, got 1180591620717411303424"),
+    (["run", "--prompt", "hi", "--seed", "9" * 5000], "--seed must be an integer of at most 40 characters"),
+    (["run", "--prompt", "hi", "--max-new-tokens", str(10**9)], "--max-new-tokens must be at most 1048576"),
+    (["run", "--prompt", "hi", "--gpu-experts", str(10**12)], "--gpu-experts must be at most 1048576"),
+    (["run", "--prompt", "hi", "--window", str(2**40)], "--window must be at most 16777216"),
+    (["run", "--prompt", "hi", "--stage-depth", str(2**40)], "--stage-depth must be at most 65536"),
+    (["run", "--prompt", "hi", "--host-mem", "9" * 400], "--host-mem: expected a size"),
+    (["run", "--prompt", "hi", "--gpu-mem", "4096TiB"], "--gpu-mem: at most 1125899906842624 bytes (1 PiB)"),
+    (["selfcheck", "--cycles", str(10**9)], "--cycles must be at most 1000"),
+])
 def test_integers_range_checked_at_the_edge(capsys, no_session, argv, fragment):
     _one_line_error(capsys, argv, fragment)
 
@@ -134,9 +130,8 @@ def test_verify_workers_out_of_range(capsys, tree):
 
 
 def test_convert_and_synth_workers_out_of_range(capsys, tmp_path):
-    _one_line_error(
-        capsys, ["convert", str(tmp_path), str(tmp_path / "o"), "--workers", "-1"], "--workers must be between 1"
-    )
+    _one_line_error(capsys, ["convert", str(tmp_path), str(tmp_path / "o"), "--workers", "-1"],
+                    "--workers must be between 1")
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "s"), "--workers", "0"],
                     "--workers must be between 1")
 
@@ -265,18 +260,24 @@ def test_stats_json_directory_fails_before_any_work(capsys, tmp_path, no_session
 
 
 def test_trace_unwritable_fails_before_any_work(capsys, tmp_path, no_session):
-    _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", "/proc/streamrt-test/trace.json"],
-                    "--trace /proc/streamrt-test/trace.json: cannot write in /proc")
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", "/proc/streamrt-test.json"],
+                    "--trace /proc/streamrt-test.json: cannot write in /proc")
     (tmp_path / "file").write_text("x")
     _one_line_error(capsys, ["run", "--prompt", "hi", "--trace", str(tmp_path / "file" / "t.json")],
                     f"{tmp_path / 'file'} is not a directory")
     _one_line_error(capsys, ["selfcheck", "--stats-json", str(tmp_path)], "is a directory")
 
 
-def test_missing_parents_of_an_output_are_fine(tmp_path):
-    p = output_paths.check_output_path(tmp_path / "a" / "b" / "stats.json", "--stats-json")
-    assert p == tmp_path / "a" / "b" / "stats.json" and not (tmp_path / "a").exists()
-    assert [f for f in os.listdir(tmp_path)] == []  # the probe left nothing behind
+def test_an_output_in_a_missing_directory_is_refused_and_nothing_made(capsys, tmp_path, no_session):
+    """A typo in --trace / --stats-json must not build directories (it made /nonexistent/)."""
+    for flag in ("--trace", "--stats-json"):
+        path = tmp_path / "a" / "b" / "out.json"
+        _one_line_error(capsys, ["run", "--prompt", "hi", flag, str(path)],
+                        f"{flag} {path}: directory {path.parent} does not exist")
+    _one_line_error(capsys, ["selfcheck", "--trace", str(tmp_path / "a" / "t.json")], "does not exist")
+    assert os.listdir(tmp_path) == []  # no directory made, the probe left nothing behind
+    p = output_paths.check_output_path(tmp_path / "stats.json", "--stats-json")
+    assert p == tmp_path / "stats.json" and os.listdir(tmp_path) == []
 
 
 def test_stats_and_trace_written_atomically(tmp_path, monkeypatch):
@@ -309,18 +310,13 @@ def test_trace_summarize_of_a_deep_or_undecodable_file_is_one_line(capsys, tmp_p
 # ---- adversarial review: usage errors, devices, side files, checks before loading ---------------
 
 
-@pytest.mark.parametrize(
-    "argv, fragment",
-    [
-        (
-            ["run", "--prompt", "hi", "--window", "abc"],
-            "argument --window: invalid int value: 'abc' (see streamrt run --help)",
-        ),
-        (["run", "--prompt", "hi", "--gpu-experts", "1.5"], "argument --gpu-experts: invalid int value"),
-        (["inspect", "tiny-k3", "--gpus", "x"], "argument --gpus: invalid int value"),
-        (["nosuch"], "invalid choice: 'nosuch'"),
-    ],
-)
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "--prompt", "hi", "--window", "abc"],
+     "argument --window: invalid int value: 'abc' (see streamrt run --help)"),
+    (["run", "--prompt", "hi", "--gpu-experts", "1.5"], "argument --gpu-experts: invalid int value"),
+    (["inspect", "tiny-k3", "--gpus", "x"], "argument --gpus: invalid int value"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+])
 def test_usage_errors_are_one_line(capsys, no_session, argv, fragment):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -428,9 +424,8 @@ def test_synth_bad_device_leaves_no_output(capsys, tmp_path):
     _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out), "--device", "auto"], "got 'auto'")
     assert not out.exists()  # a traceback mid-write used to leave a partial tree
     (tmp_path / "f").write_text("x")
-    _one_line_error(
-        capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "f")], "exists and is not a directory"
-    )
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(tmp_path / "f")],
+                    "exists and is not a directory")
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -446,18 +441,15 @@ def test_inspect_bad_numbers(capsys, flags, fragment):
 
 def test_outputs_never_overwrite_the_tree_or_an_input(tree, capsys, tmp_path, no_weights):
     before = (tree / "manifest.json").read_bytes()
-    _one_line_error(
-        capsys,
-        ["run", "--model", str(tree), "--prompt", "hi", "--stats-json", str(tree / "manifest.json")],
-        "is manifest.json of the model tree",
-    )
+    _one_line_error(capsys,
+                    ["run", "--model", str(tree), "--prompt", "hi", "--stats-json", str(tree / "manifest.json")],
+                    "is manifest.json of the model tree")
     _one_line_error(capsys, ["run", "--model", str(tree), "--prompt", "hi", "--trace", str(tree / "config.json")],
                     "is config.json of the model tree")
     assert (tree / "manifest.json").read_bytes() == before
     out = str(tmp_path / "o.json")
-    _one_line_error(
-        capsys, ["run", "--prompt", "hi", "--stats-json", out, "--trace", out], "the same file as --stats-json"
-    )
+    _one_line_error(capsys, ["run", "--prompt", "hi", "--stats-json", out, "--trace", out],
+                    "the same file as --stats-json")
     msgs = tmp_path / "m.json"
     msgs.write_text(json.dumps([{"role": "user", "content": "hi"}]))
     _one_line_error(capsys, ["run", "--messages", str(msgs), "--stats-json", str(msgs)], "the same file as --messages")
@@ -487,12 +479,16 @@ def test_an_unfinished_conversion_is_named_with_the_command_that_finishes_it(cap
 
 def test_synth_refused_for_space_leaves_no_directory(capsys, tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(
-        shutil, "disk_usage", lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10)
-    )
-    out = tmp_path / "a" / "b" / "c"
-    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 0.0 GiB free")
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: seen.append(Path(p)) or shutil._ntuple_diskusage(2**40, 2**40 - 2**10, 2**10))
+    out = tmp_path / "c"
+    # sizes in units that say something: the old "needs 0.0 GiB, only 0.0 GiB free" did not
+    err = _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(out)], "only 1.0 KiB free")
+    assert re.search(r"needs \d+\.\d (KiB|MiB)", err), err
     assert seen == [tmp_path]  # the nearest directory that exists
+    assert not out.exists()
+    deep = tmp_path / "a" / "b" / "c"  # a missing parent is an error, not a tree of new directories
+    _one_line_error(capsys, ["synth", "--config", "tiny-k3", "--out", str(deep)], "does not exist")
     assert not (tmp_path / "a").exists()
 
 
@@ -581,9 +577,8 @@ def test_convert_journal_that_is_a_directory_is_one_line(capsys, tmp_path):
     assert main(["convert", "--no-progress", str(rel), str(out)]) == 0
     (out / ".convert" / "journal.jsonl").mkdir(parents=True)  # a finished conversion: a re-run opens its journal
     capsys.readouterr()
-    _one_line_error(
-        capsys, ["convert", "--no-progress", str(rel), str(out)], "journal.jsonl: cannot open the conversion journal"
-    )
+    _one_line_error(capsys, ["convert", "--no-progress", str(rel), str(out)],
+                    "journal.jsonl: cannot open the conversion journal")
 
 
 def test_synth_out_below_a_file_is_one_line(capsys, tmp_path):

@@ -52,9 +52,8 @@ def test_missing_input_and_bad_messages_file_are_one_line_exit_2(capsys, tmp_pat
     _one_line_error(capsys, ["run"], "give --prompt TEXT, --chat or --messages")
     _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")], "no such messages file")
     (tmp_path / "m.json").write_text(json.dumps([{"role": "user", "content": 3}]))
-    _one_line_error(
-        capsys, ["run", "--messages", str(tmp_path / "m.json")], "messages[0].content: Input should be a valid string"
-    )
+    _one_line_error(capsys, ["run", "--messages", str(tmp_path / "m.json")],
+                    "messages[0].content: Input should be a valid string")
 
 
 def test_selfcheck_bad_cycles_is_one_line_exit_2(capsys):
@@ -114,7 +113,9 @@ def test_prompt_streams_answer_tool_call_json_and_stats(scripted, capsys):
     holder["session"] = ScriptedSession([_reply_ids(WEATHER)])
     assert main(["run", "--model", str(tree), "--prompt", "Weather in Paris?"]) == 0
     out, err = capsys.readouterr()
-    assert out == 'Let me check.\n{"tool_call": {"name": "get_weather", "index": 1, "arguments": {"city": "Paris"}}}\n'
+    # the id the server gives the same call (functions.NAME:IDX, IDX from 0 over the conversation)
+    assert out == ('Let me check.\n{"tool_call": {"id": "functions.get_weather:0", "name": "get_weather", '
+                   '"arguments": {"city": "Paris"}}}\n')
     assert "Use the tool" not in out
     assert "tok/s decode" in err and "device 25.0%" in err
     prompt = TOK.decode(holder["session"].prompts[0])
@@ -147,7 +148,8 @@ def test_json_output_is_one_parseable_object(scripted, capsys):
     assert main(["run", "--model", str(tree), "--prompt", "x", "--json", "--greedy"]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
-    assert data["tool_calls"] == [{"name": "get_weather", "index": 1, "arguments": {"city": "Paris"}}]
+    assert data["tool_calls"] == [{"id": "functions.get_weather:0", "name": "get_weather",
+                                   "arguments": {"city": "Paris"}}]
     assert data["thinking"] == "Use the tool." and data["content"] == "Let me check."
     assert data["finish_reason"] == "tool_calls" and data["parse_errors"] == []
     assert data["stats"]["new_tokens"] > 0 and data["stats"]["decode_tok_s"] > 0
@@ -223,19 +225,8 @@ def test_inconsistent_variant_is_one_line_exit_2(capsys, tiny_tree, tmp_path):
 
 
 def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
-    argv = [
-        "run",
-        "--model",
-        str(tiny_tree),
-        "--prompt",
-        "hi",
-        "--json",
-        "--greedy",
-        "--max-new-tokens",
-        "3",
-        "--device",
-        "cpu",
-    ]
+    argv = ["run", "--model", str(tiny_tree), "--prompt", "hi", "--json", "--greedy", "--max-new-tokens", "3",
+            "--device", "cpu"]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert 1 <= data["stats"]["new_tokens"] <= 3 and data["stats"]["prompt_tokens"] > 10
@@ -246,20 +237,47 @@ def test_run_on_tiny_streams_json_with_rates(capsys, tiny_tree):
 def test_ignore_eos_generates_every_requested_token(capsys):
     """The embedded model ends this greedy reply with its end-of-turn token well inside 80
     tokens; --ignore-eos keeps going to the limit (finish_reason "length")."""
-    argv = [
-        "run",
-        "--prompt",
-        "Tell me a story about a dragon.",
-        "--json",
-        "--greedy",
-        "--max-new-tokens",
-        "80",
-        "--device",
-        "cpu",
-    ]
+    argv = ["run", "--prompt", "Tell me a story about a dragon.", "--json", "--greedy", "--max-new-tokens", "80",
+            "--device", "cpu"]
     assert main(argv) == 0
     stopped = json.loads(capsys.readouterr().out)
     assert main(argv + ["--ignore-eos"]) == 0
     full = json.loads(capsys.readouterr().out)
     assert stopped["finish_reason"] == "stop" and stopped["stats"]["new_tokens"] < 80, stopped
     assert full["finish_reason"] == "length" and full["stats"]["new_tokens"] == 80, full
+
+
+def test_tool_call_ids_count_the_conversations_calls_as_the_server_does(scripted, capsys, tmp_path):
+    from streamrt.serve.replies import prior_calls as server_prior_calls
+
+    holder, tree = scripted
+    holder["session"] = ScriptedSession([_reply_ids(WEATHER)])
+    earlier = {"id": "functions.get_weather:0", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": "", "tool_calls": [earlier]},
+                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+                {"role": "user", "content": "And in Paris?"}]
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(messages))
+    assert main(["run", "--model", str(tree), "--messages", str(path)]) == 0
+    out = capsys.readouterr().out
+    n = server_prior_calls(messages)
+    assert n == 1 and f'"id": "functions.get_weather:{n}"' in out, out
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_reply_the_context_ends_says_so(scripted, capsys, as_json):
+    """The session stops at the model's context ("length" with fewer tokens than asked): the
+    reply says why it ended, not silently, and not as if --max-new-tokens had cut it."""
+    holder, tree = scripted
+    cut = _reply_ids(WEATHER)[:7]  # mid-reply, as a context limit cuts it
+    holder["session"] = ScriptedSession([cut])
+    argv = ["run", "--model", str(tree), "--prompt", "x"] + (["--json"] if as_json else [])
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    prompt = len(holder["session"].prompts[0])
+    assert f"reply cut at the model's context: prompt {prompt} + reply 7 tokens" in err, err
+    assert "--max-new-tokens" not in err
+    if as_json:
+        assert json.loads(out)["finish_reason"] == "length"

@@ -157,7 +157,7 @@ def test_queue_bound():
 def test_a_row_whose_sampling_fails_ends_alone(monkeypatch):
     import streamrt.serve.engine as engine_mod
 
-    def picky(logits, temperature, top_p, generator):
+    def picky(logits, temperature, top_p, generator, *filters):
         if temperature == 0.5:
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return int(torch.argmax(logits))

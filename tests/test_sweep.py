@@ -185,15 +185,14 @@ def test_unwritable_out_fails_before_the_first_point(tiny_model, tmp_path, fake_
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("streamrt: --out") and fragment in err and err.count("\n") == 1, err
     assert not list(tmp_path.glob("calls-*"))  # no point ran
-    with pytest.raises(SystemExit):
-        sweep.main(["--model", str(tiny_model), "--repeats", "0"])
-    assert "--repeats must be between 1 and 100" in capsys.readouterr().err
+    assert sweep.main(["--model", str(tiny_model), "--repeats", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "streamrt: --repeats must be >= 1, got 0\n", err
 
 
 def test_bad_args(tiny_model, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        sweep.main(["--model", str(tiny_model), "--groups", "window,bogus"])
-    assert "unknown group or point: bogus" in capsys.readouterr().err
+    assert sweep.main(["--model", str(tiny_model), "--groups", "window,bogus"]) == 2
+    assert "--groups: unknown group bogus" in capsys.readouterr().err
     assert sweep.main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.startswith("streamrt: ")
 
@@ -207,6 +206,36 @@ def test_missing_run_flags_fail_before_the_first_point(tiny_model, tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 2 and "--window" in err and "--stats-json" in err and "--model," not in err
     assert not (tmp_path / "o" / "sweep.csv").exists()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--points", "-1"], "--points takes numbers > 0"),
+    (["--points", "0"], "--points takes numbers > 0"),
+    (["--points", "nan"], "--points takes numbers > 0"),
+    (["--points", "big"], "--points takes numbers > 0"),
+    (["--cache-points", "-0.5"], "--cache-points takes numbers > 0"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--repeats", "x"], "--repeats must be an integer"),
+    (["--repeats", "101"], "--repeats must be at most 100"),
+    (["--tokens", "0"], "--tokens must be >= 1"),
+    (["--tokens", "1.5"], "--tokens must be an integer"),
+    (["--timeout", "-3"], "--timeout must be a positive number"),
+    (["--timeout", "inf"], "--timeout must be finite"),
+    (["--groups", ","], "--groups: unknown group (none given)"),
+    (["--streamrt", "'unbalanced"], "--streamrt"),
+    (["--streamrt", "/no/such/streamrt"], "--streamrt /no/such/streamrt: cannot run it"),
+    (["--prompt", " "], "--prompt is empty"),
+    (["--out", "/no/such/dir/sweep"], "directory /no/such/dir does not exist"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--tokens"], "--tokens: expected one argument"),
+])
+def test_every_flag_is_checked_in_one_line(tiny_model, capsys, argv, fragment):
+    from streamrt.cli import main
+
+    assert main(["sweep", "--model", str(tiny_model), "--groups", "window", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("streamrt: ") and fragment in err, err
+    assert not out
 
 
 def _run_ready() -> str | None:

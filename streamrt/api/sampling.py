@@ -23,11 +23,14 @@ class Sampling:
     seed: int = 0
     greedy: bool = False
     ignore_eos: bool = False  # generate all max_new_tokens (benchmarks); the stop tokens are sampled like any other
+    top_k: int = 0  # as vLLM's: <= 0 is off
+    min_p: float = 0.0  # as vLLM's: drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0  # as vLLM's: over the prompt and the reply so far
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "seed"):
+        for name in ("max_new_tokens", "seed", "top_k"):
             _check_type(name, getattr(self, name), int, "an int")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             _check_type(name, getattr(self, name), (int, float), "a number")
         for name in ("greedy", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
@@ -38,6 +41,10 @@ class Sampling:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in 0..{MAX_SEED}, got {self.seed}")
 

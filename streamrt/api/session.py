@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Generator
 
 from streamrt.chat import ChatProfile
 from streamrt.checkpoint.dst import STATE_DIR, recorded_source
+from streamrt.output_paths import human_bytes
 from streamrt.errors import StreamrtError
 from streamrt.api.sampling import Sampling
 from streamrt.tokenizer import Tokenizer
@@ -29,6 +30,8 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
         from streamrt.default_model import default_model_dir
 
         return default_model_dir(notice)
+    if not model.strip():  # an unset shell variable: Path("") is the current directory
+        raise StreamrtError("--model is empty; give a converted streamrt tree")
     path = Path(model).expanduser()
     try:
         if not path.exists():
@@ -45,11 +48,13 @@ def resolve_model_dir(model: str | None, notice: Callable[[str], None]) -> Path:
         if (path / STATE_DIR).is_dir():
             raise StreamrtError(f"--model {model}: an unfinished conversion (no manifest.json yet); finish it: "
                                 f"streamrt convert {shlex.quote(recorded_source(path) or 'SRC')} {shlex.quote(model)}")
+        if (path / "experts").is_dir() or (path / "dense").is_dir():
+            raise StreamrtError(f"--model {model}: manifest.json is missing from this converted tree (its dense/ "
+                                "and experts/ are here, so it was damaged or copied in part); convert again into "
+                                "an empty directory: streamrt convert SRC NEW_DIR")
         if release:
-            raise StreamrtError(
-                f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
-                f"streamrt convert {model} OUT_DIR"
-            )
+            raise StreamrtError(f"--model {model}: a release checkpoint, not a streamrt tree; convert it first: "
+                                f"streamrt convert {model} OUT_DIR")
         raise StreamrtError(f"--model {model}: no manifest.json (not a converted streamrt tree)")
     return path
 
@@ -145,6 +150,9 @@ class _ModelSession(Session):
             from streamrt.runtime.streams import make_device
 
             self._device = make_device(self.options.device)
+            if self.options.gpu_mem is not None and self._device.kind != "cuda":
+                print(f"streamrt: --gpu-mem on the CPU (no CUDA device in use): it only sizes the placement plan "
+                      f"and expert slots as for a card of {human_bytes(self.options.gpu_mem)}", file=sys.stderr)
             if self.options.backend != "torch" and self._device.kind != "cuda":
                 self.options.make_backend(self._device)  # the one-line refusal, before any weights
             # the runtime's own sizing (StreamingRuntime), on the plan load_placed will make
@@ -181,8 +189,8 @@ class _ModelSession(Session):
                                            backend=backend, tracer=self.tracer)
             self.options = self.options.with_plan(plan)
             if plan is not None and plan.streamed_layers:
-                print(format_plan(tree.config, plan), file=sys.stderr)
-                print(f"streamrt: {self.model.layer_weights.line()}", file=sys.stderr)
+                bar.say(format_plan(tree.config, plan))
+                bar.say(f"streamrt: {self.model.layer_weights.line()}")
             self.model.prefill_chunk = self._prefill_chunk
             bar.step("expert store")
             predictor = None
@@ -192,9 +200,9 @@ class _ModelSession(Session):
             self.runtime = StreamingRuntime(tree, self.model, self.options, device=device, tracer=self.tracer,
                                             predictor=predictor)
             if self.ep is None or self.ep.rank == 0:
-                print(f"streamrt: {self.runtime.host_tier_line}", file=sys.stderr)
+                bar.say(f"streamrt: {self.runtime.host_tier_line}")
                 if self.ep is not None:
-                    print(f"streamrt: {self.ep.line()}", file=sys.stderr)
+                    bar.say(f"streamrt: {self.ep.line()}")
         self._loaded = True
 
     def _runner(self):
@@ -244,6 +252,9 @@ class _ModelSession(Session):
             max_new_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.is_greedy else sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
             seed=sampling.seed,
             stop_ids=[] if sampling.ignore_eos else sorted(self.tokenizer.stop_ids),
             hash_steps=True,
@@ -307,6 +318,16 @@ class _LoadBar:
         if self._bar is not None:
             self._bar.set_postfix_str(what, refresh=False)
             self._bar.update(1)
+
+    def say(self, line: str) -> None:
+        """A line on stderr while the bar is up: the bar is cleared first and redrawn below it,
+        so neither is cut (a bare print lands mid-bar and the bar's next redraw eats its start)."""
+        if self._bar is not None:
+            self._bar.clear()
+            print(line, file=sys.stderr, flush=True)
+            self._bar.refresh()
+        else:
+            print(line, file=sys.stderr)
 
     def __enter__(self):
         return self

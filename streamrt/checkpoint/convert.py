@@ -46,6 +46,7 @@ from typing import Callable
 from streamrt import fp4
 from streamrt.checkpoint.dst import JOURNAL, STATE_DIR, DstLock, check_paths, prepare_dst
 from streamrt.checkpoint.expert_file import HEADER_BYTES, ExpertLayout, parse_header, write_expert_file
+from streamrt.output_paths import space_error
 from streamrt.fileio import AtomicWriter, DiskFull, RangeWriter, file_digest, fsync_dir
 from streamrt.checkpoint.manifest import dense_files, write_manifest
 from streamrt.checkpoint.names import TensorSpec, expert_prefix, expert_relpath, is_expert_tensor, strip_prefix
@@ -94,8 +95,8 @@ def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
         renamed = [TensorSpec(strip_prefix(s.name), s.shape, s.dtype) for s in specs]
         hdr, offs = build_header(renamed)
         sources = frozenset(rt.weight_map[s.name] for s in specs)
-        tasks.append(Task(rel, len(hdr) + (offs[-1][1] if offs else 0), fill=_dense_fill(rt, hdr, specs),
-                          sources=sources))
+        size = len(hdr) + (offs[-1][1] if offs else 0)
+        tasks.append(Task(rel, size, fill=_dense_fill(rt, hdr, specs), sources=sources))
     layout = ExpertLayout.for_config(cfg)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
@@ -103,8 +104,8 @@ def _plan(rt: ReleaseTree, dst: Path, allow_per_row: bool) -> list[Task]:
             p = expert_prefix(layer, e)
             sources = frozenset(rt.weight_map[f"{p}{w}.weight_{k}"]
                                 for w in ("w1", "w2", "w3") for k in ("packed", "scale"))
-            tasks.append(Task(rel, layout.file_bytes, _expert_task(rt, dst / rel, layer, e, layout, allow_per_row),
-                              sources=sources))
+            fill = _expert_task(rt, dst / rel, layer, e, layout, allow_per_row)
+            tasks.append(Task(rel, layout.file_bytes, fill, sources=sources))
     return tasks
 
 
@@ -278,11 +279,9 @@ def _make_dst(dst: Path) -> bool:
 
 def _check_space(dst: Path, tasks: list[Task]) -> None:
     todo = sum(t.size for t in tasks if not (dst / t.rel).is_file() or (dst / t.rel).stat().st_size != t.size)
-    free = shutil.disk_usage(dst).free
-    if free < todo:
-        raise CheckpointError(
-            f"{dst}: not enough space: the conversion needs {todo / 2**30:.2f} GiB more, {free / 2**30:.2f} GiB free"
-        )
+    why = space_error(dst, todo)
+    if why:
+        raise CheckpointError(f"{dst}: not enough space for the conversion: {why}")
 
 
 def _make_dirs(dst: Path, tasks: list[Task]) -> None:

@@ -307,9 +307,8 @@ def tokenizer_config_json() -> bytes:
     return (json.dumps(cfg, indent=2) + "\n").encode()
 
 
-def synth_streamrt(
-    cfg: ModelConfig, out: Path, gen: Generator, *, workers: int, bar, allow_per_row: bool = False
-) -> dict:
+def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int, bar,
+                   allow_per_row: bool = False) -> dict:
     """Write a converted tree directly (no release on disk): dense files, expert files, manifest."""
     from streamrt.checkpoint.manifest import dense_files, write_manifest
     from streamrt.checkpoint.expert_file import ExpertLayout, write_expert_file
@@ -358,8 +357,11 @@ def synth_streamrt(
         (expert_task, (l, e)) for l in cfg.moe_layers for e in range(cfg.num_experts)
     ]
     _run_pool(lambda t: t[0](t[1]), tasks, workers)
-    for name, data in (("config.json", _config_json(cfg)), ("tiktoken.model", synthetic_bpe(cfg.vocab_size, gen.seed)),
-                       ("tokenizer_config.json", tokenizer_config_json())):
+    for name, data in (
+        ("config.json", _config_json(cfg)),
+        ("tiktoken.model", synthetic_bpe(cfg.vocab_size, gen.seed)),
+        ("tokenizer_config.json", tokenizer_config_json()),
+    ):
         size, d = write_bytes_atomic(out / name, data)
         files[name] = {"size": size, "blake2b": d}
     write_manifest(
@@ -412,8 +414,11 @@ def synth(
     if shards is not None and shards < 1:
         raise StreamrtError(f"--shards must be >= 1, got {shards}")
     specs = tensor_specs(cfg) + (vision_specs(cfg) if fmt == "release" else [])
-    release_bytes = sum(s.nbytes if s.dtype != "U8" else s.shape[0] * s.shape[1] for s in specs)
-    nbytes = release_bytes if fmt == "release" else streamrt_bytes(cfg)
+    nbytes = (
+        sum(s.nbytes if s.dtype != "U8" else s.shape[0] * s.shape[1] for s in specs)
+        if fmt == "release"
+        else streamrt_bytes(cfg)
+    )
     summary = {"config": cfg.name, "variant": cfg.variant, "format": fmt, "tensors": len(specs), "bytes": nbytes}
     if fmt == "release":
         shards = shards or default_shard_count(nbytes)
@@ -430,6 +435,8 @@ def synth(
         raise CheckpointError(f"{out}: --out exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
+    if not out.parent.exists():  # a typo must not build a tree of directories
+        raise CheckpointError(f"{out}: directory {out.parent} does not exist; create it first")
     _check_space(out, nbytes)  # before any directory is made: a refusal leaves nothing behind
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -437,8 +444,9 @@ def synth(
         raise CheckpointError(f"{out}: cannot create --out: {e.strerror or e}") from None
     gen = Generator(cfg, seed, skew, device)
     if workers is None:
-        cpus = os.cpu_count()
-        workers = min(6, cpus or 1) if gen.device.type == "cuda" else max(1, min(4, (cpus or 2) // 2))
+        workers = (
+            min(6, os.cpu_count() or 1) if gen.device.type == "cuda" else max(1, min(4, (os.cpu_count() or 2) // 2))
+        )
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -456,10 +464,8 @@ def _disable(progress: bool | None) -> bool | None:
 
 
 def _check_space(out: Path, need: int) -> None:
-    import shutil
+    from streamrt.output_paths import space_error
 
-    from streamrt.output_paths import nearest_existing
-
-    free = shutil.disk_usage(nearest_existing(out)).free  # out and its parents may not exist yet
-    if free < need:
-        raise CheckpointError(f"{out}: needs {need / 2**30:.1f} GiB, only {free / 2**30:.1f} GiB free")
+    why = space_error(out, need)  # out and its parents may not exist yet
+    if why:
+        raise CheckpointError(f"{out}: {why}")

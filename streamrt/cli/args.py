@@ -77,8 +77,8 @@ def parse_float(value: str, flag: str) -> float:
 
 
 def sampling_from_args(args: argparse.Namespace) -> Sampling:
-    """--max-new-tokens, --temperature, --top-p, --seed, --greedy, --ignore-eos, each checked
-    here so the error names the flag."""
+    """--max-new-tokens, --temperature, --top-p, --top-k, --min-p, --repetition-penalty, --seed,
+    --greedy, --ignore-eos, each checked here so the error names the flag."""
     n = parse_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
     t = parse_float(args.temperature, "--temperature")
     if t < 0:
@@ -87,7 +87,14 @@ def sampling_from_args(args: argparse.Namespace) -> Sampling:
     if not 0 < p <= 1:
         raise StreamrtError(f"--top-p must be in (0, 1], got {args.top_p}")
     seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
-    return Sampling(n, t, p, seed, bool(args.greedy) or t == 0, bool(getattr(args, "ignore_eos", False)))
+    k = parse_int(getattr(args, "top_k", "0"), "--top-k", -(1 << 62))
+    min_p = parse_float(getattr(args, "min_p", "0"), "--min-p")
+    if not 0 <= min_p <= 1:
+        raise StreamrtError(f"--min-p must be in [0, 1], got {args.min_p}")
+    rep = parse_float(getattr(args, "repetition_penalty", "1"), "--repetition-penalty")
+    if not rep > 0:
+        raise StreamrtError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    return Sampling(n, t, p, seed, bool(args.greedy) or t == 0, bool(getattr(args, "ignore_eos", False)), k, min_p, rep)
 
 
 def prefill_chunk(args: argparse.Namespace) -> int | None:

@@ -31,6 +31,8 @@ def _check_dst(dst: str) -> None:
         raise StreamrtError(f"{dst}: DST cannot be created: {e.strerror or e}") from None
     if not parent.is_dir():
         raise StreamrtError(f"{dst}: DST cannot be created: {parent} is not a directory")
+    if parent not in (path, path.parent):  # a typo must not build a tree of directories
+        raise StreamrtError(f"{dst}: directory {path.parent} does not exist; create it first")
     why = writable_dir_error(parent)
     if why:
         where = "DST" if parent == path else f"its parent {parent}"
@@ -107,8 +109,15 @@ def _synth(args: argparse.Namespace) -> int:
                                 "got 'auto'")
         check_device(args.device)
     s = synth(
-        args.config, args.out, seed=args.seed, skew=args.skew, fmt=args.format, dry_run=args.dry_run,
-        shards=args.shards, workers=args.workers, device=args.device,
+        args.config,
+        args.out,
+        seed=args.seed,
+        skew=args.skew,
+        fmt=args.format,
+        dry_run=args.dry_run,
+        shards=args.shards,
+        workers=args.workers,
+        device=args.device,
     )
     where = "would write" if args.dry_run else "wrote"
     extra = (f" ({s['text_tensors']:,} text) in {s['shards']} shards" if "shards" in s
@@ -128,9 +137,16 @@ def _convert(args: argparse.Namespace) -> int:
         if not str(value).strip():  # an unset shell variable: Path("") is the current directory
             raise StreamrtError(f"convert: {name} is empty; give a directory")
     _check_dst(args.dst)
-    convert(args.src, args.dst, workers=args.workers, allow_per_row=args.allow_per_row,
-            progress=False if args.no_progress else None, log=print, commit_threads=args.commit_threads,
-            verify_source=args.verify_source)
+    convert(
+        args.src,
+        args.dst,
+        workers=args.workers,
+        allow_per_row=args.allow_per_row,
+        progress=False if args.no_progress else None,
+        log=print,
+        commit_threads=args.commit_threads,
+        verify_source=args.verify_source,
+    )
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from streamrt import __version__
@@ -31,6 +32,10 @@ class _Parser(argparse.ArgumentParser):
     Sub-command parsers inherit this class (argparse's `parser_class` default)."""
 
     def error(self, message: str):
+        flag = re.fullmatch(r"argument (--[\w-]+).*: expected one argument", message)
+        if flag:  # `--host-mem -5G`: argparse takes the value for a flag, so name the flag and the way out
+            message = (f"{flag.group(1)} needs a value; one that starts with '-' is given as "
+                       f"{flag.group(1)}=VALUE")
         self.exit(2, f"streamrt: {message} (see {self.prog} --help)\n")
 
 

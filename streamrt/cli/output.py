@@ -18,11 +18,23 @@ from streamrt.api.session import GenStats
 # ---- run ------------------------------------------------------------------------------------
 
 
+def call_json(call: ToolCall, idx: int) -> dict:
+    """A tool call as `run` prints it, with the id the server gives it: `functions.NAME:IDX`,
+    IDX counting the conversation's calls from 0."""
+    return {"id": f"functions.{call.name}:{idx}", "name": call.name, "arguments": call.arguments}
+
+
+def prior_calls(messages: list[dict]) -> int:
+    """Tool calls already in the conversation: the first new call's IDX."""
+    return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
+
+
 class StreamPrinter:
     """Chat events -> terminal: response text as it comes, thinking on request, calls as JSON."""
 
-    def __init__(self, out: TextIO, *, show_thinking: bool):
+    def __init__(self, out: TextIO, *, show_thinking: bool, call_base: int = 0):
         self.out = out
+        self.next_call = call_base
         self.show_thinking = show_thinking
         self.in_think = False
         self.at_line_start = True
@@ -52,8 +64,8 @@ class StreamPrinter:
             self._end_think()
             if not self.at_line_start:
                 self._write("\n")
-            call = {"name": e.name, "index": e.index, "arguments": e.arguments}
-            self._write(dumps_text({"tool_call": call}) + "\n")
+            self._write(dumps_text({"tool_call": call_json(e, self.next_call)}) + "\n")
+            self.next_call += 1
 
     def finish(self) -> None:
         self._end_think()
@@ -62,13 +74,13 @@ class StreamPrinter:
 
 
 
-def reply_json(name: str, reply: Reply, stats: GenStats) -> str:
+def reply_json(name: str, reply: Reply, stats: GenStats, call_base: int = 0) -> str:
     return dumps_text(
         {
             "model": name,
             "thinking": reply.thinking,
             "content": reply.content,
-            "tool_calls": [{"name": c.name, "index": c.index, "arguments": c.arguments} for c in reply.tool_calls],
+            "tool_calls": [call_json(c, call_base + n) for n, c in enumerate(reply.tool_calls)],
             "parse_errors": reply.errors,
             "finish_reason": "tool_calls" if reply.tool_calls else ("length" if reply.truncated else stats.stop),
             "stats": {**asdict(stats), "decode_tok_s": stats.decode_rate},
@@ -76,9 +88,20 @@ def reply_json(name: str, reply: Reply, stats: GenStats) -> str:
     )
 
 
+def cut_note(stats: GenStats, sampling: Sampling) -> str | None:
+    """Why a reply ended without its stop token: the token budget, or the model's context."""
+    if stats.stop != "length":
+        return None
+    if stats.new_tokens >= sampling.max_new_tokens:
+        return f"reply cut at --max-new-tokens {sampling.max_new_tokens}"
+    return (f"reply cut at the model's context: prompt {stats.prompt_tokens} + reply {stats.new_tokens} tokens "
+            f"reach its limit of {stats.prompt_tokens + stats.new_tokens} (max_position_embeddings)")
+
+
 def report(reply: Reply, stats: GenStats, sampling: Sampling) -> None:
-    if reply.truncated:
-        print(f"streamrt: reply cut at --max-new-tokens {sampling.max_new_tokens}", file=sys.stderr)
+    note = cut_note(stats, sampling)
+    if note and (reply.truncated or stats.new_tokens < sampling.max_new_tokens):
+        print(f"streamrt: {note}", file=sys.stderr)
     if reply.errors:
         print(
             f"streamrt: {len(reply.errors)} malformed frame(s) in the model output (first: {reply.errors[0]})",

@@ -18,7 +18,7 @@ from streamrt.chat import ChatParser, ParseError, Reply, encode_chat, load_messa
 from streamrt.cli import selfcheck
 from streamrt.cli.args import (Sampling, check_runtime_flags, open_session, parse_int, prefill_chunk, read_user_line,
                                sampling_from_args, user_text)
-from streamrt.cli.output import StreamPrinter, report, reply_json
+from streamrt.cli.output import StreamPrinter, cut_note, prior_calls, report, reply_json
 from streamrt.errors import StreamrtError
 from streamrt.runtime.options import add_runtime_flags
 
@@ -48,6 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sampling temperature >= 0 (default 0: greedy, the same answer every time; "
                         "> 0 samples with --top-p and --seed)")
     p.add_argument("--top-p", default="0.95", metavar="P", help="nucleus mass in (0, 1] (default 0.95)")
+    p.add_argument("--top-k", default="0", metavar="K",
+                   help="keep the K most probable tokens (default 0: off; as vLLM's)")
+    p.add_argument("--min-p", default="0", metavar="P",
+                   help="drop tokens below P times the most probable one's probability, P in [0, 1] (default 0: off)")
+    p.add_argument("--repetition-penalty", default="1", metavar="R",
+                   help="> 0: logits of tokens in the prompt or reply divided by R when positive, multiplied "
+                        "when negative (default 1: off; as vLLM's and llama-server's)")
     p.add_argument("--seed", default="0", metavar="S", help="sampling seed (default 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -142,10 +149,13 @@ def _run(session, history, tools, sampling, thinking, args) -> int:
     ids = encode_chat(session.tokenizer, history, tools, thinking=thinking,
                       thinking_effort=session.chat.thinking_effort)
     ids = fit_context(ids, session.context, getattr(args, "truncate", None), sampling.max_new_tokens)
-    printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
+    base = prior_calls(history)
+    printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking, call_base=base)
     reply, stats = _one_reply(session, ids, sampling, thinking, printer)
     if args.json:
-        print(reply_json(session.name, reply, stats))
+        print(reply_json(session.name, reply, stats, base))
+        if (note := cut_note(stats, sampling)) and stats.new_tokens < sampling.max_new_tokens:
+            print(f"streamrt: {note}", file=sys.stderr)  # the context, which --json's "length" does not tell
     else:
         report(reply, stats, sampling)
     return 0
@@ -193,7 +203,8 @@ def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int
             history.pop()
             print(f"streamrt: {exc}; line ignored", file=sys.stderr, flush=True)
             continue
-        printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking)
+        calls = prior_calls(history)
+        printer = None if args.json else StreamPrinter(sys.stdout, show_thinking=args.show_thinking, call_base=calls)
         try:
             reply, stats = _one_reply(session, ids, sampling, thinking, printer)
         except KeyboardInterrupt:  # the reply, not the session: drop the unanswered question
@@ -204,7 +215,7 @@ def _chat_loop(session, history, sampling, thinking, args, stdin: TextIO) -> int
             continue
         history.append(reply.to_message())
         if args.json:
-            print(reply_json(session.name, reply, stats), flush=True)
+            print(reply_json(session.name, reply, stats, calls), flush=True)
         else:
             report(reply, stats, sampling)
     return 0

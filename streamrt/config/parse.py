@@ -9,6 +9,7 @@ and nowhere else.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Iterable
 
 from streamrt.config.fields import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, MAX_MODEL_BYTES, MAX_VOCAB, Fields, few, show
@@ -142,8 +143,11 @@ def _expert_geometry(t: Fields, n_exp: int, topk: int) -> dict[str, int]:
     if topk_group > n_group:
         raise t.err("topk_group", f"{topk_group} exceeds num_expert_group {n_group}")
     if topk_group * (n_exp // n_group) < topk:
-        raise t.err("topk_group", f"{topk_group} groups of {n_exp // n_group} experts hold fewer than the "
-                                  f"{topk} experts a token takes (num_experts_per_token)")
+        raise t.err(
+            "topk_group",
+            f"{topk_group} groups of {n_exp // n_group} experts hold fewer than the "
+            f"{topk} experts a token takes (num_experts_per_token)",
+        )
     routed_hidden = t.int("routed_expert_hidden_size", max_value=MAX_DIM)
     moe_inter = t.int("moe_intermediate_size", max_value=MAX_DIM)
     for key, v in (("routed_expert_hidden_size", routed_hidden), ("moe_intermediate_size", moe_inter)):
@@ -243,10 +247,24 @@ def _moe_fields(t: Fields) -> dict[str, Any]:
     }
 
 
+_WARNED: set[str] = set()
+
+
 def _vision_config(w: Fields) -> VisionConfig | None:
+    """The vision geometry, which only synth and inspect use (streamrt never runs the tower):
+    a field missing or malformed there is a warning and no geometry, never a refused release."""
     if not w.has("vision_config"):
         return None
-    v = w.sub("vision_config")
+    try:
+        return _vision_geometry(w.sub("vision_config"))
+    except ConfigError as e:
+        if str(e) not in _WARNED:
+            _WARNED.add(str(e))
+            print(f"streamrt: warning: {e}; ignored (streamrt does not run the vision tower)", file=sys.stderr)
+        return None
+
+
+def _vision_geometry(v: Fields) -> VisionConfig:
     merge = v.d.get("merge_kernel_size", [2, 2])
     if not (
         isinstance(merge, list)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from streamrt.checkpoint.names import dense_layer_specs, global_specs
 from streamrt.config import ModelConfig
+from streamrt.output_paths import human_bytes
 from streamrt.errors import StreamrtError
 from streamrt.plan.budget import GIB, expert_bytes_nvfp4, kda_state_scalars, kv_cache_bytes_per_token
 
@@ -88,8 +89,9 @@ def layer_dense_bytes(cfg: ModelConfig) -> tuple[int, ...]:
 
 def router_bytes(cfg: ModelConfig) -> int:
     """Every layer's router (gate weight and score-correction bias): always resident."""
-    return sum(s.nbytes for i in range(cfg.num_layers) for s in dense_layer_specs(cfg, i)
-               if s.name.endswith(ROUTER_SUFFIXES))
+    return sum(
+        s.nbytes for i in range(cfg.num_layers) for s in dense_layer_specs(cfg, i) if s.name.endswith(ROUTER_SUFFIXES)
+    )
 
 
 def min_expert_slots(cfg: ModelConfig, batch: int = 1) -> int:
@@ -97,8 +99,9 @@ def min_expert_slots(cfg: ModelConfig, batch: int = 1) -> int:
     return MIN_SLOT_LAYERS * min(cfg.num_experts, batch * cfg.experts_per_token)
 
 
-def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, batch: int = 1,
-                   buffers: int = STREAM_BUFFERS) -> Placement:
+def plan_placement(
+    cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, batch: int = 1, buffers: int = STREAM_BUFFERS
+) -> Placement:
     """The placement for a card with `gpu_bytes` free; StreamrtError naming the shortfall when
     even streaming every layer cannot fit the working buffers."""
     if gpu_bytes <= 0:
@@ -106,8 +109,9 @@ def plan_placement(cfg: ModelConfig, gpu_bytes: int, *, context: int = 4096, bat
     if context < 1 or batch < 1:
         raise StreamrtError(f"context and batch must be >= 1, got {context} and {batch}")
     if buffers < 2:
-        raise StreamrtError("dense streaming needs at least 2 device buffers (layer l+1 copies while l computes), "
-                            f"got {buffers}")
+        raise StreamrtError(
+            f"dense streaming needs at least 2 device buffers (layer l+1 copies while l computes), got {buffers}"
+        )
     glob = {s.name.rsplit(".", 2)[-2]: s.nbytes for s in global_specs(cfg)}
     embed = glob.pop("embed_tokens")
     layers = layer_dense_bytes(cfg)
@@ -150,14 +154,13 @@ def _resident_prefix(cfg: ModelConfig, gpu_bytes: int, fixed: dict, layers: list
     fits = [r for r in range(n + 1) if need[r] <= gpu_bytes]
     if not fits:
         r = min(range(n + 1), key=need.__getitem__)
-        parts = {**fixed, "stream buffers": buffers * suffix_max[r]}
-        if r:
-            parts["dense of resident layers"] = prefix[r]
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+        parts = {"dense of resident layers": prefix[r]} if r else {}
+        parts = {**fixed, "stream buffers": buffers * suffix_max[r], **parts}
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
         raise StreamrtError(
-            f"{cfg.name} cannot run in {gpu_bytes / GIB:.1f} GiB of GPU memory even streaming every layer: "
-            f"it needs {need[r] / GIB:.1f} GiB ({parts} GiB) at context {context}; "
-            f"{(need[r] - gpu_bytes) / GIB:.1f} GiB short"
+            f"{cfg.name} cannot run in {human_bytes(gpu_bytes)} of GPU memory even streaming every layer: "
+            f"it needs {human_bytes(need[r])} ({parts}) at context {context}; "
+            f"{human_bytes(need[r] - gpu_bytes)} short"
         )
     return max(fits), prefix, suffix_max, need
 
@@ -168,22 +171,37 @@ def describe(cfg: ModelConfig, p: Placement, link_gbps: float, hbm_gbps: float) 
     n_res, n_str = len(p.resident_layers), len(p.streamed_layers)
     return [
         ("GPU memory", f"{p.gpu_bytes / GIB:,.1f} GiB (context {p.context:,} tokens)"),
-        ("resident", f"lm_head and norms {p.fixed_bytes['lm_head and norms'] / GIB:.2f} GiB, routers "
-                     f"{p.fixed_bytes['routers'] / GIB:.2f} GiB, caches "
-                     f"{(p.fixed_bytes['KV cache'] + p.fixed_bytes['KDA state']) / GIB:.2f} GiB, "
-                     f"dense of {n_res} layers "
-                     f"{p.resident_dense_bytes / GIB:.2f} GiB"),
-        ("streamed per layer", f"{n_str} layers, {p.streamed_bytes_per_token / GIB:.2f} GiB per token"
-                               + (f" (layers {layer_ranges(p.streamed_layers)}; {p.buffers} device buffers "
-                                  f"{p.fixed_bytes['stream buffers'] / GIB:.2f} GiB)" if n_str else "")),
-        ("expert slots", f"{p.expert_slots:,} of {cfg.expert_files:,} "
-                         f"({p.expert_slots * expert_bytes_nvfp4(cfg) / GIB:.1f} GiB)"),
-        ("host memory", ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.host_bytes.items())
-         + ", plus the expert store"),
-        (f"projected @ {link_gbps:g} GB/s link",
-         f"{proj['s_per_token']:.3f} s/token (link {proj['link_s']:.3f} s: "
-         f"{p.link_bytes_per_token(cfg) / GIB:.2f} GiB/token with uniform expert hits; "
-         f"compute floor {proj['compute_floor_s']:.3f} s at {hbm_gbps:g} GB/s HBM)"),
+        (
+            "resident",
+            f"lm_head and norms {p.fixed_bytes['lm_head and norms'] / GIB:.2f} GiB, routers "
+            f"{p.fixed_bytes['routers'] / GIB:.2f} GiB, caches "
+            f"{(p.fixed_bytes['KV cache'] + p.fixed_bytes['KDA state']) / GIB:.2f} GiB, dense of {n_res} layers "
+            f"{p.resident_dense_bytes / GIB:.2f} GiB",
+        ),
+        (
+            "streamed per layer",
+            f"{n_str} layers, {p.streamed_bytes_per_token / GIB:.2f} GiB per token"
+            + (
+                f" (layers {layer_ranges(p.streamed_layers)}; {p.buffers} device buffers "
+                f"{p.fixed_bytes['stream buffers'] / GIB:.2f} GiB)"
+                if n_str
+                else ""
+            ),
+        ),
+        (
+            "expert slots",
+            f"{p.expert_slots:,} of {cfg.expert_files:,} ({p.expert_slots * expert_bytes_nvfp4(cfg) / GIB:.1f} GiB)",
+        ),
+        (
+            "host memory",
+            ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.host_bytes.items()) + ", plus the expert store",
+        ),
+        (
+            f"projected @ {link_gbps:g} GB/s link",
+            f"{proj['s_per_token']:.3f} s/token (link {proj['link_s']:.3f} s: "
+            f"{p.link_bytes_per_token(cfg) / GIB:.2f} GiB/token with uniform expert hits; "
+            f"compute floor {proj['compute_floor_s']:.3f} s at {hbm_gbps:g} GB/s HBM)",
+        ),
     ]
 
 

@@ -121,7 +121,7 @@ class RuntimeStats:
 def write_stats_json(path: str | Path, payload: dict) -> None:
     """Atomically (temp name + rename): the file is the old one or the whole new one; a write
     failure is one CheckpointError naming the path. `run` checks the path before it starts
-    (fileio.check_output_path), so this only fails if the disk changed meanwhile."""
+    (output_paths.check_output_path), so this only fails if the disk changed meanwhile."""
     from streamrt.fileio import atomic_write
 
     atomic_write(path, json.dumps(payload, indent=2) + "\n")

@@ -63,6 +63,9 @@ class Job:
     stop_ids: frozenset[int]
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -176,7 +179,8 @@ class Engine:
             total += len(piece)
         last = [job.tokens[-1] for job in self.rows]
         t0 = time.perf_counter()
-        decoded, prefilled = await self.runner.step(last, self.cache, [(piece, p.cache) for p, piece in zip(going, pieces)])
+        work = [(piece, p.cache) for p, piece in zip(going, pieces)]
+        decoded, prefilled = await self.runner.step(last, self.cache, work)
         seconds = time.perf_counter() - t0
         if self.rows:
             self.steps += 1
@@ -210,8 +214,9 @@ class Engine:
                 self._close(job, Finished("cancelled"))
             return False
         try:
-            logits = apply_penalties(logits, job.tokens, job.presence_penalty, job.frequency_penalty)
-            tok = sample(logits, job.temperature, job.top_p, job.generator)
+            logits = apply_penalties(logits, job.tokens, job.presence_penalty, job.frequency_penalty,
+                                     job.repetition_penalty, job.ids)
+            tok = sample(logits, job.temperature, job.top_p, job.generator, job.top_k, job.min_p)
         except Exception as exc:  # this row's sampling only: its companions go on
             log.exception("streamrt serve: sampling failed")
             self._fail(job, f"generation failed ({type(exc).__name__}: {exc})")

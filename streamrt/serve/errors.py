@@ -43,6 +43,10 @@ def from_validation(exc: ValidationError) -> ApiError:
         why = bad[0].get("ctx", {}).get("error", "")
         return ApiError(400, f"request body is not valid JSON ({why})" if why else "request body is not valid JSON",
                         code="invalid_json")
+    unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+    if unknown:  # OpenAI's own words for it
+        return ApiError(400, f"Unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
+                        f"{', '.join(unknown)}", param=unknown[0], code="unknown_parameter")
     param, msg, kind = first_error(exc)
     if kind == "missing":
         return ApiError(400, f"missing required field {param!r}", param=param, code="missing_required_parameter")
@@ -61,7 +65,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type=kind), exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(error_body(str(exc.detail), type=kind), exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):

@@ -106,7 +106,8 @@ def token_limit(state: ServerState, prompt: int, asked: int | None, field: str, 
 
 def submit(state: ServerState, ids: list[int], req, limit: int) -> Job:
     job = Job(ids, limit, frozenset(state.tokenizer.stop_ids), temperature=req.temperature, top_p=req.top_p,
-              seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+              top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
     try:
         state.engine.submit(job)
     except QueueFull as exc:

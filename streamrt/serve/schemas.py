@@ -5,7 +5,9 @@ conversion; null is the default where OpenAI allows it); fields the API has and 
 does not implement are accepted at their no-op values (`logprobs` false, `logit_bias` {},
 `best_of` 1, ...) and any other value is a 400 naming the field, so an answer never
 silently ignores what was asked; `presence_penalty` and `frequency_penalty` apply as
-OpenAI's; `response_format` is prompted through the template, as tool_choice is. Unknown fields are ignored, as OpenAI's own server does. Responses are the
+OpenAI's, `top_k`, `min_p` and `repetition_penalty` as vLLM's; `response_format` is prompted
+through the template, as tool_choice is. An unknown top-level field is a 400 naming it, as
+OpenAI's own server answers (nested objects ignore theirs, as clients echo fields). Responses are the
 shapes the official client parses: `reasoning_content` beside `content`, tool calls with
 `functions.NAME:IDX` ids and arguments as a JSON string.
 """
@@ -23,6 +25,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+_CLOSED = ConfigDict(extra="forbid")  # a request body: a field it does not know is a 400
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
@@ -155,15 +160,31 @@ class _Sampling(_Strict):
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # over the generated tokens, as OpenAI's
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    # accepted at its no-op value only
+    top_k: int = 0  # vLLM's and llama-server's: <= 0 (vLLM's -1) keeps every token
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # relative to the most probable token
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # over prompt and output, as vLLM's
+    # accepted at their no-op values only
     logit_bias: dict[str, float] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel_ok(cls, v: bool | None) -> bool | None:
+        return v if v is not False else _unsupported(v, "the model may call several tools; send true or leave it out")
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, v: bool | None) -> bool | None:
+        return v if not v else _unsupported(v)
 
     @field_validator("logit_bias")
     @classmethod
     def _no_bias(cls, v: dict | None) -> dict | None:
         return v if not v else _unsupported(v)
 
-    @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", mode="before")
+    @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty", mode="before")
     @classmethod
     def _null_is_default(cls, v, info: ValidationInfo):
         # OpenAI's API takes null for these (clients that serialize None send it)
@@ -205,6 +226,7 @@ class ChatPrompt(_Strict):
 
 
 class ChatRequest(_Sampling, ChatPrompt):
+    model_config = _CLOSED
     max_completion_tokens: int | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
@@ -244,6 +266,7 @@ class ChatRequest(_Sampling, ChatPrompt):
 
 
 class CompletionRequest(_Sampling):
+    model_config = _CLOSED
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
     best_of: int | None = None

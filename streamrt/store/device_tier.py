@@ -20,6 +20,7 @@ from typing import Callable
 
 from torch import Tensor
 
+from streamrt.output_paths import human_bytes
 from streamrt.errors import StreamrtError
 from streamrt.store.keys import ExpertKey
 from streamrt.store.policies import Policy
@@ -36,7 +37,7 @@ class DeviceTier:
             self.slab = device.alloc_slab(slots, slot_bytes)  # [M, file_bytes] uint8
         except RuntimeError:  # torch's out-of-memory (a traceback otherwise)
             raise StreamrtError(f"--gpu-experts {slots}: cannot allocate {slots} x {slot_bytes}-byte expert slots "
-                                f"({slots * slot_bytes / (1 << 30):.1f} GiB) on {device.kind}; lower --gpu-experts "
+                                f"({human_bytes(slots * slot_bytes)}) on {device.kind}; lower --gpu-experts "
                                 f"or --gpu-mem") from None
         self._slot_of: dict[ExpertKey, int] = {}
         self._key_of: list[ExpertKey | None] = [None] * slots

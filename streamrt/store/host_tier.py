@@ -198,20 +198,20 @@ def choose_host_tier(mode: str, expert_bytes: int, host_mem: int | None,
     without it, in the memory available now), else the pool under --host-mem (or half of what
     is available). `mode` is RuntimeOptions.host_tier, checked there. A pool under a --host-mem
     above `available` is refused."""
-    gib = 1 << 30
+    from streamrt.output_paths import human_bytes as hb
+
     room, named = (host_mem, "--host-mem") if host_mem is not None else (available, "available memory")
     fits = room is None or expert_bytes <= room
     if mode == "mapped" or (mode == "auto" and fits):
         why = "--host-tier mapped" if mode == "mapped" else (
-            f"{expert_bytes / gib:.1f} GiB of experts fit in {named} {room / gib:.1f} GiB" if room is not None
+            f"{hb(expert_bytes)} of experts fit in {named} {hb(room)}" if room is not None
             else "memory size unknown")
         return "mapped", None, why
     budget = host_mem if host_mem is not None else int(POOL_SHARE_OF_AVAILABLE * (available or 0))
     budget = min(budget, expert_bytes)
     if host_mem is not None and available is not None and budget > available:
         # the pool is anonymous (on CUDA page-locked) memory, all of it touched: past RAM it is the OOM killer
-        raise StreamrtError(f"--host-mem {budget / gib:.1f} GiB of pool buffers is more than the {available / gib:.1f} "
-                            f"GiB of memory available; lower --host-mem")
-    why = ("--host-tier pool" if mode == "pool"
-           else f"{expert_bytes / gib:.1f} GiB of experts > {named} {room / gib:.1f} GiB")
+        raise StreamrtError(f"--host-mem {hb(budget)} of pool buffers is more than the {hb(available)} "
+                            f"of memory available; lower --host-mem")
+    why = "--host-tier pool" if mode == "pool" else f"{hb(expert_bytes)} of experts > {named} {hb(room)}"
     return "pool", budget, why

@@ -29,6 +29,7 @@ from typing import Callable
 
 from torch import Tensor
 
+from streamrt.output_paths import human_bytes
 from streamrt.errors import StreamrtError
 from streamrt.store.keys import ExpertKey
 from streamrt.store.policies import FrequencyMRU
@@ -70,7 +71,7 @@ class PoolTier:
             self.arena, self.registered = device.alloc_host_arena(self.bytes_allocated)
         except (OSError, RuntimeError) as e:  # ENOMEM from mmap, or the page-locking refused
             raise StreamrtError(f"--host-mem {budget_bytes} bytes: cannot allocate the {count} pool buffers "
-                                f"({self.bytes_allocated / (1 << 30):.1f} GiB): {getattr(e, 'strerror', None) or e}; "
+                                f"({human_bytes(self.bytes_allocated)}): {getattr(e, 'strerror', None) or e}; "
                                 f"lower --host-mem") from None
         self._views = [self.arena[i * file_bytes:(i + 1) * file_bytes] for i in range(count)]
         self._mem = memoryview(self.arena.numpy())  # what the reader threads write through
