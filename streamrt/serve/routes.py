@@ -267,11 +267,12 @@ def _delta_chunks(head: dict, piece) -> list[S.ChatCompletionChunk]:
     if piece.kind == "content":
         return [chunk(content=piece.text)]
     c = piece.call
-    return [
-        chunk(tool_calls=[S.ToolCallOut(index=c["index"], id=c["id"], type="function",
-                                        function=S.FunctionCallOut(name=c["name"], arguments=""))]),
-        chunk(tool_calls=[S.ToolCallOut(index=c["index"], function=S.FunctionCallOut(arguments=c["arguments"]))]),
-    ]
+    if piece.kind == "call":  # the header as soon as the name is known; arguments follow as written
+        return [chunk(tool_calls=[S.ToolCallOut(index=c["index"], id=c["id"], type="function",
+                                                function=S.FunctionCallOut(name=c["name"], arguments=""))])]
+    if piece.kind == "arguments":
+        return [chunk(tool_calls=[S.ToolCallOut(index=c["index"], function=S.FunctionCallOut(arguments=piece.text))])]
+    return []
 
 
 async def _chat_events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict,
