@@ -43,6 +43,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.buf = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string hit
 
     def feed(self, text: str) -> str:
         if self.hit:
@@ -50,8 +51,9 @@ class StopMatcher:
         if not self.stops:
             return text
         self.buf += text
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             out, self.buf, self.hit = self.buf[:cut], "", True
             return out
         keep = 0

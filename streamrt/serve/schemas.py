@@ -5,9 +5,10 @@ conversion; null is the default where OpenAI allows it); fields the API has and 
 does not implement are accepted at their no-op values (`logprobs` false, `logit_bias` {},
 `best_of` 1, ...) and any other value is a 400 naming the field, so an answer never
 silently ignores what was asked; `presence_penalty` and `frequency_penalty` apply as
-OpenAI's; `response_format` is prompted through the template, as tool_choice is. Unknown fields are ignored, as OpenAI's own server does. Responses are the
-shapes the official client parses: `reasoning_content` beside `content`, tool calls with
-`functions.NAME:IDX` ids and arguments as a JSON string.
+OpenAI's; `response_format` is prompted through the template, as tool_choice is. Unknown
+fields are ignored, as OpenAI's own server does. Responses are the shapes the official client
+parses: `reasoning_content` beside `content`, tool calls with `functions.NAME:IDX` ids and
+arguments as a JSON string. `reasoning_effort` picks the template's thinking effort.
 """
 
 from __future__ import annotations
@@ -195,6 +196,11 @@ class _Sampling(_Strict):
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 
+    def sampling(self) -> dict:
+        """The request's sampling, as the engine's Job takes it."""
+        return dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+
 
 class ChatPrompt(_Strict):
     """The conversation a chat prompt is rendered from: a request's, and the whole of
@@ -209,6 +215,7 @@ class ChatRequest(_Sampling, ChatPrompt):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     thinking: bool = True  # streamrt extension: False answers without the think channel
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -241,6 +248,18 @@ class ChatRequest(_Sampling, ChatPrompt):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def effort(self) -> str | None:
+        return thinking_effort(self.reasoning_effort)
+
+
+# OpenAI's reasoning efforts -> the template's thinking efforts (low, medium, high, max); none: the model's default
+_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
+
+
+def thinking_effort(effort: str | None) -> str | None:
+    return _EFFORTS.get(effort) if effort else None
 
 
 class CompletionRequest(_Sampling):
