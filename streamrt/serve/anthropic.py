@@ -8,7 +8,9 @@ tool calls. `tool_choice` auto / any / tool / none maps to auto / required / the
 / none. `thinking` absent or enabled: the model thinks (as it was trained); disabled: it answers
 without the think channel. The reply is thinking, text and tool_use blocks, or with
 `stream: true` Anthropic's SSE events, tool input streamed as `input_json_delta` as it is
-written. Refused (a 400 naming the field): image and document blocks, server tools, `top_k`.
+written. `output_config.effort` picks the template's thinking effort (absent: the model's
+default), `output_config.format` is prompted as chat's json_schema response_format. Refused
+(a 400 naming the field): image and document blocks, server tools, `top_k`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from streamrt.serve.errors import ApiError, anthropic_body
 from streamrt.serve.replies import ChatReply, Piece
 from streamrt.serve.routes import (ChatTurn, ServerState, _Fed, check_model, parse_body, render_turn, run_to_end,
                                    stream_response, submit, token_limit, watch_disconnect)
-from streamrt.serve.schemas import _Strict, _unsupported
+from streamrt.serve.schemas import _Strict, _unsupported, thinking_effort
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -106,6 +108,16 @@ class Thinking(_Strict):
     budget_tokens: int | None = None  # accepted; the think channel is not cut at it
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # the template's thinking effort
+    format: OutputFormat | None = None  # prompted through the template, as chat's response_format
+
+
 class CountTokensRequest(_Strict):
     model: str
     messages: list[InputMessage] = Field(min_length=1)
@@ -113,6 +125,7 @@ class CountTokensRequest(_Strict):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -186,7 +199,9 @@ def to_turn(req: CountTokensRequest) -> ChatTurn:
     choice, named = _tool_choice(req)
     thinking = req.thinking is None or req.thinking.type != "disabled"
     stops = list(getattr(req, "stop_sequences", None) or [])
-    return ChatTurn(messages, tools, choice, named, thinking, None, None, stops, origins=origins)
+    out = req.output_config or OutputConfig()
+    fmt = {"type": "json_schema", "json_schema": {"schema": out.format.schema_}} if out.format else None
+    return ChatTurn(messages, tools, choice, named, thinking, thinking_effort(out.effort), fmt, stops, origins=origins)
 
 
 def _tool_choice(req: CountTokensRequest) -> tuple[str | None, str | None]:
