@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+from pydantic import ValidationError
 
 pytest.importorskip("fastapi")
 
@@ -221,3 +222,35 @@ def test_more_messages_than_the_context_is_refused_before_rendering(tok):
 def test_field_path():
     assert field_path(("messages", 0, "role")) == "messages[0].role"
     assert field_path(("messages", 2, "content", "list[TextPart]", 1, "text")) == "messages[2].content[1].text"
+
+
+@pytest.mark.parametrize("asked, rendered", [(None, "max"), ("none", "max"), ("low", "low"), ("minimal", "low"),
+                                             ("medium", "medium"), ("high", "high"), ("xhigh", "max")])
+def test_reasoning_effort_picks_the_thinking_effort_and_none_the_models_default(tok, asked, rendered):
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=2048, metrics=None,
+                        thinking_effort="max")  # a real K3 tree's default
+    body = {"model": "m", "messages": [USER]} | ({"reasoning_effort": asked} if asked else {})
+    ids, _ = render_chat(state, S.ChatRequest.model_validate(body))
+    assert ids == encode_chat(tok, [USER], thinking_effort=rendered)
+    assert f"thinking_effort={rendered}`" in tok.decode(ids)
+    with pytest.raises(ValidationError) as e:
+        S.ChatRequest.model_validate({**body, "reasoning_effort": "extreme"})
+    assert from_validation(e.value).param == "reasoning_effort"
+
+
+def test_reasoning_content_sent_back_renders_as_the_reference_encoder_does(tok):
+    """An agent sends the assistant's tool-call turn back with its reasoning (either name): it renders
+    inside the think frame, as `render` (checked against the reference encoder) renders it."""
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=2048, metrics=None)
+    call = {"id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    result = {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "26 C"}
+    for key in ("reasoning_content", "reasoning"):
+        turn = {"role": "assistant", "content": None, key: "I need the weather.", "tool_calls": [call]}
+        req = S.ChatRequest.model_validate({"model": "m", "messages": [USER, turn, result], "tools": [WEATHER_TOOL]})
+        ids, reply = render_chat(state, req)
+        want = {"role": "assistant", "content": "", "reasoning_content": "I need the weather.",
+                "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+        assert ids == encode_chat(tok, [USER, want, {"role": "tool", "name": "get_weather", "content": "26 C"}],
+                                  [WEATHER_TOOL])
+        assert "I need the weather." in tok.decode(ids) and reply.call_base == 1

@@ -27,8 +27,8 @@ from streamrt.jsonio import loads_text
 from streamrt.serve.engine import EngineError, Job
 from streamrt.serve.errors import ApiError, anthropic_body
 from streamrt.serve.replies import ChatReply, Piece
-from streamrt.serve.routes import (ChatTurn, ServerState, _Fed, check_model, parse_body, render_turn, run_to_end,
-                                   stream_response, submit, token_limit, watch_disconnect)
+from streamrt.serve.routes import (ChatTurn, Fed, ServerState, check_model, count_unmet, parse_body, render_turn,
+                                   run_to_end, stream_response, submit, token_limit, watch_disconnect)
 from streamrt.serve.schemas import _Strict, _unsupported, thinking_effort
 
 # ---- requests -------------------------------------------------------------------------------
@@ -236,11 +236,12 @@ async def messages(state: ServerState, request: Request):
     job = submit(state, ids, req.sampling(), token_limit(state, len(ids), req.max_tokens, "max_tokens", "messages"))
     head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": state.model_id}
     if req.stream:
-        return stream_response(_events(request, job, reply, head))
+        return stream_response(_events(state, request, job, reply, head))
     reason = await run_to_end(request, job, reply)
     if reason is None:
         return JSONResponse(anthropic_body(499, "client disconnected"), 499)
     reply.finish(reason)
+    count_unmet(state, reply)
     content = []
     if reply.reasoning:
         content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
@@ -304,14 +305,14 @@ class _Blocks:
         return [event("content_block_stop", {"index": self.index})]
 
 
-async def _events(request: Request, job: Job, reply: ChatReply, head: dict):
+async def _events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict):
     gone = watch_disconnect(request, job)
     try:
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                  "usage": {**_usage(job), "output_tokens": 0}}
         yield event("message_start", {"message": start})
         yield event("ping", {})
-        blocks, run = _Blocks(), _Fed()
+        blocks, run = _Blocks(), Fed()
         try:
             async for pieces in run.feed(job, reply):
                 for piece in pieces:
@@ -327,6 +328,7 @@ async def _events(request: Request, job: Job, reply: ChatReply, head: dict):
                 yield e
         for e in blocks.stop():
             yield e
+        count_unmet(state, reply)
         reason, sequence = _stop_reason(reply, run.reason)
         yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                       "usage": {"output_tokens": len(job.tokens)}})

@@ -25,8 +25,8 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from streamrt.serve.engine import EngineError, Job
 from streamrt.serve.errors import ApiError, error_body
 from streamrt.serve.replies import ChatReply, Piece
-from streamrt.serve.routes import (ChatTurn, ServerState, _Fed, check_model, parse_body, render_turn, run_to_end,
-                                   stream_response, submit, token_limit, watch_disconnect)
+from streamrt.serve.routes import (ChatTurn, Fed, ServerState, check_model, count_unmet, parse_body, render_turn,
+                                   run_to_end, stream_response, submit, token_limit, watch_disconnect)
 from streamrt.serve.schemas import ResponseFormat, _Strict, _unsupported, thinking_effort
 
 # ---- requests -------------------------------------------------------------------------------
@@ -241,11 +241,12 @@ async def responses(state: ServerState, request: Request):
                  token_limit(state, len(ids), req.max_output_tokens, "max_output_tokens", "input"))
     out = _Output(req, state.model_id, job)
     if req.stream:
-        return stream_response(_events(request, job, reply, out))
+        return stream_response(_events(state, request, job, reply, out))
     reason = await run_to_end(request, job, reply)
     if reason is None:
         return JSONResponse(error_body("client disconnected", type="invalid_request_error"), 499)
     reply.finish(reason)
+    count_unmet(state, reply)
     return JSONResponse(out.response(reply, reason))
 
 
@@ -368,13 +369,13 @@ class _Stream:
         return out
 
 
-async def _events(request: Request, job: Job, reply: ChatReply, out: _Output):
+async def _events(state: ServerState, request: Request, job: Job, reply: ChatReply, out: _Output):
     gone = watch_disconnect(request, job)
     s = _Stream(out)
     try:
         yield s.event("response.created", response=out.snapshot("in_progress"))
         yield s.event("response.in_progress", response=out.snapshot("in_progress"))
-        run = _Fed()
+        run = Fed()
         try:
             async for pieces in run.feed(job, reply):
                 for piece in pieces:
@@ -391,6 +392,7 @@ async def _events(request: Request, job: Job, reply: ChatReply, out: _Output):
                 yield e
         for e in s.stop():
             yield e
+        count_unmet(state, reply)
         final = out.response(reply, run.reason)
         final["output"] = s.items  # what was streamed, in its order
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"

@@ -121,7 +121,7 @@ def usage(job: Job) -> S.Usage:
                    total_tokens=len(job.ids) + len(job.tokens))
 
 
-class _Fed:
+class Fed:
     """A job's tokens fed to its reply: yields what each token adds
     (pieces or text; nothing is yielded for a token that adds nothing), cancels the job once the
     reply has hit a stop string, and leaves the finish reason ("stop" then) in `reason`."""
@@ -143,7 +143,7 @@ async def run_to_end(request: Request, job: Job, reply) -> str | None:
     """Feed the job's tokens to the reply until it ends; None when the client went away."""
 
     async def consume() -> str:
-        run = _Fed()
+        run = Fed()
         async for _ in run.feed(job, reply):
             pass
         return run.reason
@@ -270,7 +270,7 @@ async def chat_completions(state: ServerState, request: Request):
     if reason is None:
         return JSONResponse(error_body("client disconnected", type="invalid_request_error"), 499)
     reply.finish(reason)
-    _count_unmet(state, reply)
+    count_unmet(state, reply)
     calls = [S.ToolCallOut(id=c["id"], type="function", function=S.FunctionCallOut(name=c["name"],
              arguments=c["arguments"])) for c in reply.calls]
     msg = S.AssistantMessage(content=reply.content if reply.content or not calls else None,
@@ -282,7 +282,7 @@ async def chat_completions(state: ServerState, request: Request):
     return JSONResponse(out)
 
 
-def _count_unmet(state: ServerState, reply: ChatReply) -> None:
+def count_unmet(state: ServerState, reply: ChatReply) -> None:
     if reply.unmet:
         state.metrics.tool_choice_unmet.inc()
 
@@ -309,7 +309,7 @@ async def _chat_events(state: ServerState, request: Request, job: Job, reply: Ch
     gone = watch_disconnect(request, job)
     try:
         yield sse(S.ChatCompletionChunk(**head, choices=[S.ChunkChoice(delta=S.Delta(role="assistant", content=""))]))
-        run = _Fed()
+        run = Fed()
         try:
             async for pieces in run.feed(job, reply):
                 for piece in pieces:
@@ -325,7 +325,7 @@ async def _chat_events(state: ServerState, request: Request, job: Job, reply: Ch
         for piece in reply.finish(reason):
             for c in _delta_chunks(head, piece):
                 yield sse(c)
-        _count_unmet(state, reply)
+        count_unmet(state, reply)
         final = S.ChunkChoice(delta=S.Delta(), finish_reason=reply.finish_reason(reason))
         yield sse(S.ChatCompletionChunk(**head, choices=[final]))
         if include_usage:
@@ -375,7 +375,7 @@ async def _text_events(request: Request, job: Job, reply: TextReply, head: dict,
 
     gone = watch_disconnect(request, job)
     try:
-        run = _Fed()
+        run = Fed()
         try:
             async for text in run.feed(job, reply):
                 yield chunk(text)
