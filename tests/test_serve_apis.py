@@ -248,7 +248,8 @@ def test_responses_items_render_as_the_chat_messages_they_are(tok):
 
 
 def test_fuzzed_bodies_are_never_a_500(tok):
-    """A few hundred mutated bodies per endpoint (structure and bytes): 200 or a 4xx, never a 500."""
+    """A few hundred mutated bodies per endpoint, streamed and not (structure and bytes): 200 or a
+    4xx, never a 500, and a streamed 200 ends with its closing event."""
     bases = {
         "/v1/messages": {"model": "org/model", "max_tokens": 4, "system": "s", "tools": A_TOOLS, "stream": False,
                          "tool_choice": {"type": "auto"}, "stop_sequences": ["x"], "messages": [
@@ -267,6 +268,8 @@ def test_fuzzed_bodies_are_never_a_500(tok):
     bases["/v1/messages/count_tokens"] = {k: v for k, v in bases["/v1/messages"].items() if k != "max_tokens"}
     rng = random.Random()
     bodies = [(e, mutate_doc(b, rng)) for e, b in bases.items() for _ in range(200 if "count" in e else 300)]
+    bodies += [(e, mutate_doc({**bases[e], "stream": True}, rng)) for e in ("/v1/messages", "/v1/responses")
+               for _ in range(100)]
 
     async def requests(c):
         out = []
@@ -280,6 +283,11 @@ def test_fuzzed_bodies_are_never_a_500(tok):
     bad = [(e, raw[:300], status, text[:300]) for e, raw, status, text in results if status >= 500]
     assert not bad, bad[:5]
     assert {s for *_, s, _ in results} >= {200, 400}
+    assert any(s == 200 and t.startswith("event: ") for *_, s, t in results)  # streamed ones among them
     for e, _, status, text in results:
         if status >= 400 and e.startswith("/v1/messages"):
             assert json.loads(text)["type"] == "error"
+        if status == 200 and text.startswith("event: "):
+            last = text.strip().rsplit("\n", 1)[-1]
+            assert last.startswith("data: ") and json.loads(last[6:])["type"] in (
+                "message_stop", "response.completed", "response.incomplete"), last
