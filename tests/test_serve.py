@@ -416,7 +416,7 @@ def _weather_result() -> str:
 def _anthropic_loop(server, stream: bool) -> dict:
     """A tool_use turn, then its tool_result turn, through the official `anthropic` client."""
     anthropic = pytest.importorskip("anthropic")
-    c = anthropic.Anthropic(base_url=server["url"], api_key="unused", max_retries=0, timeout=120)
+    c = anthropic.Anthropic(base_url=server["url"], api_key="unused", max_retries=0, timeout=300)
     fn = _weather()["tools"][0]["function"]
     kw = dict(model=server["model"], max_tokens=1024, extra_body={"temperature": 0}, tools=[
         {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}])
@@ -438,7 +438,7 @@ def _anthropic_loop(server, stream: bool) -> dict:
 
 def _responses_loop(server, stream: bool) -> dict:
     """A function_call, then its function_call_output, through the official client's `responses.create`."""
-    c = _client(server)
+    c = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
     fn = _weather()["tools"][0]["function"]
     kw = dict(model=server["model"], temperature=0, tools=[{"type": "function", **fn}])
     items: list = [{"role": "user", "content": _weather()["messages"][0]["content"]}]
@@ -459,10 +459,12 @@ def _responses_loop(server, stream: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def loops(server):
+    """The tool loops, run together (their turns share decode steps)."""
     jobs = {"anthropic": lambda: _anthropic_loop(server, False),
             "anthropic_stream": lambda: _anthropic_loop(server, True),
             "responses": lambda: _responses_loop(server, False),
-            "responses_stream": lambda: _responses_loop(server, True)}
+            "responses_stream": lambda: _responses_loop(server, True),
+            "agent": lambda: _agent_loop(server)}
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {k: pool.submit(f) for k, f in jobs.items()}
         return {k: f.result() for k, f in futures.items()}
@@ -492,8 +494,8 @@ def test_responses_client_tool_loop(loops, kind):
     assert "26" in second.output_text and "Paris" in second.output_text
 
 
-def test_openai_agents_run_a_tool_loop_unchanged(server):
-    """An `openai-agents` Agent with one function tool, on its Responses model, against the server."""
+def _agent_loop(server) -> dict:
+    """An `openai-agents` Agent with one function tool, on its Responses model, run to its end."""
     agents = pytest.importorskip("agents")
     fn = _weather()["tools"][0]["function"]
     calls = []
@@ -505,9 +507,13 @@ def test_openai_agents_run_a_tool_loop_unchanged(server):
     agents.set_tracing_disabled(True)
     tool = agents.FunctionTool(name=fn["name"], description=fn["description"], params_json_schema=fn["parameters"],
                                on_invoke_tool=get_weather, strict_json_schema=False)
-    client = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
     agent = agents.Agent(name="weather", tools=[tool], model=agents.OpenAIResponsesModel(server["model"], client),
                          model_settings=agents.ModelSettings(temperature=0))
-    result = agents.Runner.run_sync(agent, _weather()["messages"][0]["content"])
-    assert calls == [{"city": "Paris"}]
-    assert "26" in result.final_output and "Paris" in result.final_output
+    result = asyncio.run(agents.Runner.run(agent, _weather()["messages"][0]["content"]))
+    return {"calls": calls, "final": result.final_output}
+
+
+def test_openai_agents_run_a_tool_loop_unchanged(loops):
+    assert loops["agent"]["calls"] == [{"city": "Paris"}]
+    assert "26" in loops["agent"]["final"] and "Paris" in loops["agent"]["final"]
