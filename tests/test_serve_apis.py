@@ -291,3 +291,49 @@ def test_fuzzed_bodies_are_never_a_500(tok):
             last = text.strip().rsplit("\n", 1)[-1]
             assert last.startswith("data: ") and json.loads(last[6:])["type"] in (
                 "message_stop", "response.completed", "response.incomplete"), last
+
+
+def test_stop_sequence_ends_the_message_and_is_named(tok):
+    said = {"role": "assistant", "reasoning_content": "Easy.", "content": "Paris. END of the answer."}
+    runner = _Runner(tok, _generated(tok, said, tools=None))
+    body = {"model": "org/model", "max_tokens": 200, "messages": [USER], "stop_sequences": ["END"]}
+
+    async def requests(c):
+        return (await c.post("/v1/messages", json=body), await c.post("/v1/messages", json={**body, "stream": True}))
+
+    plain, streamed = _serve(runner, requests)
+    msg = plain.json()
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "END")
+    assert msg["content"] == [{"type": "thinking", "thinking": "Easy.", "signature": ""},
+                              {"type": "text", "text": "Paris. "}]
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == "Paris. "
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert [e["type"] for e in events][-1] == "message_stop"
+
+
+def test_api_key_as_x_api_key_and_anthropic_shaped_401(tok):
+    from streamrt.serve.app import create_app
+    from streamrt.serve.command import build_state
+
+    state = build_state(_Runner(tok), max_batch=1, max_queue=1, api_key="sesame")
+    body = {"model": "org/model", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            url = "/v1/messages/count_tokens"
+            return (await c.post(url, json=body), await c.post(url, json=body, headers={"x-api-key": "sesame"}),
+                    await c.post(url, json=body, headers={"x-api-key": "sesam"}),
+                    await c.post(url, json=body, headers={"Authorization": "Bearer sesame"}),
+                    await c.post("/v1/responses", json={"model": "org/model", "input": "hi"}))
+
+    denied, keyed, wrong, bearer, responses = asyncio.run(go())
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    assert keyed.status_code == 200 and keyed.json()["input_tokens"] > 0
+    assert wrong.status_code == 401 and bearer.status_code == 200
+    assert responses.status_code == 401 and responses.json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape
+    counted = state.metrics.render().decode()
+    assert 'endpoint="/v1/messages/count_tokens",status="200"} 2.0' in counted
+    assert 'endpoint="/v1/responses",status="401"} 1.0' in counted
