@@ -1,8 +1,10 @@
 """Benchmark `streamrt serve`: aggregate tokens/s for 1 / 4 / 16 concurrent streaming clients,
 expert bytes over the link per token and row, and the server's overhead against the bare
-runtime (the same batch through `streamrt.generate.generate`, no HTTP).
+runtime (the same batch through `streamrt.generate.generate`, no HTTP). `--api` picks the
+endpoints the rows go through: chat (/v1/chat/completions) and messages (/v1/messages).
 
     python profiling/bench_serve.py                                   # CPU, embedded model
+    python profiling/bench_serve.py --api chat,messages               # both APIs, one server
     python profiling/bench_serve.py --model /data/deep-k31 --backend nvrtc --gpu-experts 600 \
         --clients 1,4,16 --max-tokens 64 --json bench_serve.json      # a GPU run
 
@@ -39,9 +41,14 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     p.add_argument("--repeats", type=int, default=1, help="measurements per client count (best kept)")
     p.add_argument("--no-bare", action="store_true", help="skip the bare-runtime baseline")
+    p.add_argument("--api", default="chat", help="endpoints, of chat,messages (default chat)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args, runtime_flags = p.parse_known_args(argv)
     args.clients = [int(c) for c in args.clients.split(",")]
+    args.api = args.api.split(",")
+    unknown = sorted(set(args.api) - set(APIS))
+    if unknown:
+        p.error(f"--api: {unknown[0]!r} is not one of {', '.join(APIS)}")
     return args, runtime_flags
 
 
@@ -72,18 +79,39 @@ def metrics(httpx, url: str) -> dict[str, float]:
     return out
 
 
-async def clients(httpx, url: str, model: str, n: int, max_tokens: int) -> tuple[float, int]:
-    """n concurrent streaming chats; (wall seconds, completion tokens)."""
+def _chat(model: str, i: int, max_tokens: int) -> tuple[str, dict]:
+    return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": prompt(i)}],
+                                    "temperature": 0, "max_tokens": max_tokens, "stream": True,
+                                    "stream_options": {"include_usage": True}}
+
+
+def _messages(model: str, i: int, max_tokens: int) -> tuple[str, dict]:
+    return "/v1/messages", {"model": model, "messages": [{"role": "user", "content": prompt(i)}],
+                            "temperature": 0, "max_tokens": max_tokens, "stream": True}
+
+
+APIS = {"chat": _chat, "messages": _messages}
+
+
+def _completion_tokens(line: str) -> int | None:
+    """The completion tokens a streamed line reports: chat's usage chunk, or Anthropic's message_delta."""
+    if not line.startswith("data: {") or '"usage"' not in line:
+        return None
+    usage = json.loads(line[6:]).get("usage") or {}
+    return usage.get("completion_tokens", usage.get("output_tokens"))
+
+
+async def clients(httpx, url: str, model: str, n: int, max_tokens: int, api: str = "chat") -> tuple[float, int]:
+    """n concurrent streaming requests through `api`; (wall seconds, completion tokens)."""
 
     async def one(c, i: int) -> int:
-        body = {"model": model, "messages": [{"role": "user", "content": prompt(i)}], "temperature": 0,
-                "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        path, body = APIS[api](model, i, max_tokens)
         used = 0
-        async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async with c.stream("POST", url + path, json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"usage"' in line:
-                    used = json.loads(line[6:])["usage"]["completion_tokens"]
+                got = _completion_tokens(line)
+                used = got if got is not None else used
         return used
 
     limits = httpx.Limits(max_connections=n + 4)
@@ -99,24 +127,26 @@ def bench_server(args, runtime_flags) -> list[dict]:
     proc, model, url = start_server(args, runtime_flags)
     try:
         asyncio.run(clients(httpx, url, model, 1, 4))  # warm-up
-        rows = []
-        for n in args.clients:
-            best = None
-            for _ in range(args.repeats):
-                m0 = metrics(httpx, url)
-                wall, tokens = asyncio.run(clients(httpx, url, model, n, args.max_tokens))
-                m1 = metrics(httpx, url)
-                moved = m1["streamrt_expert_bytes_h2d_total"] - m0["streamrt_expert_bytes_h2d_total"]
-                steps = m1["streamrt_decode_steps_total"] - m0["streamrt_decode_steps_total"]
-                row = {"clients": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-                       "decode_steps": int(steps), "expert_bytes_per_token": moved / tokens if tokens else 0.0,
-                       "device_hit_rate": m1["streamrt_device_hit_rate"]}
-                best = row if best is None or row["tok_s"] > best["tok_s"] else best
-            rows.append(best)
-        return rows
+        return [bench_row(httpx, url, model, api, n, args) for api in args.api for n in args.clients]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def bench_row(httpx, url: str, model: str, api: str, n: int, args) -> dict:
+    """The best of --repeats measurements of n clients through `api`."""
+    best = None
+    for _ in range(args.repeats):
+        m0 = metrics(httpx, url)
+        wall, tokens = asyncio.run(clients(httpx, url, model, n, args.max_tokens, api))
+        m1 = metrics(httpx, url)
+        moved = m1["streamrt_expert_bytes_h2d_total"] - m0["streamrt_expert_bytes_h2d_total"]
+        steps = m1["streamrt_decode_steps_total"] - m0["streamrt_decode_steps_total"]
+        row = {"api": api, "clients": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+               "decode_steps": int(steps), "expert_bytes_per_token": moved / tokens if tokens else 0.0,
+               "device_hit_rate": m1["streamrt_device_hit_rate"]}
+        best = row if best is None or row["tok_s"] > best["tok_s"] else best
+    return best
 
 
 # ---- the bare runtime -----------------------------------------------------------------------
@@ -155,14 +185,16 @@ def main(argv=None) -> int:
     args, runtime_flags = parse_args(argv)
     rows = bench_server(args, runtime_flags)
     bare = {} if args.no_bare else bench_bare(args, runtime_flags)
-    base = rows[0]["tok_s"]
-    print(f"{'clients':>7} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'x 1 client':>10} {'bare tok/s':>10} "
+    base = {}
+    print(f"{'api':>8} {'clients':>7} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'x 1 client':>10} {'bare tok/s':>10} "
           f"{'overhead':>8} {'MB/token/row':>12} {'dev hit':>7}")
     for r in rows:
         b = bare.get(r["clients"])
         r["bare_tok_s"] = b
         r["overhead"] = 1 - r["tok_s"] / b if b else None
-        print(f"{r['clients']:>7} {r['tokens']:>7} {r['wall_s']:>8.2f} {r['tok_s']:>8.2f} {r['tok_s'] / base:>10.2f} "
+        one = base.setdefault(r["api"], r["tok_s"])  # each API's first row
+        print(f"{r['api']:>8} {r['clients']:>7} {r['tokens']:>7} {r['wall_s']:>8.2f} {r['tok_s']:>8.2f} "
+              f"{r['tok_s'] / one:>10.2f} "
               f"{(b or 0):>10.2f} {(r['overhead'] or 0):>8.1%} {r['expert_bytes_per_token'] / 1e6:>12.3f} "
               f"{r['device_hit_rate']:>7.1%}")
     if args.json:

@@ -155,7 +155,7 @@ def _post(body: dict, path: str = "/v1/chat/completions", jobs: list | None = No
 
     from streamrt.default_model import default_model_dir
     from streamrt.serve.app import create_app
-    from streamrt.serve.command import build_state
+    from streamrt.cli.serve import build_state
     from streamrt.serve.engine import QueueFull
     from streamrt.tokenizer import load_tokenizer
 

@@ -284,18 +284,10 @@ def _bad_requests(model: str) -> list[tuple[str, object, str | None, str | None]
         (chat, {"model": model, "messages": ok, "temperature": "hot"}, "temperature", "invalid_value"),
         (chat, {"model": model, "messages": "hi"}, "messages", "invalid_value"),
         (chat, {"model": model}, "messages", "missing_required_parameter"),
-        (
-            chat,
-            {"model": model, "messages": [{"role": "wizard", "content": "hi"}]},
-            "messages[0].role",
-            "invalid_value",
-        ),
-        (
-            chat,
-            {"model": model, "messages": [{"role": "user", "content": "x" * 3000}]},
-            "messages",
-            "context_length_exceeded",
-        ),
+        (chat, {"model": model, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role",
+         "invalid_value"),
+        (chat, {"model": model, "messages": [{"role": "user", "content": "x" * 3000}]}, "messages",
+         "context_length_exceeded"),
         (chat, {"model": model, "messages": ok, "max_tokens": 0}, "max_tokens", "invalid_value"),
         (chat, {"model": model, "messages": ok, "max_completion_tokens": -3}, "max_completion_tokens", "invalid_value"),
         (chat, {"model": model, "messages": ok, "max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
@@ -315,25 +307,18 @@ def _bad_requests(model: str) -> list[tuple[str, object, str | None, str | None]
 
 def test_bad_requests_are_400s_naming_the_field(server):
     for endpoint, body, param, code in _bad_requests(server["model"]):
-        kw = (
-            {"content": body, "headers": {"content-type": "application/json"}}
-            if isinstance(body, bytes)
-            else {"json": body}
-        )
+        kw = ({"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes)
+              else {"json": body})
         r = httpx.post(server["url"] + endpoint, timeout=30, **kw)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert (err["param"], err["code"]) == (param, code), (body, err)
         assert err["type"] == "invalid_request_error" and "Traceback" not in err["message"]
-    r = httpx.post(
-        server["url"] + "/v1/chat/completions",
-        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
-    )
-    assert r.status_code == 404 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (
-        "model",
-        "model_not_found",
-    )
+    r = httpx.post(server["url"] + "/v1/chat/completions",
+                   json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
+    err = r.json()["error"]
+    assert r.status_code == 404 and (err["param"], err["code"]) == ("model", "model_not_found")
     with pytest.raises(openai.BadRequestError) as e:  # and as the official client sees it
         _client(server).chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=0)
@@ -419,3 +404,116 @@ def test_empty_api_key_and_too_long_context_are_refused():
     assert main(["serve", "--api-key", ""]) == 2  # before any model is loaded
     with pytest.raises(StreamrtError, match="--max-context"):
         build_state(_IdleRunner(), max_batch=1, max_queue=1, max_context=4096)
+
+
+# ---- Anthropic Messages, OpenAI Responses, an agent framework: each a full tool loop ------------
+
+
+def _weather_result() -> str:
+    return json.loads((EXAMPLES / "weather_result.json").read_text())["messages"][2]["content"]
+
+
+def _anthropic_loop(server, stream: bool) -> dict:
+    """A tool_use turn, then its tool_result turn, through the official `anthropic` client."""
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=server["url"], api_key="unused", max_retries=0, timeout=300)
+    fn = _weather()["tools"][0]["function"]
+    kw = dict(model=server["model"], max_tokens=1024, extra_body={"temperature": 0}, tools=[
+        {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}])
+    messages = [{"role": "user", "content": _weather()["messages"][0]["content"]}]
+
+    def ask():
+        if not stream:
+            return c.messages.create(**kw, messages=messages)
+        with c.messages.stream(**kw, messages=messages) as s:
+            return s.get_final_message()
+
+    first = ask()
+    use = next(b for b in first.content if b.type == "tool_use")
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": _weather_result()}]}]
+    return {"first": first, "second": ask()}
+
+
+def _responses_loop(server, stream: bool) -> dict:
+    """A function_call, then its function_call_output, through the official client's `responses.create`."""
+    c = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+    fn = _weather()["tools"][0]["function"]
+    kw = dict(model=server["model"], temperature=0, tools=[{"type": "function", **fn}])
+    items: list = [{"role": "user", "content": _weather()["messages"][0]["content"]}]
+
+    def ask():
+        if not stream:
+            return c.responses.create(**kw, input=items)
+        events = list(c.responses.create(**kw, input=items, stream=True))
+        assert events[-1].type == "response.completed", events[-1]
+        return events[-1].response
+
+    first = ask()
+    call = next(o for o in first.output if o.type == "function_call")
+    items += [o.model_dump(exclude_none=True) for o in first.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": _weather_result()})
+    return {"first": first, "second": ask()}
+
+
+@pytest.fixture(scope="module")
+def loops(server):
+    """The tool loops, run together (their turns share decode steps)."""
+    jobs = {"anthropic": lambda: _anthropic_loop(server, False),
+            "anthropic_stream": lambda: _anthropic_loop(server, True),
+            "responses": lambda: _responses_loop(server, False),
+            "responses_stream": lambda: _responses_loop(server, True),
+            "agent": lambda: _agent_loop(server)}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {k: pool.submit(f) for k, f in jobs.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+@pytest.mark.parametrize("kind", ["anthropic", "anthropic_stream"])
+def test_anthropic_client_tool_loop(loops, kind):
+    first, second = loops[kind]["first"], loops[kind]["second"]
+    assert [b.type for b in first.content] == ["thinking", "tool_use"] and first.stop_reason == "tool_use"
+    assert first.content[0].thinking == "I need the weather in Paris."
+    use = first.content[1]
+    assert (use.id, use.name, use.input) == ("functions.get_weather:0", "get_weather", {"city": "Paris"})
+    assert (first.usage.input_tokens, first.usage.output_tokens) == (418, 170)  # as chat completions counts them
+    assert second.stop_reason == "end_turn" and [b.type for b in second.content] == ["thinking", "text"]
+    assert "26" in second.content[1].text and "Paris" in second.content[1].text
+
+
+@pytest.mark.parametrize("kind", ["responses", "responses_stream"])
+def test_responses_client_tool_loop(loops, kind):
+    first, second = loops[kind]["first"], loops[kind]["second"]
+    assert [o.type for o in first.output] == ["reasoning", "function_call"] and first.status == "completed"
+    assert first.output[0].content[0].text == "I need the weather in Paris."
+    call = first.output[1]
+    assert (call.call_id, call.name, call.arguments) == ("functions.get_weather:0", "get_weather", '{"city": "Paris"}')
+    assert (first.usage.input_tokens, first.usage.output_tokens) == (418, 170)
+    assert [o.type for o in second.output] == ["reasoning", "message"] and second.status == "completed"
+    assert "26" in second.output_text and "Paris" in second.output_text
+
+
+def _agent_loop(server) -> dict:
+    """An `openai-agents` Agent with one function tool, on its Responses model, run to its end."""
+    agents = pytest.importorskip("agents")
+    fn = _weather()["tools"][0]["function"]
+    calls = []
+
+    async def get_weather(ctx, arguments: str) -> str:
+        calls.append(json.loads(arguments))
+        return _weather_result()
+
+    agents.set_tracing_disabled(True)
+    tool = agents.FunctionTool(name=fn["name"], description=fn["description"], params_json_schema=fn["parameters"],
+                               on_invoke_tool=get_weather, strict_json_schema=False)
+    client = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+    agent = agents.Agent(name="weather", tools=[tool], model=agents.OpenAIResponsesModel(server["model"], client),
+                         model_settings=agents.ModelSettings(temperature=0))
+    result = asyncio.run(agents.Runner.run(agent, _weather()["messages"][0]["content"]))
+    return {"calls": calls, "final": result.final_output}
+
+
+def test_openai_agents_run_a_tool_loop_unchanged(loops):
+    assert loops["agent"]["calls"] == [{"city": "Paris"}]
+    assert "26" in loops["agent"]["final"] and "Paris" in loops["agent"]["final"]

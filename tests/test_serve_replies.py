@@ -4,8 +4,10 @@ tool_choice rendering, streamed tool-call deltas, error field names."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
+from pydantic import ValidationError
 
 pytest.importorskip("fastapi")
 
@@ -50,8 +52,8 @@ def _run(reply: ChatReply, ids: list[int], reason: str = "stop") -> list:
 
 def test_tool_calls_get_kimi_ids_and_json_string_arguments(tok):
     reply = ChatReply(tok, thinking=True, stops=[], call_base=3)
-    pieces = _run(reply, _generated(tok, CALLING))
-    assert [p.call for p in pieces if p.kind == "call"] == [
+    _run(reply, _generated(tok, CALLING))
+    assert reply.calls == [
         {"index": 0, "id": "functions.get_weather:3", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"index": 1, "id": "functions.get_time:4", "name": "get_time", "arguments": '{"tz": "CET"}'},
     ]
@@ -84,16 +86,58 @@ def test_named_tool_choice_declares_only_that_tool_and_requires_it(tok):
     assert "get_weather" not in tok.decode(ids) and "tool_choice=required" in tok.decode(ids)
 
 
-def test_streamed_call_is_a_header_then_argument_deltas(tok):
+def _deltas(tok, assistant: dict, reason: str = "stop") -> tuple[list[dict], ChatReply, list]:
     reply = ChatReply(tok, thinking=True, stops=[])
-    call = [p for p in _run(reply, _generated(tok, CALLING)) if p.kind == "call"][0]
+    pieces = _run(reply, _generated(tok, assistant)[: None if reason == "stop" else -40], reason)
     head = {"id": "chatcmpl-x", "created": 0, "model": "m"}
-    chunks = [S.dump(c)["choices"][0]["delta"] for c in _delta_chunks(head, call)]
-    assert chunks == [
-        {"tool_calls": [{"index": 0, "id": "functions.get_weather:0", "type": "function",
-                         "function": {"name": "get_weather", "arguments": ""}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]},
-    ]
+    return [S.dump(c)["choices"][0]["delta"] for p in pieces for c in _delta_chunks(head, p)], reply, pieces
+
+
+def _calls_of(deltas: list[dict]) -> dict:
+    """A client's reassembly of streamed tool calls."""
+    calls = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            c = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+            c["id"] = tc.get("id") or c["id"]
+            c["name"] += tc["function"].get("name") or ""
+            c["arguments"] += tc["function"]["arguments"]
+    return calls
+
+
+def test_streamed_call_is_a_header_then_argument_deltas_as_written(tok):
+    deltas, reply, _ = _deltas(tok, CALLING)
+    calls = [d for d in deltas if "tool_calls" in d]
+    assert calls[0] == {"tool_calls": [{"index": 0, "id": "functions.get_weather:0", "type": "function",
+                                        "function": {"name": "get_weather", "arguments": ""}}]}
+    assert len(calls) > 4  # not one delta per call: '{"city": "', 'Paris', '"}', ...
+    assert _calls_of(deltas) == {
+        0: {"id": "functions.get_weather:0", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        1: {"id": "functions.get_time:1", "name": "get_time", "arguments": '{"tz": "CET"}'}}
+    assert not any("<|" in (d.get("content") or "") + (d.get("reasoning_content") or "") for d in deltas)
+    assert [c["arguments"] for c in reply.calls] == ['{"city": "Paris"}', '{"tz": "CET"}']
+
+
+def test_a_long_argument_streams_in_many_deltas_before_its_call_closes(tok):
+    rng = random.Random()
+    text = "".join(rng.choice("abc xyz\n\"\\é{}<>") for _ in range(5000))  # escapes, non-ASCII, braces
+    args = {"path": "a.txt", "content": text, "mode": 420, "flags": {"append": False, "tags": ["x", None]}}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "write", "arguments": args}}]}
+    deltas, reply, pieces = _deltas(tok, call)
+    fragments = [p for p in pieces if p.kind == "arguments"]
+    end = next(i for i, p in enumerate(pieces) if p.kind == "call_end")
+    assert len(fragments) > 10 and pieces.index(fragments[1]) < end  # many, and before the call closes
+    whole = _calls_of(deltas)[0]["arguments"]
+    assert json.loads(whole) == args and whole == reply.calls[0]["arguments"]
+
+
+def test_a_call_cut_by_the_token_limit_leaves_what_was_streamed(tok):
+    args = {"content": " ".join(["word"] * 300)}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "write", "arguments": args}}]}
+    deltas, reply, _ = _deltas(tok, call, reason="length")
+    streamed = _calls_of(deltas)[0]["arguments"]
+    assert streamed.startswith('{"content": "word word')
+    assert reply.calls == [] and reply.finish_reason("length") == "length"
 
 
 def test_stop_strings_cut_content_and_hold_back_a_partial_match():
@@ -178,3 +222,35 @@ def test_more_messages_than_the_context_is_refused_before_rendering(tok):
 def test_field_path():
     assert field_path(("messages", 0, "role")) == "messages[0].role"
     assert field_path(("messages", 2, "content", "list[TextPart]", 1, "text")) == "messages[2].content[1].text"
+
+
+@pytest.mark.parametrize("asked, rendered", [(None, "max"), ("none", "max"), ("low", "low"), ("minimal", "low"),
+                                             ("medium", "medium"), ("high", "high"), ("xhigh", "max")])
+def test_reasoning_effort_picks_the_thinking_effort_and_none_the_models_default(tok, asked, rendered):
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=2048, metrics=None,
+                        thinking_effort="max")  # a real K3 tree's default
+    body = {"model": "m", "messages": [USER]} | ({"reasoning_effort": asked} if asked else {})
+    ids, _ = render_chat(state, S.ChatRequest.model_validate(body))
+    assert ids == encode_chat(tok, [USER], thinking_effort=rendered)
+    assert f"thinking_effort={rendered}`" in tok.decode(ids)
+    with pytest.raises(ValidationError) as e:
+        S.ChatRequest.model_validate({**body, "reasoning_effort": "extreme"})
+    assert from_validation(e.value).param == "reasoning_effort"
+
+
+def test_reasoning_content_sent_back_renders_as_the_reference_encoder_does(tok):
+    """An agent sends the assistant's tool-call turn back with its reasoning (either name): it renders
+    inside the think frame, as `render` (checked against the reference encoder) renders it."""
+    state = ServerState(engine=None, tokenizer=tok, model_id="m", max_context=2048, metrics=None)
+    call = {"id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    result = {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "26 C"}
+    for key in ("reasoning_content", "reasoning"):
+        turn = {"role": "assistant", "content": None, key: "I need the weather.", "tool_calls": [call]}
+        req = S.ChatRequest.model_validate({"model": "m", "messages": [USER, turn, result], "tools": [WEATHER_TOOL]})
+        ids, reply = render_chat(state, req)
+        want = {"role": "assistant", "content": "", "reasoning_content": "I need the weather.",
+                "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+        assert ids == encode_chat(tok, [USER, want, {"role": "tool", "name": "get_weather", "content": "26 C"}],
+                                  [WEATHER_TOOL])
+        assert "I need the weather." in tok.decode(ids) and reply.call_base == 1

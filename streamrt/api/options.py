@@ -21,7 +21,7 @@ def option_names() -> list[str]:
 
 def runtime_options(**kw) -> RuntimeOptions:
     """RuntimeOptions from keywords: unknown names are a TypeError; values go through the field's
-    flag parser (so gpu_mem="40G" and staging="off" work as on the command line) and are then
+    flag parser (so gpu_mem="40G" and copies="sync" work as on the command line) and are then
     type-checked; a value out of range is a ValueError naming the keyword."""
     known = {f.name: f for f in fields(RuntimeOptions)}
     for name in kw:

@@ -20,8 +20,8 @@ malformed or truncated frame yields `ParseError` events, never an exception.
     messages_file.py  `--messages FILE.json`
 """
 
-from streamrt.chat.events import (ContentText, EndOfMessage, Event, MessageStart, ParseError, ResponseText,
-                                  ThinkText, ToolCall)
+from streamrt.chat.events import (ArgumentOpen, ArgumentText, ArgumentValue, CallOpen, ContentText, EndOfMessage,
+                                  Event, MessageStart, ParseError, ResponseText, ThinkText, ToolCall)
 from streamrt.chat.messages_file import load_messages_file
 from streamrt.chat.parser import ChatParser
 from streamrt.chat.profile import PROFILE_FILE, PROFILE_KEY, ChatProfile
@@ -47,7 +47,8 @@ from streamrt.chat.xtml import (
 )
 
 __all__ = [
-    "ARG_TYPES", "CLOSE", "DYNAMIC_TOOLS_HEAD", "END_OF_MSG", "OPEN", "PROFILE_FILE", "PROFILE_KEY",
+    "ARG_TYPES", "ArgumentOpen", "ArgumentText", "ArgumentValue", "CallOpen",
+    "CLOSE", "DYNAMIC_TOOLS_HEAD", "END_OF_MSG", "OPEN", "PROFILE_FILE", "PROFILE_KEY",
     "RESPONSE_FORMATS", "ROLES", "SEP", "THINKING_EFFORTS", "TOOL_DECLARE_HEAD", "TOOL_DECLARE_TAIL",
     "ChatFormatError", "ChatParser", "ChatProfile", "ContentText", "EndOfMessage", "Event", "MessageStart",
     "ParseError", "Reply", "ResponseText", "Segment", "ThinkText", "ToolCall",

@@ -45,6 +45,39 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class CallOpen:
+    """A tool call's frame opened (its name is known); `stream_calls` parsers only."""
+
+    name: str
+    index: int
+
+
+@dataclass(frozen=True)
+class ArgumentOpen:
+    """An argument frame of a call opened; `stream_calls` parsers only."""
+
+    key: str
+    type: str
+
+
+@dataclass(frozen=True)
+class ArgumentText:
+    """Text of a string argument as it is written; `stream_calls` parsers only."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ArgumentValue:
+    """An argument frame closed with a value of its type (a json frame: key None, an object
+    of arguments); `stream_calls` parsers only."""
+
+    key: str | None
+    type: str
+    value: object
+
+
+@dataclass(frozen=True)
 class EndOfMessage:
     role: str | None
 
@@ -54,4 +87,5 @@ class ParseError:
     message: str
 
 
-Event = MessageStart | ThinkText | ResponseText | ContentText | ToolCall | EndOfMessage | ParseError
+Event = (MessageStart | ThinkText | ResponseText | ContentText | ToolCall | EndOfMessage | ParseError | CallOpen
+         | ArgumentOpen | ArgumentText | ArgumentValue)

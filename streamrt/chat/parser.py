@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from streamrt.chat.events import (ContentText, EndOfMessage, Event, MessageStart, ParseError, ResponseText,
-                                  ThinkText, ToolCall)
+from streamrt.chat.events import (ArgumentOpen, ArgumentText, ArgumentValue, CallOpen, ContentText, EndOfMessage,
+                                  Event, MessageStart, ParseError, ResponseText, ThinkText, ToolCall)
 from streamrt.chat.tools import typed_value
 from streamrt.chat.xtml import ARG_TYPES, CLOSE, END_OF_MSG, OPEN, ROLES, SEP, unescape_attr
 from streamrt.tokenizer import Tokenizer
@@ -40,10 +40,15 @@ class _Frame:
 
 
 class ChatParser:
-    """Incremental XTML parser over token ids. `feed(id)` and `finish()` return event lists."""
+    """Incremental XTML parser over token ids. `feed(id)` and `finish()` return event lists.
 
-    def __init__(self, tok: Tokenizer, *, open_frames: Iterable[tuple[str, dict]] = ()):
+    With `stream_calls`, a tool call is also reported as it is written: `CallOpen` once its
+    name is known, `ArgumentOpen`, `ArgumentText` (string arguments, as decoded) and
+    `ArgumentValue` per argument; `ToolCall` still closes it."""
+
+    def __init__(self, tok: Tokenizer, *, open_frames: Iterable[tuple[str, dict]] = (), stream_calls: bool = False):
         self._tok = tok
+        self._stream_calls = stream_calls
         self._sp = {name: tok.special_id(name) for name in (OPEN, CLOSE, SEP, END_OF_MSG)}
         self._enders = set(tok.stop_ids) | {self._sp[END_OF_MSG]}
         self._stack: list[_Frame] = []
@@ -55,9 +60,10 @@ class ChatParser:
             self._stack.append(self._new_frame(tag, dict(attrs), []))
 
     @classmethod
-    def for_generation(cls, tok: Tokenizer, *, thinking: bool = True) -> "ChatParser":
+    def for_generation(cls, tok: Tokenizer, *, thinking: bool = True, stream_calls: bool = False) -> "ChatParser":
         """A parser positioned after the generation prompt (inside the assistant's think/response)."""
-        return cls(tok, open_frames=[("message", {"role": "assistant"}), ("think" if thinking else "response", {})])
+        return cls(tok, open_frames=[("message", {"role": "assistant"}), ("think" if thinking else "response", {})],
+                   stream_calls=stream_calls)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -166,11 +172,17 @@ class ChatParser:
             if not name or not (index.isascii() and index.isdigit()):  # '²' is a digit to isdigit, not to int
                 ev.append(ParseError(f"tool call with tool={name!r} index={index!r}"))
                 f.ok = False
+            elif self._stream_calls:
+                ev.append(CallOpen(name, int(index)))
         elif tag == "argument":
             if "key" not in attrs or attrs.get("type") not in ARG_TYPES:
                 ev.append(ParseError(f"argument with key={attrs.get('key')!r} type={attrs.get('type')!r}"))
                 f.ok = False
                 parent.ok = False
+            elif self._stream_calls:
+                ev.append(ArgumentOpen(attrs["key"], attrs["type"]))
+                if attrs["type"] == "string":
+                    f.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         return f
 
     def _finish_open(self, text: str, ev: list[Event]) -> None:
@@ -219,6 +231,8 @@ class ChatParser:
                 ev.append(ParseError(f"argument {key!r} repeated in tool call {parent.attrs.get('tool')!r}"))
                 parent.ok = False
             parent.args[key] = value
+            if self._stream_calls:
+                ev.append(ArgumentValue(key, f.attrs["type"], value))
         elif f.tag == "json" and parent is not None and f.ok:
             try:
                 value = typed_value("object", bytes(f.raw).decode("utf-8", errors="replace")) if properly else None
@@ -229,6 +243,8 @@ class ChatParser:
                 parent.ok = False
             else:
                 parent.args.update(value)
+                if self._stream_calls:
+                    ev.append(ArgumentValue(None, "object", value))
         elif f.tag == "call" and f.ok:
             if properly:
                 ev.append(ToolCall(f.attrs["tool"], int(f.attrs["index"]), dict(f.args)))
@@ -259,10 +275,12 @@ class ChatParser:
             return
         if not f.ok:
             return
-        if f.decoder is not None:
-            self._emit_text(f, f.decoder.decode(data), ev)
-        elif f.tag in ("argument", "json"):
+        if f.tag in ("argument", "json"):
             f.raw.extend(data)
+            if f.decoder is not None:  # a string argument of a `stream_calls` parser
+                self._emit_text(f, f.decoder.decode(data), ev)
+        elif f.decoder is not None:
+            self._emit_text(f, f.decoder.decode(data), ev)
         elif data.strip() and not f.stray_reported:
             ev.append(ParseError(f"text directly inside <{f.tag}>"))
             f.stray_reported = True
@@ -274,5 +292,7 @@ class ChatParser:
             ev.append(ThinkText(text))
         elif f.tag == "response":
             ev.append(ResponseText(text))
+        elif f.tag == "argument":
+            ev.append(ArgumentText(text))
         else:
             ev.append(ContentText(text))

@@ -142,7 +142,8 @@ def _bind_error(host: str, port: int, family: int, address: tuple, e: OSError) -
 
 
 def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None = None,
-                max_context: int | None = None, api_key: str | None = None, prefill_chunk: int = 0):
+                max_context: int | None = None, api_key: str | None = None, prefill_chunk: int = 0,
+                thinking_effort: str | None = None):
     """Engine, metrics and the routes' state for a loaded runner (tests build servers with it too)."""
     from streamrt.serve.engine import Engine
     from streamrt.serve.metrics import ServeMetrics
@@ -158,7 +159,7 @@ def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None 
         metrics.attach(engine, runner.stats)
     return ServerState(engine=engine, tokenizer=runner.tokenizer, model_id=model_id or runner.name,
                        max_context=max_context or runner.max_context, metrics=metrics, api_key=api_key,
-                       created=int(time.time()))
+                       created=int(time.time()), thinking_effort=thinking_effort)
 
 
 async def _serve(runner, args, sockets: list[socket.socket], max_batch: int, max_queue: int, context: int | None,
@@ -168,7 +169,8 @@ async def _serve(runner, args, sockets: list[socket.socket], max_batch: int, max
     from streamrt.serve.app import create_app
 
     state = build_state(runner, max_batch=max_batch, max_queue=max_queue, model_id=args.served_model_name,
-                        max_context=context, api_key=args.api_key, prefill_chunk=chunk)
+                        max_context=context, api_key=args.api_key, prefill_chunk=chunk,
+                        thinking_effort=runner.chat.thinking_effort)
     # no host or port here: uvicorn listens on `sockets`, bound by serve_command. Past
     # `limit_concurrency` open connections uvicorn answers 503 at once: more requests than the
     # engine can batch and queue only wait, and each may buffer a body of up to max_body bytes.

@@ -4,6 +4,9 @@
     GET  /v1/models/{model}     its card (404 for any other id)
     POST /v1/chat/completions   chat in XTML frames (JSON or SSE)      -> routes.chat_completions
     POST /v1/completions        raw text continuation (JSON or SSE)     -> routes.completions
+    POST /v1/messages           Anthropic Messages (JSON or SSE)        -> anthropic.messages
+    POST /v1/messages/count_tokens  a Messages request's input tokens   -> anthropic.count_tokens
+    POST /v1/responses          OpenAI Responses, stateless (JSON or SSE) -> responses.responses
     GET  /health                liveness, batch size and queue depth
     GET  /metrics               Prometheus text                         -> metrics.ServeMetrics
 """
@@ -13,15 +16,16 @@ from __future__ import annotations
 import hmac
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from streamrt import __version__
-from streamrt.serve import errors
+from streamrt.serve import anthropic, errors, responses
 from streamrt.serve import schemas as S
 from streamrt.serve.metrics import CONTENT_TYPE
 from streamrt.serve.routes import ServerState, chat_completions, completions
 
-ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+             "/v1/responses", "/health", "/metrics")
 MODEL_ROUTE = "/v1/models/{model}"  # its metrics label: one series, not one per id asked for
 
 
@@ -48,6 +52,18 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def complete(request: Request):
         return await completions(state, request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await anthropic.messages(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(state, request)
+
+    @app.post("/v1/responses")
+    async def respond(request: Request):
+        return await responses.responses(state, request)
 
     @app.get("/health")
     async def health():
@@ -81,15 +97,18 @@ class _Gate:
 
         try:
             if self.state.api_key and path.startswith("/v1/") and not self._authorized(scope):
-                body = errors.error_body("invalid or missing API key (send Authorization: Bearer KEY)",
-                                         type="invalid_request_error", code="invalid_api_key")
-                return await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, counted)
+                e = errors.ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY, or x-api-key)",
+                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await errors.error_response(e, path)(scope, receive, counted)
             await self.app(scope, receive, counted)
         finally:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
     def _authorized(self, scope) -> bool:
         headers = dict(scope.get("headers") or [])
+        want = self.state.api_key.encode()
+        if b"x-api-key" in headers:  # Anthropic's header; the key compared in constant time
+            return hmac.compare_digest(headers[b"x-api-key"].strip(), want)
         scheme, _, key = headers.get(b"authorization", b"").strip().partition(b" ")
-        # the scheme is case-insensitive (RFC 9110); the key compared in constant time
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.state.api_key.encode())
+        # the scheme is case-insensitive (RFC 9110)
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), want)

@@ -1,4 +1,6 @@
-"""OpenAI's error JSON: `{"error": {"message", "type", "param", "code"}}`, never a traceback.
+"""Error JSON, never a traceback: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
+and on /v1/messages Anthropic's `{"type": "error", "error": {"type", "message"}}` (the message
+names the field there, as Anthropic has no `param`).
 
 `ApiError` is what a route raises; `install` maps it, pydantic validation errors (the
 field named as `messages[0].role`), unknown routes and anything unexpected to that body.
@@ -30,7 +32,22 @@ def error_body(message: str, *, type: str, param: str | None = None, code: str |
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(e: ApiError) -> JSONResponse:
+ANTHROPIC_PREFIX = "/v1/messages"
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_body(status: int, message: str, param: str | None = None) -> dict:
+    if param and param not in message:
+        message = f"{param}: {message}"
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(e: ApiError, path: str = "") -> JSONResponse:
+    if path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_body(e.status, e.message, e.param), e.status, headers=e.headers)
     return JSONResponse(error_body(e.message, type=e.type, param=e.param, code=e.code), e.status, headers=e.headers)
 
 
@@ -56,19 +73,20 @@ def from_validation(exc: ValidationError) -> ApiError:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(ValidationError)
     async def _validation(request: Request, exc: ValidationError):
-        return error_response(from_validation(exc))
+        return error_response(from_validation(exc), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type=kind), exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        e = ApiError(exc.status_code, str(exc.detail), type=kind, headers=getattr(exc, "headers", None))
+        return error_response(e, request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):
         log.exception("streamrt serve: internal error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error ({type(exc).__name__})", type="server_error"), 500)
+        e = ApiError(500, f"internal error ({type(exc).__name__})", type="server_error")
+        return error_response(e, request.url.path)

@@ -1,11 +1,14 @@
 """Generated token ids -> the pieces of an OpenAI reply, through our XTML parser.
 
-`ChatReply` feeds each id to `ChatParser` and turns its events into deltas: think text as
-`reasoning_content`, response text as `content` (cut at the first stop string), each
-closed tool call as a call with id `functions.NAME:IDX` (IDX counts the conversation's
-calls from 0, as Kimi's own ids do) and its arguments as one JSON string. The parser emits
-a call when its frame closes, so a streamed call is two deltas: id and name with empty
-arguments, then the arguments. `TextReply` is the raw-text twin for /v1/completions.
+`ChatReply` feeds each id to `ChatParser` and turns its events into pieces: think text as
+reasoning, response text as content (cut at the first stop string), and tool calls as they
+are written: a "call" piece (id `functions.NAME:IDX`, IDX counting the conversation's calls
+from 0 as Kimi's own ids do, and the name) as soon as the call's frame opens, "arguments"
+pieces that concatenate to its arguments' JSON string (a string argument streams as it is
+written, a typed one when its frame closes), and "call_end" when it closes. A call cut off
+mid-way (by max_tokens, or a malformed frame) leaves what was streamed; `calls` holds only
+the closed ones. Markup never reaches the text. `TextReply` is the raw-text twin for
+/v1/completions.
 
 tool_choice (what is enforced, and how): `none` and `required` are rendered by the
 template's tool-choice system message; a named function declares only that tool, plus
@@ -19,15 +22,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamrt.chat import ChatParser, EndOfMessage, ParseError, ResponseText, ThinkText, ToolCall
+import json
+
+from streamrt.chat import (ArgumentOpen, ArgumentText, ArgumentValue, CallOpen, ChatParser, EndOfMessage, ParseError,
+                           ResponseText, ThinkText, ToolCall)
 from streamrt.jsonio import dumps_text
 
 
 @dataclass(frozen=True)
 class Piece:
-    kind: str  # "reasoning" | "content" | "call"
-    text: str = ""
-    call: dict | None = None  # {"index", "id", "name", "arguments"} for kind "call"
+    kind: str  # "reasoning" | "content" | "call" | "arguments" | "call_end"
+    text: str = ""  # the text, or the arguments' next fragment
+    call: dict | None = None  # {"index", "id", "name", "arguments"}: the call (as far as written)
 
 
 class StopMatcher:
@@ -37,6 +43,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.buf = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string hit
 
     def feed(self, text: str) -> str:
         if self.hit:
@@ -44,8 +51,9 @@ class StopMatcher:
         if not self.stops:
             return text
         self.buf += text
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             out, self.buf, self.hit = self.buf[:cut], "", True
             return out
         keep = 0
@@ -63,12 +71,15 @@ class StopMatcher:
 class ChatReply:
     def __init__(self, tok, *, thinking: bool, stops: list[str], call_base: int = 0,
                  allowed: set[str] | None = None, required: bool = False):
-        self.parser = ChatParser.for_generation(tok, thinking=thinking)
+        self.parser = ChatParser.for_generation(tok, thinking=thinking, stream_calls=True)
         self.stop = StopMatcher(stops)
         self.call_base = call_base
         self.allowed = allowed  # None: any declared tool; empty set: no calls (tool_choice none)
         self.required = required
         self.reasoning, self.content, self.calls, self.errors = "", "", [], []
+        self.opened = 0  # calls streamed (closed or not): the next call's index
+        self.call: dict | None = None  # the call being written, None outside one (or in a dropped one)
+        self.items = 0  # arguments of self.call written so far
         self.ended = False
 
     @property
@@ -111,19 +122,52 @@ class ChatReply:
                 if text:
                     self.content += text
                     out.append(Piece("content", text))
-            elif isinstance(e, ToolCall):
-                if self.allowed is not None and e.name not in self.allowed:
-                    continue
-                n = len(self.calls)
-                call = {"index": n, "id": f"functions.{e.name}:{self.call_base + n}", "name": e.name,
-                        "arguments": dumps_text(e.arguments)}
-                self.calls.append(call)
-                out.append(Piece("call", call=call))
+            elif isinstance(e, (CallOpen, ArgumentOpen, ArgumentText, ArgumentValue, ToolCall)):
+                self._call_event(e, out)
             elif isinstance(e, ParseError):
                 self.errors.append(e.message)
             elif isinstance(e, EndOfMessage):
                 self.ended = True
         return out
+
+    def _call_event(self, e, out: list[Piece]) -> None:
+        if isinstance(e, CallOpen):
+            self.call = None
+            if self.allowed is not None and e.name not in self.allowed:
+                return  # dropped: tool_choice none, or not the named function
+            n = self.opened
+            self.opened, self.items = n + 1, 0
+            self.call = {"index": n, "id": f"functions.{e.name}:{self.call_base + n}", "name": e.name,
+                         "arguments": ""}
+            out.append(Piece("call", call=dict(self.call)))
+            return
+        if self.call is None:
+            return
+        if isinstance(e, ArgumentOpen):
+            if e.type == "string":  # the value streams as it is written, inside quotes
+                self._arguments(self._item(e.key) + '"', out)
+        elif isinstance(e, ArgumentText):
+            self._arguments(json.dumps(e.text, ensure_ascii=False)[1:-1], out)
+        elif isinstance(e, ArgumentValue):
+            if e.type == "string" and e.key is not None:
+                self._arguments('"', out)
+            else:
+                pairs = e.value.items() if e.key is None else [(e.key, e.value)]
+                self._arguments("".join(self._item(k) + dumps_text(v) for k, v in pairs), out)
+        elif isinstance(e, ToolCall):
+            self._arguments("}" if self.items else "{}", out)
+            self.calls.append(self.call)
+            out.append(Piece("call_end", call=dict(self.call)))
+            self.call = None
+
+    def _item(self, key: str) -> str:
+        self.items += 1
+        return ("{" if self.items == 1 else ", ") + dumps_text(key) + ": "
+
+    def _arguments(self, text: str, out: list[Piece]) -> None:
+        if text:
+            self.call["arguments"] += text
+            out.append(Piece("arguments", text, call=self.call))
 
 
 class TextReply:

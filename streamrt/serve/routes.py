@@ -15,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -44,6 +44,7 @@ class ServerState:
     metrics: object  # streamrt.serve.metrics.ServeMetrics
     api_key: str | None = None
     created: int = 0
+    thinking_effort: str | None = None  # the model's default (its tree's ChatProfile); a request may ask another
 
     @property
     def max_body(self) -> int:
@@ -104,10 +105,9 @@ def token_limit(state: ServerState, prompt: int, asked: int | None, field: str, 
     return asked if asked is not None else room
 
 
-def submit(state: ServerState, ids: list[int], req, limit: int) -> Job:
-    job = Job(ids, limit, frozenset(state.tokenizer.stop_ids), temperature=req.temperature, top_p=req.top_p,
-              top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
-              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+def submit(state: ServerState, ids: list[int], sampling: dict, limit: int) -> Job:
+    """Queue a job; `sampling`: Job's sampling fields, from the request's `sampling()`."""
+    job = Job(ids, limit, frozenset(state.tokenizer.stop_ids), **sampling)
     try:
         state.engine.submit(job)
     except QueueFull as exc:
@@ -121,7 +121,7 @@ def usage(job: Job) -> S.Usage:
                    total_tokens=len(job.ids) + len(job.tokens))
 
 
-class _Fed:
+class Fed:
     """A job's tokens fed to its reply: yields what each token adds
     (pieces or text; nothing is yielded for a token that adds nothing), cancels the job once the
     reply has hit a stop string, and leaves the finish reason ("stop" then) in `reason`."""
@@ -143,7 +143,7 @@ async def run_to_end(request: Request, job: Job, reply) -> str | None:
     """Feed the job's tokens to the reply until it ends; None when the client went away."""
 
     async def consume() -> str:
-        run = _Fed()
+        run = Fed()
         async for _ in run.feed(job, reply):
             pass
         return run.reason
@@ -191,40 +191,68 @@ def stream_response(events) -> StreamingResponse:
 # ---- chat -----------------------------------------------------------------------------------
 
 
+@dataclass
+class ChatTurn:
+    """What every chat-style API asks of the model, in the renderer's terms (OpenAI-style
+    messages and tools); `where` names the request's conversation in errors."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    tool_choice: str | None = None  # "auto" | "none" | "required"
+    named: str | None = None  # tool_choice naming one function
+    thinking: bool = True
+    effort: str | None = None  # None: the model's default
+    response_format: dict | None = None
+    stops: list[str] = field(default_factory=list)
+    where: str = "messages"
+    origins: list[str] | None = None  # per rendered message, the request field it came from
+
+
 def render_chat(state: ServerState, req: S.ChatRequest) -> tuple[list[int], ChatReply]:
-    # each message, tool and tool call renders to at least one token: refuse a count that cannot fit
-    # before rendering it (130k empty messages, or 90k calls in one message, take seconds of the
-    # server's one loop)
-    calls = sum(len(m.tool_calls or []) for m in req.messages)
-    for what, n, field in (("messages", len(req.messages), "messages"), ("tools", len(req.tools or []), "tools"),
-                           ("tool calls", calls, "messages")):
-        if n > state.max_context:
-            raise ApiError(400, f"{n} {what} cannot fit this model's maximum context length of "
-                           f"{state.max_context} tokens", param=field, code="context_length_exceeded")
     problem = req.tool_choice_error()
     if problem:
         raise ApiError(400, problem, param="tool_choice")
-    messages = [m.to_render() for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    choice, allowed = req.tool_choice, None
+    choice, named = req.tool_choice, None
     if isinstance(choice, S.NamedToolChoice):
-        tools = [t for t in tools if t["function"]["name"] == choice.function.name]
-        choice, allowed = "required", {choice.function.name}
+        choice, named = None, choice.function.name
+    turn = ChatTurn([m.to_render() for m in req.messages], [t.model_dump(exclude_none=True) for t in req.tools or []],
+                    choice, named, req.thinking, req.effort,
+                    S.dump(req.response_format) if req.response_format else None, req.stop_strings)
+    return render_turn(state, turn)
+
+
+def render_turn(state: ServerState, turn: ChatTurn) -> tuple[list[int], ChatReply]:
+    """The prompt ids and the reply parser of a chat turn; 400s name `turn.where`."""
+    # each message, tool and tool call renders to at least one token: refuse a count that cannot fit
+    # before rendering it (130k empty messages, or 90k calls in one message, take seconds of the
+    # server's one loop)
+    calls = sum(len(m.get("tool_calls") or []) for m in turn.messages)
+    for what, n, name in (("messages", len(turn.messages), turn.where), ("tools", len(turn.tools or []), "tools"),
+                          ("tool calls", calls, turn.where)):
+        if n > state.max_context:
+            raise ApiError(400, f"{n} {what} cannot fit this model's maximum context length of "
+                           f"{state.max_context} tokens", param=name, code="context_length_exceeded")
+    tools, choice, allowed = turn.tools or None, turn.tool_choice, None
+    if turn.named is not None:
+        tools = [t for t in tools or [] if t["function"]["name"] == turn.named]
+        choice, allowed = "required", {turn.named}
     elif choice == "none":
         allowed = set()
     try:
-        ids = encode_chat(state.tokenizer, messages, tools, thinking=req.thinking,
-                          tool_choice=choice if tools else None,
-                          response_format=S.dump(req.response_format) if req.response_format else None,
+        ids = encode_chat(state.tokenizer, turn.messages, tools, thinking=turn.thinking,
+                          thinking_effort=turn.effort or state.thinking_effort,
+                          tool_choice=choice if tools else None, response_format=turn.response_format,
                           max_segments=state.max_context)
     except ConversationTooLong as exc:
         raise ApiError(400, f"{exc}, past this model's maximum context length of {state.max_context} tokens",
-                       param="messages", code="context_length_exceeded") from None
+                       param=turn.where, code="context_length_exceeded") from None
     except ChatFormatError as exc:
         m = re.match(r"message (\d+)", str(exc))
-        raise ApiError(400, str(exc), param=f"messages[{m.group(1)}]" if m else "messages") from None
-    reply = ChatReply(state.tokenizer, thinking=req.thinking, stops=req.stop_strings,
-                      call_base=prior_calls(messages), allowed=allowed, required=choice == "required")
+        at = int(m.group(1)) if m else None
+        param = turn.where if at is None else turn.origins[at] if turn.origins else f"{turn.where}[{at}]"
+        raise ApiError(400, str(exc), param=param) from None
+    reply = ChatReply(state.tokenizer, thinking=turn.thinking, stops=turn.stops,
+                      call_base=prior_calls(turn.messages), allowed=allowed, required=choice == "required")
     return ids, reply
 
 
@@ -233,7 +261,7 @@ async def chat_completions(state: ServerState, request: Request):
     check_model(state, req.model)
     ids, reply = render_chat(state, req)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    job = submit(state, ids, req, token_limit(state, len(ids), req.token_limit, field, "messages"))
+    job = submit(state, ids, req.sampling(), token_limit(state, len(ids), req.token_limit, field, "messages"))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=state.model_id)
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
@@ -242,7 +270,7 @@ async def chat_completions(state: ServerState, request: Request):
     if reason is None:
         return JSONResponse(error_body("client disconnected", type="invalid_request_error"), 499)
     reply.finish(reason)
-    _count_unmet(state, reply)
+    count_unmet(state, reply)
     calls = [S.ToolCallOut(id=c["id"], type="function", function=S.FunctionCallOut(name=c["name"],
              arguments=c["arguments"])) for c in reply.calls]
     msg = S.AssistantMessage(content=reply.content if reply.content or not calls else None,
@@ -254,7 +282,7 @@ async def chat_completions(state: ServerState, request: Request):
     return JSONResponse(out)
 
 
-def _count_unmet(state: ServerState, reply: ChatReply) -> None:
+def count_unmet(state: ServerState, reply: ChatReply) -> None:
     if reply.unmet:
         state.metrics.tool_choice_unmet.inc()
 
@@ -268,11 +296,12 @@ def _delta_chunks(head: dict, piece) -> list[S.ChatCompletionChunk]:
     if piece.kind == "content":
         return [chunk(content=piece.text)]
     c = piece.call
-    return [
-        chunk(tool_calls=[S.ToolCallOut(index=c["index"], id=c["id"], type="function",
-                                        function=S.FunctionCallOut(name=c["name"], arguments=""))]),
-        chunk(tool_calls=[S.ToolCallOut(index=c["index"], function=S.FunctionCallOut(arguments=c["arguments"]))]),
-    ]
+    if piece.kind == "call":  # the header as soon as the name is known; arguments follow as written
+        return [chunk(tool_calls=[S.ToolCallOut(index=c["index"], id=c["id"], type="function",
+                                                function=S.FunctionCallOut(name=c["name"], arguments=""))])]
+    if piece.kind == "arguments":
+        return [chunk(tool_calls=[S.ToolCallOut(index=c["index"], function=S.FunctionCallOut(arguments=piece.text))])]
+    return []
 
 
 async def _chat_events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict,
@@ -280,7 +309,7 @@ async def _chat_events(state: ServerState, request: Request, job: Job, reply: Ch
     gone = watch_disconnect(request, job)
     try:
         yield sse(S.ChatCompletionChunk(**head, choices=[S.ChunkChoice(delta=S.Delta(role="assistant", content=""))]))
-        run = _Fed()
+        run = Fed()
         try:
             async for pieces in run.feed(job, reply):
                 for piece in pieces:
@@ -296,7 +325,7 @@ async def _chat_events(state: ServerState, request: Request, job: Job, reply: Ch
         for piece in reply.finish(reason):
             for c in _delta_chunks(head, piece):
                 yield sse(c)
-        _count_unmet(state, reply)
+        count_unmet(state, reply)
         final = S.ChunkChoice(delta=S.Delta(), finish_reason=reply.finish_reason(reason))
         yield sse(S.ChatCompletionChunk(**head, choices=[final]))
         if include_usage:
@@ -314,7 +343,7 @@ async def completions(state: ServerState, request: Request):
     req = await parse_body(state, request, S.CompletionRequest)
     check_model(state, req.model)
     ids = prompt_ids(state, req.prompt)
-    job = submit(state, ids, req, token_limit(state, len(ids), req.token_limit, "max_tokens", "prompt"))
+    job = submit(state, ids, req.sampling(), token_limit(state, len(ids), req.token_limit, "max_tokens", "prompt"))
     reply = TextReply(state.tokenizer, stops=req.stop_strings)
     head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=state.model_id)
     if req.stream:
@@ -346,7 +375,7 @@ async def _text_events(request: Request, job: Job, reply: TextReply, head: dict,
 
     gone = watch_disconnect(request, job)
     try:
-        run = _Fed()
+        run = Fed()
         try:
             async for text in run.feed(job, reply):
                 yield chunk(text)

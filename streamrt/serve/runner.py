@@ -25,6 +25,7 @@ from streamrt.model.lockstep import lockstep
 
 class ModelRunner:
     def __init__(self, model_dir: Path, args: argparse.Namespace, *, max_batch: int):
+        from streamrt.chat import ChatProfile
         from streamrt.checkpoint.reader import open_tree
         from streamrt.loader import load_placed
         from streamrt.runtime.options import RuntimeOptions
@@ -37,6 +38,7 @@ class ModelRunner:
         tree = open_tree(model_dir)
         tree.check_side_files()
         self.name = tree.config.name
+        self.chat = ChatProfile.from_tree(tree.root)  # the framing the model was trained with
         self.tokenizer = load_tokenizer(tree.root, tree.config.vocab_size, tree.config.eos_token_id)
         device = make_device(self.options.device)
         self.tracer = make_tracer(bool(self.options.trace))

@@ -9,7 +9,8 @@ OpenAI's, `top_k`, `min_p` and `repetition_penalty` as vLLM's; `response_format`
 through the template, as tool_choice is. An unknown top-level field is a 400 naming it, as
 OpenAI's own server answers (nested objects ignore theirs, as clients echo fields). Responses are the
 shapes the official client parses: `reasoning_content` beside `content`, tool calls with
-`functions.NAME:IDX` ids and arguments as a JSON string.
+`functions.NAME:IDX` ids and arguments as a JSON string. `reasoning_effort`
+picks the template's thinking effort.
 """
 
 from __future__ import annotations
@@ -216,6 +217,12 @@ class _Sampling(_Strict):
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 
+    def sampling(self) -> dict:
+        """The request's sampling, as the engine's Job takes it."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, seed=self.seed,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+
 
 class ChatPrompt(_Strict):
     """The conversation a chat prompt is rendered from: a request's, and the whole of
@@ -231,6 +238,7 @@ class ChatRequest(_Sampling, ChatPrompt):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     thinking: bool = True  # streamrt extension: False answers without the think channel
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -263,6 +271,18 @@ class ChatRequest(_Sampling, ChatPrompt):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def effort(self) -> str | None:
+        return thinking_effort(self.reasoning_effort)
+
+
+# OpenAI's reasoning efforts -> the template's thinking efforts (low, medium, high, max); none: the model's default
+_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
+
+
+def thinking_effort(effort: str | None) -> str | None:
+    return _EFFORTS.get(effort) if effort else None
 
 
 class CompletionRequest(_Sampling):
