@@ -106,7 +106,12 @@ def norm(content, thinking, calls) -> dict:
     for c in calls or []:
         fn = c.get("function", c)
         args = fn.get("arguments")
-        out.append([fn.get("name"), json.loads(args) if isinstance(args, str) else args])
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # compared as the text it is
+        out.append([fn.get("name"), args])
     return {"content": content or "", "thinking": thinking or "", "tool_calls": out}
 
 
@@ -340,6 +345,8 @@ def client_loop(i: int, client: Client, deadline: float, args, results: list, lo
                 client.slow_body(rng, rng.choice(questions))
         except Outcome as e:
             kind, why = e.kind, str(e)
+        except Exception as e:  # a reply this script cannot read (bad JSON, missing fields) is a wrong one
+            kind, why = "wrong", f"{type(e).__name__}: {e}"
         with lock:
             results.append({"class": cls, "kind": kind, "s": time.monotonic() - t0, "why": why, "t": t0})
 
@@ -386,7 +393,8 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE", help="write the report here too")
     ap.add_argument("--tokens", type=int, default=12, help="max_tokens of the question requests (default 12)")
-    ap.add_argument("--tool-tokens", type=int, default=40, help="max_tokens of the tool-call requests (default 40)")
+    ap.add_argument("--tool-tokens", type=int, default=180,
+                    help="max_tokens of the tool-call requests (default 180: the reply reaches its call)")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--delay-p", type=float, default=0.3, help="share of engine steps delayed (default 0.3)")
     ap.add_argument("--delay-ms", type=float, default=20.0, help="longest step delay (default 20 ms)")
