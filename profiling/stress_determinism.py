@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [[256 + (7 * i + 3 * j) % 200 for i in range(70)] for j in range(2)]  # equal lengths: a batch of two
+PROMPTS = [[256 + (7 * i + 3 * j) % 200 for i in range(48)] for j in range(2)]  # equal lengths: a batch of two
 CONT = [44, 32, 101, 108, 111]  # forced continuation: every run decodes the same tokens
 WS = 32  # tiny-k3.1-pro: 8 MoE layers x top-4 experts per token
 
