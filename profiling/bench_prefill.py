@@ -170,8 +170,8 @@ def run_length(mdir: Path, length: int, args, rest: list[str]) -> dict:
 def refusal(mdir: Path, context: int) -> tuple[int, str]:
     """`streamrt run` on a prompt of more than `context` tokens: (exit code, stderr)."""
     text = "the " * (context + 8)  # byte-level or BPE: at least one token per word
-    p = subprocess.run([sys.executable, "-m", "streamrt", "run", "--model", str(mdir), "--prompt", text, "--max-new-tokens", "1"],
-                       capture_output=True, text=True, timeout=600)
+    argv = [sys.executable, "-m", "streamrt", "run", "--model", str(mdir), "--prompt", text, "--max-new-tokens", "1"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     return p.returncode, p.stderr.strip()
 
 

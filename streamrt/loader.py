@@ -1,9 +1,10 @@
 """Loading a converted tree into the torch model, and expert providers.
 
 The composition room: a tree (checkpoint/), the model (model/) and a backend (backends/;
-the torch reference unless the caller passes another). gpt-fast `_load_model`: build on the meta device, then `load_state_dict(assign=True)` with
-the tree's (mmap'd) tensors, so nothing is materialised twice. The names must match
-exactly; the K3 / K3.1 Pro mismatch in either direction gets its own message.
+the torch reference unless the caller passes another). gpt-fast `_load_model`: build on the meta
+device, then `load_state_dict(assign=True)` with the tree's (mmap'd) tensors, so nothing is
+materialised twice. The names must match exactly; the K3 / K3.1 Pro mismatch in either direction
+gets its own message.
 
 With a placement plan (plan/placement.py) whose streamed layers are not empty, those layers' dense
 weights go to page-locked host memory and stream through device buffers
@@ -58,7 +59,10 @@ def check_state_dict(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], sou
             raise CheckpointError(f"{source}: tensor {k} has shape {list(sd[k].shape)}, expected {list(shape)}")
 
 
-def load_weights(model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], *, dtype: torch.dtype | None = None, source: str = "checkpoint") -> KimiLinearForCausalLM:
+def load_weights(
+    model: KimiLinearForCausalLM, sd: Mapping[str, Tensor], *, dtype: torch.dtype | None = None,
+    source: str = "checkpoint",
+) -> KimiLinearForCausalLM:
     """Check and assign a dense state dict (tree names minus `language_model.`).
 
     dtype: cast floating tensors (not FP32_TENSORS, which stay fp32); None keeps them.
@@ -121,7 +125,9 @@ def stream_dense(model: KimiLinearForCausalLM, placement: Placement, device, *, 
     `placement.buffers` buffers on `device` (a streams.Device): the model's `layer_weights`."""
     from streamrt.runtime.dense_stream import DenseStream
 
-    model.layer_weights = DenseStream(model, placement.streamed_layers, device, buffers=placement.buffers, tracer=tracer)
+    model.layer_weights = DenseStream(
+        model, placement.streamed_layers, device, buffers=placement.buffers, tracer=tracer
+    )
     return model.layer_weights
 
 

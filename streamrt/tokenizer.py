@@ -312,6 +312,7 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_id: 
     if eos_token_id is not None and eos_token_id != tok.eos_id:
         where = f"{root / 'config.json'}: " if root is not None else ""
         raise ConfigError(
-            f"{where}eos_token_id {eos_token_id} is not <|end_of_msg|> (expected {tok.eos_id} for vocab_size {vocab_size})"
+            f"{where}eos_token_id {eos_token_id} is not <|end_of_msg|> "
+            f"(expected {tok.eos_id} for vocab_size {vocab_size})"
         )
     return tok

@@ -47,7 +47,9 @@ class Backend(Protocol):
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
         """x * sigmoid(gate) elementwise (ops.sigmoid), fp32; x and gate of one shape."""
 
-    def kda_gates(self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> tuple[Tensor, Tensor]:
+    def kda_gates(
+        self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float
+    ) -> tuple[Tensor, Tensor]:
         """KDA's decay and write gates: f [N, H, K], b [N, H], a_log [H], dt_bias [H*K] ->
         (ops.kda_gate(f, a_log, dt_bias, lower_bound) [N, H, K], sigmoid(b) [N, H]), fp32."""
 
@@ -100,7 +102,9 @@ class Backend(Protocol):
         positions <= t (all of them while t + 1 <= topk), else causal dense. Returns [T, H, dv].
         Memory O(tile x n), never T x n per head; a row's bits must not depend on T or start."""
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None, w_scale: float = 1.0) -> Tensor:
+    def indexer_scores(
+        self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None, w_scale: float = 1.0
+    ) -> Tensor:
         """Lightning Indexer scores of query rows b < B: q [B, Hi, Di], w [B, Hi], k_cache [B, n, Di]
         -> [B, n] fp32, I[b, s] = sum_h (w[b, h] * w_scale) * relu(q[b, h] . k[b, s]), the product
         w * w_scale rounded to fp32 first (as `w * w_scale` in torch); one row may drop the

@@ -129,7 +129,9 @@ class Kernel:
 
     def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
         """Resident blocks per SM at this block size (the driver's occupancy calculator)."""
-        n = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, smem), f"occupancy({self.name})")
+        n = check(
+            driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, smem), f"occupancy({self.name})"
+        )
         return max(1, int(n))
 
     def __call__(self, grid, block, args: list[bytes], smem: int = 0, stream=None, pdl: bool = False) -> None:

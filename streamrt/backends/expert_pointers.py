@@ -153,7 +153,9 @@ class ExpertTable:
             raise ValueError(f"expert table: expert {e} outside 0..{self.num_experts - 1}")
         p = expert_pointers(ew, e, self.routed_width, self.device)
         if self.inter is not None and p.inter != self.inter:
-            raise ValueError(f"expert table: layer {layer} expert {e} has intermediate size {p.inter}, others {self.inter}")
+            raise ValueError(
+                f"expert table: layer {layer} expert {e} has intermediate size {p.inter}, others {self.inter}"
+            )
         self.inter = p.inter
         self._host[self._row[layer], e] = torch.tensor(p[:EXPERT_COLS], dtype=torch.int64)
         self._placed[self._row[layer], e] = True
@@ -183,7 +185,8 @@ class ExpertTable:
         self._device[i].copy_(self._host[i], non_blocking=True)
         if self.device.type == "cuda":
             self._copied[i] = torch.cuda.Event()
-            self._copied[i].record(torch.cuda.current_stream(self.device))  # the copy's stream, whatever device is current
+            # the copy's stream, whatever device is current
+            self._copied[i].record(torch.cuda.current_stream(self.device))
 
     def layer(self, layer: int) -> torch.Tensor:
         return self._device[self._row[layer]]

@@ -119,7 +119,8 @@ def mm_nvfp4(x: Tensor, m: NVFP4Matrix, rows: str = PREFILL_ROWS[0], conv=TORCH_
     split = _split(rows)
     x16, s = conv.fp16_rows(x, split)
     y = torch.empty(x.shape[0], m.shape[0], dtype=torch.float32, device=x.device)
-    conv.scatter_rows(mm16(x16, conv.fp16_weights(m)), s, m.global_scale, torch.arange(x.shape[0], device=x.device), y, split)
+    rows = torch.arange(x.shape[0], device=x.device)
+    conv.scatter_rows(mm16(x16, conv.fp16_weights(m)), s, m.global_scale, rows, y, split)
     return y
 
 

@@ -33,46 +33,14 @@ class AttentionOps(KernelHost):
         each row (base.py); the grid is then sized for the capacity n (or m) and the kernels stop
         at the length (graph-capturable). Rows run side by side in one launch, each with its
         one-row bits."""
-        dev = self.device
-        q_lat, q_rot = (
-            as_act(q_lat, "mla_decode.q_lat", dev),
-            as_rows(q_rot, "mla_decode.q_rot", dev),
-        )  # q_rot: a view of q
-        one = q_lat.dim() == 2
-        if one:
-            q_lat, q_rot, c_cache, kr_cache = q_lat[None], q_rot[None], c_cache[None], kr_cache[None]
-            select = None if select is None else select.reshape(1, -1)
+        one, q_lat, q_rot, c_cache, kr_cache, select = self._mla_operands(q_lat, q_rot, c_cache, kr_cache, select)
         B, H, R = q_lat.shape
         Dr = q_rot.shape[-1]
-        if (
-            q_rot.dim() != 3
-            or q_rot.shape[:2] != (B, H)
-            or c_cache.dim() != 3
-            or c_cache.shape[0] != B
-            or c_cache.shape[-1] != R
-            or kr_cache.shape[-1] != Dr
-            or c_cache.shape[:2] != kr_cache.shape[:2]
-        ):
-            raise ValueError(
-                f"mla_decode: q_lat {tuple(q_lat.shape)} q_rot {tuple(q_rot.shape)} c {tuple(c_cache.shape)} "
-                f"kr {tuple(kr_cache.shape)} do not agree"
-            )
-        if c_cache.dtype != kr_cache.dtype or c_cache.dtype not in (torch.float32, torch.bfloat16):
-            c_cache, kr_cache = c_cache.float(), kr_cache.float()
-        c_cache, kr_cache = c_cache.contiguous(), kr_cache.contiguous()
-        cb = int(c_cache.dtype == torch.bfloat16)
         n = c_cache.shape[1]
-        if select is not None:
-            if select.device != dev:
-                raise ValueError(f"mla_decode: select on {select.device}, expected {dev}")
-            if select.dim() != 2 or select.shape[0] != B:
-                raise ValueError(f"mla_decode: select {tuple(select.shape)} for {B} rows")
-            select = select.to(torch.int64).contiguous()
-            m = select.shape[1]
-        else:
-            m = n
+        m = n if select is None else select.shape[1]
         if m == 0:
             raise ValueError("mla_decode: no positions to attend to")
+        cb = int(c_cache.dtype == torch.bfloat16)
         length = self._lengths(length, B, "mla_decode")
         S = math.ceil(m / MLA_CHUNK)
         part_acc = self._empty(B, S, H, R, dtype=torch.float32)
@@ -111,6 +79,46 @@ class AttentionOps(KernelHost):
             pdl=self.pdl,
         )
         return out[0] if one else out
+
+    def _mla_operands(
+        self, q_lat: Tensor, q_rot: Tensor, c_cache: Tensor, kr_cache: Tensor, select: Tensor | None,
+    ) -> tuple[bool, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """mla_decode's operands checked and batched (and whether it was one row): a row axis added to one row, the
+        caches one dtype (fp32 or bf16) and contiguous, select int64 contiguous."""
+        dev = self.device
+        q_lat, q_rot = (
+            as_act(q_lat, "mla_decode.q_lat", dev),
+            as_rows(q_rot, "mla_decode.q_rot", dev),
+        )  # q_rot: a view of q
+        one = q_lat.dim() == 2
+        if one:
+            q_lat, q_rot, c_cache, kr_cache = q_lat[None], q_rot[None], c_cache[None], kr_cache[None]
+            select = None if select is None else select.reshape(1, -1)
+        B, H, R = q_lat.shape
+        Dr = q_rot.shape[-1]
+        if (
+            q_rot.dim() != 3
+            or q_rot.shape[:2] != (B, H)
+            or c_cache.dim() != 3
+            or c_cache.shape[0] != B
+            or c_cache.shape[-1] != R
+            or kr_cache.shape[-1] != Dr
+            or c_cache.shape[:2] != kr_cache.shape[:2]
+        ):
+            raise ValueError(
+                f"mla_decode: q_lat {tuple(q_lat.shape)} q_rot {tuple(q_rot.shape)} c {tuple(c_cache.shape)} "
+                f"kr {tuple(kr_cache.shape)} do not agree"
+            )
+        if c_cache.dtype != kr_cache.dtype or c_cache.dtype not in (torch.float32, torch.bfloat16):
+            c_cache, kr_cache = c_cache.float(), kr_cache.float()
+        c_cache, kr_cache = c_cache.contiguous(), kr_cache.contiguous()
+        if select is not None:
+            if select.device != dev:
+                raise ValueError(f"mla_decode: select on {select.device}, expected {dev}")
+            if select.dim() != 2 or select.shape[0] != B:
+                raise ValueError(f"mla_decode: select {tuple(select.shape)} for {B} rows")
+            select = select.to(torch.int64).contiguous()
+        return one, q_lat, q_rot, c_cache, kr_cache, select
 
     def _lengths(self, length: Tensor | None, rows: int, what: str) -> Tensor | None:
         if length is not None and (

@@ -15,7 +15,6 @@ shapes: `profiling/RESULTS.md` (bench_kernels.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -44,6 +43,7 @@ from streamrt.backends.kernel_defines import (
 from streamrt.backends.kernel_host import KernelHost
 from streamrt.backends.nvfp4_gemm import PREFILL_ROWS, TORCH_FP16, grouped_expert_pairs
 from streamrt.backends.nvrtc_args import aligned, as_act, as_weight, f32, i32, ptr, situ_args
+from streamrt.backends.nvrtc_moe_calls import DEVICE_TABLES, HOST_TABLES, FfnCall, PairTables
 from streamrt.expert_weights import ExpertWeights, NVFP4Matrix, ResidentExperts, RoutedExperts, as_routed
 from streamrt.ops import route, sigmoid
 
@@ -63,67 +63,6 @@ TC_STAGED_MIN_ROWS = 8
 TC_STAGED_ROWS = 16  # a multiple of TC_TOKENS, at most 16 (four sets of 4 rows per decoded weight fragment)
 TC_STAGE_SMEM = TC_WBYTES + TC_SBYTES  # one 128-column block of one warp
 assert TC_STAGED_SHAPE[0] * 32 <= TC_STAGED_THREADS and TC_STAGED_SHAPE[1] * 32 <= TC_STAGED_DOWN_THREADS
-
-
-@dataclass(frozen=True)
-class MoeEntries:
-    """The expert-FFN entry points for one kind of pointer table (kernels/nvfp4_moe.cu)."""
-
-    gateup: str  # CUDA-core
-    down: str
-    gateup_tc: str  # 8-row tensor-core blocks
-    down_tc: str
-    gateup_staged: str  # from staged rows
-    down_staged: str
-
-
-HOST_TABLES = MoeEntries("srt_nvfp4_gateup", "srt_nvfp4_down", "srt_nvfp4_gateup_tc2x2", "srt_nvfp4_down_tc2x2",
-                         "srt_nvfp4_gateup_st2x1", "srt_nvfp4_down_st2x1")
-DEVICE_TABLES = MoeEntries("srt_nvfp4_gateup_dt", "srt_nvfp4_down_dt", "srt_nvfp4_gateup_tc2x2_dt",
-                           "srt_nvfp4_down_tc2x2_dt", "srt_nvfp4_gateup_st2x1_dt", "srt_nvfp4_down_st2x1_dt")
-
-
-@dataclass(frozen=True)
-class FfnCall:
-    """One expert_ffn call, as its launches share it: z [T, Dl], h [P, I], y [P, Dl]; `act` the
-    SiTU constants; `ready` the per-pair gate+up counts (None: the down blocks wait for the
-    whole gate+up grid); `staged` `_staged_rows(z)` or None; `tc` whether the tensor-core
-    kernels take it; `entries` the kernels of its kind of table."""
-
-    z: Tensor
-    h: Tensor
-    y: Tensor
-    act: list[bytes]
-    ready: Tensor | None
-    staged: tuple[Tensor, Tensor] | None
-    tc: bool
-    entries: MoeEntries
-
-    @property
-    def T(self) -> int:
-        return self.z.shape[0]
-
-    @property
-    def I(self) -> int:  # noqa: E743
-        return self.h.shape[1]
-
-    @property
-    def Dl(self) -> int:
-        return self.z.shape[1]
-
-
-@dataclass(frozen=True)
-class PairTables:
-    """Up to MOE_MAXP (host) or MOE_MAXP_DT (device) pairs of a call: their gate+up and down
-    tables (struct bytes, or a device table's address); `groups`: srt_moe_tables' list of
-    groups and the most it can hold (device tables with staged rows), else None;
-    `pdl_gateup`: whether gate+up may launch programmatically."""
-
-    gate_up: bytes
-    down: bytes
-    pairs: int
-    pdl_gateup: bool
-    groups: tuple[Tensor, int] | None = None
 
 
 def most_groups(pairs: int, experts: int, cap: int) -> int:

@@ -180,7 +180,9 @@ class TorchBackend:
         q, k, v = (self.short_conv_step(z, st, w).view(z.shape[0], -1, K) for z, st, w in zip(zs, states, ws))
         return self.l2norm(q, eps, q_scale), self.l2norm(k, eps), v
 
-    def kda_gates(self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float) -> tuple[Tensor, Tensor]:
+    def kda_gates(
+        self, f: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float
+    ) -> tuple[Tensor, Tensor]:
         return kda_gate(f, a_log, dt_bias, lower_bound), sigmoid(b)
 
     def kda_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
@@ -200,7 +202,8 @@ class TorchBackend:
         with a leading row dim B on each (length [B]), row by row."""
         if q_lat.dim() == 3:
             return torch.stack([
-                self.mla_decode(q_lat[b], q_rot[b], c_cache[b], kr_cache[b], scale, None if select is None else select[b],
+                self.mla_decode(q_lat[b], q_rot[b], c_cache[b], kr_cache[b], scale,
+                                None if select is None else select[b],
                                 None if length is None else length[b : b + 1])
                 for b in range(q_lat.shape[0])
             ])
@@ -224,17 +227,22 @@ class TorchBackend:
         w = w_uv.float()
         return torch.stack([torch.bmm(w, o_lat[b][:, :, None])[..., 0] for b in range(o_lat.shape[0])])
 
-    def indexer_scores(self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None, w_scale: float = 1.0) -> Tensor:
+    def indexer_scores(
+        self, q: Tensor, w: Tensor, k_cache: Tensor, length: Tensor | None = None, w_scale: float = 1.0
+    ) -> Tensor:
         """q [Hi, Di], w [Hi], k_cache [n, Di] -> I [n] = sum_h (w[h] * w_scale) relu(q[h].k[s]); with a
         leading row dim B (length [B]), row by row."""
         if w_scale != 1.0:
             w = w * w_scale
         if q.dim() == 3:
-            return torch.stack([self.indexer_scores(q[b], w[b], k_cache[b], None if length is None else length[b : b + 1])
-                                for b in range(q.shape[0])])
+            return torch.stack([
+                self.indexer_scores(q[b], w[b], k_cache[b], None if length is None else length[b : b + 1])
+                for b in range(q.shape[0])
+            ])
         if length is not None:
             n = k_cache.shape[0]
-            return torch.cat((self.indexer_scores(q, w, k_cache[: int(length)]), q.new_zeros(n - int(length))))  # [n]: rows stack
+            # [n]: rows stack
+            return torch.cat((self.indexer_scores(q, w, k_cache[: int(length)]), q.new_zeros(n - int(length))))
         return (torch.relu(q @ k_cache.T) * w[:, None]).sum(0)
 
     def select_topk(self, scores: Tensor, k: int, length: Tensor | None = None) -> Tensor:
@@ -284,14 +292,18 @@ class TorchBackend:
             sel = None
             if index is not None:
                 qi, wi, ki, _ = index
-                sel = self._index_select(_pad_rows(qi[t0 : t0 + m], TQ), _pad_rows(wi[t0 : t0 + m], TQ), ki, qpos, nb, topk)
+                sel = self._index_select(
+                    _pad_rows(qi[t0 : t0 + m], TQ), _pad_rows(wi[t0 : t0 + m], TQ), ki, qpos, nb, topk
+                )
             sparse = (qpos + 1 > SPARSE_FROM * topk) if topk is not None else torch.zeros_like(qpos, dtype=torch.bool)
             n_sparse = int(sparse[:m].sum())
             o_lat = None
             if n_sparse < m:
                 o_lat = self._attend_blocks(q_lat, q_r, c_cache, kr_cache, qpos, nb, scale, sel).view(TQ, H, R)
             if n_sparse:
-                o_sp = self._attend_selected(q_lat.view(TQ, H, R), q_r.view(TQ, H, -1), c_cache, kr_cache, sel, topk, scale)
+                o_sp = self._attend_selected(
+                    q_lat.view(TQ, H, R), q_r.view(TQ, H, -1), c_cache, kr_cache, sel, topk, scale
+                )
                 o_lat = o_sp if o_lat is None else torch.where(sparse[:, None, None], o_sp, o_lat)
             o = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [TQ, H, dv]
             outs.append(o[:m])
@@ -403,7 +415,9 @@ class TorchBackend:
             rows, slots = (ids == e).nonzero(as_tuple=True)
             ew = routed.take(e)
             zr = z[rows]  # [m, Dl]
-            h = situ_glu(self.linear(zr, dequant_nvfp4(ew.gate)), self.linear(zr, dequant_nvfp4(ew.up)), beta, linear_beta)
+            h = situ_glu(
+                self.linear(zr, dequant_nvfp4(ew.gate)), self.linear(zr, dequant_nvfp4(ew.up)), beta, linear_beta
+            )
             outs = outs.index_put((rows, slots), self.linear(h, dequant_nvfp4(ew.down)))  # [m, Dl]
         w = weights.float()
         acc = outs[:, 0] * w[:, 0:1]
@@ -426,7 +440,9 @@ class TorchBackend:
         mix = self._attnres_mix(prefix, blocks, norm_w, proj_w, eps)
         return mix if out_w is None else self.rmsnorm(mix, out_w, out_eps)
 
-    def _attnres_mix(self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float) -> Tensor:
+    def _attnres_mix(
+        self, prefix: Tensor, blocks: Sequence[Tensor], norm_w: Tensor, proj_w: Tensor, eps: float
+    ) -> Tensor:
         v = torch.stack([*blocks, prefix], dim=1).float()  # [T, nb+1, D]
         wq = norm_w.float() * proj_w.float()  # [D]
         kn = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)  # weightless RMSNorm keys

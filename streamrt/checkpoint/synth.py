@@ -312,7 +312,6 @@ def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int,
     """Write a converted tree directly (no release on disk): dense files, expert files, manifest."""
     from streamrt.checkpoint.manifest import dense_files, write_manifest
     from streamrt.checkpoint.expert_file import ExpertLayout, write_expert_file
-    from streamrt.fileio import write_bytes_atomic
     from streamrt.checkpoint.names import expert_relpath
 
     lock = threading.Lock()
@@ -357,6 +356,17 @@ def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int,
         (expert_task, (l, e)) for l in cfg.moe_layers for e in range(cfg.num_experts)
     ]
     _run_pool(lambda t: t[0](t[1]), tasks, workers)
+    _write_top_files(cfg, out, gen, files)
+    write_manifest(
+        out, cfg, files, [s.name for s in tensor_specs(cfg)], source={"synth": True, "seed": gen.seed}, modes=modes
+    )
+    return {"files": len(files), "tensors": len(tensor_specs(cfg)), "bytes": sum(f["size"] for f in files.values())}
+
+
+def _write_top_files(cfg: ModelConfig, out: Path, gen: Generator, files: dict[str, dict]) -> None:
+    """The small files beside the tensors (config, tokenizer), recorded in `files` for the manifest."""
+    from streamrt.fileio import write_bytes_atomic
+
     for name, data in (
         ("config.json", _config_json(cfg)),
         ("tiktoken.model", synthetic_bpe(cfg.vocab_size, gen.seed)),
@@ -364,10 +374,6 @@ def synth_streamrt(cfg: ModelConfig, out: Path, gen: Generator, *, workers: int,
     ):
         size, d = write_bytes_atomic(out / name, data)
         files[name] = {"size": size, "blake2b": d}
-    write_manifest(
-        out, cfg, files, [s.name for s in tensor_specs(cfg)], source={"synth": True, "seed": gen.seed}, modes=modes
-    )
-    return {"files": len(files), "tensors": len(tensor_specs(cfg)), "bytes": sum(f["size"] for f in files.values())}
 
 
 def _run_pool(fn, items, workers: int) -> None:
@@ -428,20 +434,7 @@ def synth(
         summary["expert_files"] = cfg.expert_files
     if dry_run:
         return summary
-    if out is None:
-        raise StreamrtError("--out is required unless --dry-run")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out}: --out exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: output directory exists and is not empty")
-    if not out.parent.exists():  # a typo must not build a tree of directories
-        raise CheckpointError(f"{out}: directory {out.parent} does not exist; create it first")
-    _check_space(out, nbytes)  # before any directory is made: a refusal leaves nothing behind
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file where a directory belongs, no permission, a name too long
-        raise CheckpointError(f"{out}: cannot create --out: {e.strerror or e}") from None
+    out = _make_out(out, nbytes)
     gen = Generator(cfg, seed, skew, device)
     if workers is None:
         workers = (
@@ -457,6 +450,25 @@ def synth(
             summary.update(synth_streamrt(cfg, out, gen, workers=workers, bar=bar, allow_per_row=allow_per_row))
     summary.update(seconds=time.perf_counter() - t0, device=str(gen.device), out=str(out))
     return summary
+
+
+def _make_out(out: Path | None, nbytes: int) -> Path:
+    """Check --out (absent or an empty directory, its parent there, room for `nbytes`) and create it."""
+    if out is None:
+        raise StreamrtError("--out is required unless --dry-run")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: --out exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: output directory exists and is not empty")
+    if not out.parent.exists():  # a typo must not build a tree of directories
+        raise CheckpointError(f"{out}: directory {out.parent} does not exist; create it first")
+    _check_space(out, nbytes)  # before any directory is made: a refusal leaves nothing behind
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a directory belongs, no permission, a name too long
+        raise CheckpointError(f"{out}: cannot create --out: {e.strerror or e}") from None
+    return out
 
 
 def _disable(progress: bool | None) -> bool | None:

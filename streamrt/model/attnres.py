@@ -15,7 +15,9 @@ from torch import Tensor, nn
 from streamrt.model.layers import RMSNorm
 
 
-def attn_res(partial: Tensor, blocks: list[Tensor], proj: nn.Linear, norm: RMSNorm, be, then: RMSNorm | None = None) -> Tensor:
+def attn_res(
+    partial: Tensor, blocks: list[Tensor], proj: nn.Linear, norm: RMSNorm, be, then: RMSNorm | None = None
+) -> Tensor:
     """partial [N, D], blocks nb x [N, D] -> the depth mix [N, D] fp32, or `then`(mix) (the
     layer's next norm, in the same backend op)."""
     if then is None:

@@ -129,7 +129,9 @@ class ModelCache:
     def empty(cls, cfg, batch: int, device=None) -> "ModelCache":
         device = torch.device(device or "cpu")
         layers = [
-            MLACache.empty(cfg, batch, device, cfg.has_indexer(i)) if cfg.layer_kind(i) == "mla" else KDACache.empty(cfg, batch, device)
+            MLACache.empty(cfg, batch, device, cfg.has_indexer(i))
+            if cfg.layer_kind(i) == "mla"
+            else KDACache.empty(cfg, batch, device)
             for i in range(cfg.num_layers)
         ]
         return cls(layers, [0] * batch)

@@ -106,12 +106,14 @@ def kda_chunked(
     for n0 in range(0, n_chunks, group):
         qc, kc, vc, gc, bc = (t[:, :, n0 : n0 + group] for t in (q, k, v, g, beta))  # [B, H, G, C, .]
         Gc = gc.cumsum(-2)
-        decay = (Gc[..., :, None, :] - Gc[..., None, :, :]).masked_fill(~incl, float("-inf")).exp()  # [.., C(t), C(s), K]
+        # [.., C(t), C(s), K]
+        decay = (Gc[..., :, None, :] - Gc[..., None, :, :]).masked_fill(~incl, float("-inf")).exp()
         kq = (decay * kc[..., None, :, :]) @ torch.stack((kc, qc), -1)  # [.., C(t), C(s), 2]: k_t and q_t against k_s
         kk, Pm = (kq[..., i] * bc[..., None, :] for i in (0, 1))  # [B, H, G, C, C], P zero above the diagonal
         eG = Gc.exp()
         # unitriangular: the solver takes the unit diagonal as given, so M's strict lower part is all it reads
-        X = torch.linalg.solve_triangular(kk.masked_fill(strict, 0.0), torch.cat((vc, eG * kc), -1), upper=False, unitriangular=True)
+        X = torch.linalg.solve_triangular(kk.masked_fill(strict, 0.0), torch.cat((vc, eG * kc), -1),
+                                          upper=False, unitriangular=True)
         Up, W = X.split((Vd, K), -1)  # U = U' - W S0
         tail = ((Gc[..., -1:, :] - Gc).exp() * kc * bc[..., None]).transpose(-1, -2)  # [B, H, G, K, C]
         A = torch.diag_embed(eG[..., -1, :]) - tail @ W  # [B, H, G, K, K]
@@ -167,7 +169,8 @@ class KimiDeltaAttention(nn.Module):
             )
 
     def forward(self, x: Tensor, step: Step, cache: KDACache | None, add: tuple[Tensor, ...] = ()) -> Tensor:
-        """x [N, D] (post input_layernorm) -> [N, D], then + each of `add` (residuals, added by the output projection)."""
+        """x [N, D] (post input_layernorm) -> [N, D], then + each of `add` (residuals, added by the
+        output projection)."""
         be, B, T, H, K = step.be, step.batch, step.seqlen, self.H, self.K
         N = B * T
         # the projections of x at once (one GEMV launch on the nvrtc backend); at decode the output
@@ -176,11 +179,14 @@ class KimiDeltaAttention(nn.Module):
         zq, zk, zv, fa, zb, *gate = be.linears(x, [m.weight for m in mats])
         convs = (self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0])  # [P, W]
         if step.decode:  # the convs and q's and k's norms: one op
-            q, k, v = be.kda_conv_step((zq, zk, zv), (cache.conv_q, cache.conv_k, cache.conv_v), convs, K, L2_EPS, K**-0.5)
+            q, k, v = be.kda_conv_step(
+                (zq, zk, zv), (cache.conv_q, cache.conv_k, cache.conv_v), convs, K, L2_EPS, K**-0.5
+            )
         else:
+            states = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
             res = [
                 short_conv_prefill(z.view(B, T, -1), w, None if cache is None else st)
-                for z, w, st in zip((zq, zk, zv), convs, (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v))
+                for z, w, st in zip((zq, zk, zv), convs, states)
             ]
             if cache is not None:  # in place: the cache keeps its addresses (a decode graph stays valid)
                 for state, r in zip((cache.conv_q, cache.conv_k, cache.conv_v), res):

@@ -29,7 +29,8 @@ class KimiMLAAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         D, H = cfg.hidden_size, cfg.num_attention_heads
-        dn, dr, dv, R, rq = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+        dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        R, rq = cfg.kv_lora_rank, cfg.q_lora_rank
         self.layer_idx, self.H, self.dn, self.dr, self.dv, self.R = layer_idx, H, dn, dr, dv, R
         self.scale = (dn + dr) ** -0.5
         self.q_a_proj = nn.Linear(D, rq, bias=False)
@@ -45,7 +46,8 @@ class KimiMLAAttention(nn.Module):
         self.sparse = True
 
     def forward(self, x: Tensor, step: Step, cache: MLACache | None, add: tuple[Tensor, ...] = ()) -> Tensor:
-        """x [N, D] (post input_layernorm) -> [N, D], then + each of `add` (residuals, added by the output projection)."""
+        """x [N, D] (post input_layernorm) -> [N, D], then + each of `add` (residuals, added by the
+        output projection)."""
         be, N, H, dn, dr, R = step.be, x.shape[0], self.H, self.dn, self.dr, self.R
         # every projection of x in one backend call, then every one of cq in another
         ix = self.indexer
@@ -60,7 +62,8 @@ class KimiMLAAttention(nn.Module):
         q_nope, q_rot = q[..., :dn], q[..., dn:]  # [N, H, dn], [N, H, dr]
         c = self.kv_a_layernorm(kv[:, :R], be)  # [N, R]
         kr = kv[:, R:]  # [N, dr], shared by all heads, not rotated
-        idx = ix.from_projections(iq[0], *rest, be) if ix is not None else None  # (q [N,Hi,Di], k [N,Di], w [N,Hi] unscaled)
+        # (q [N,Hi,Di], k [N,Di], w [N,Hi] unscaled)
+        idx = ix.from_projections(iq[0], *rest, be) if ix is not None else None
         if step.decode:
             o = self._decode(q_nope, q_rot, c, kr, idx, step, cache)
         else:
@@ -111,7 +114,9 @@ class KimiMLAAttention(nn.Module):
             if wis is not None:
                 qi, wi = idx[0].view(B, T, *idx[0].shape[1:])[b], wis[b]
                 index = (qi, wi, cache.ik[b, :n], self.indexer.topk)
-            outs.append(be.mla_prefill(qn[b], qr[b], W_UK, W_UV, cache.c[b, :n], cache.kr[b, :n], s0, self.scale, index))
+            outs.append(
+                be.mla_prefill(qn[b], qr[b], W_UK, W_UV, cache.c[b, :n], cache.kr[b, :n], s0, self.scale, index)
+            )
         return torch.cat(outs)  # [B*T, H, dv]
 
     def _decode(self, q_nope, q_rot, c, kr, idx, step: Step, cache: MLACache) -> Tensor:
@@ -128,7 +133,8 @@ class KimiMLAAttention(nn.Module):
         q_lat = be.mla_absorb(q_nope, W[:, :dn])  # [B, H, R]
         select = None
         if idx is not None and self.sparse:  # every position, ascending, while a row's n <= topk
-            scores = be.indexer_scores(idx[0], idx[2], cache.ik, step.valid, self.indexer.w_scale)  # [B, cap], row b valid below its n
+            # [B, cap], row b valid below its n
+            scores = be.indexer_scores(idx[0], idx[2], cache.ik, step.valid, self.indexer.w_scale)
             select = be.select_topk(scores, self.indexer.topk, step.valid)
         o_lat = be.mla_decode(q_lat, q_rot, cache.c, cache.kr, self.scale, select, step.valid)  # [B, H, R]
         return be.mla_expand(o_lat, W[:, dn:])  # [B, H, dv]

@@ -73,9 +73,13 @@ class LatentMoE(nn.Module):
         self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
         self.routed_expert_norm = RMSNorm(Dl, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
-        self.shared_experts = GLUMLP(D, cfg.shared_intermediate_size, self.beta, self.linear_beta) if cfg.num_shared_experts else None
+        self.shared_experts = (
+            GLUMLP(D, cfg.shared_intermediate_size, self.beta, self.linear_beta) if cfg.num_shared_experts else None
+        )
         self.experts = (
-            nn.ModuleList(FloatExpert(Dl, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)) if float_experts else None
+            nn.ModuleList(FloatExpert(Dl, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+            if float_experts
+            else None
         )
 
     def forward_steps(self, x: Tensor, be, add: tuple[Tensor, ...] = ()) -> ExpertSteps:
@@ -111,7 +115,9 @@ class LatentMoE(nn.Module):
         for e in torch.unique(ids).tolist():
             rows, slots = (ids == e).nonzero(as_tuple=True)
             ex = self.experts[e]
-            h = be.situ_glu(be.linear(z[rows], ex.w1.weight), be.linear(z[rows], ex.w3.weight), self.beta, self.linear_beta)
+            h = be.situ_glu(
+                be.linear(z[rows], ex.w1.weight), be.linear(z[rows], ex.w3.weight), self.beta, self.linear_beta
+            )
             outs = outs.index_put((rows, slots), be.linear(h, ex.w2.weight))
         acc = outs[:, 0] * w[:, 0:1]
         for j in range(1, k):

@@ -89,7 +89,9 @@ class DenseStream:
         if not layers:
             raise StreamrtError("dense streaming: no layer to stream")
         if layers[0] < 0 or layers[-1] >= cfg.num_layers:
-            raise StreamrtError(f"dense streaming: layers must lie in 0..{cfg.num_layers - 1}, got {layers[0]}..{layers[-1]}")
+            raise StreamrtError(
+                f"dense streaming: layers must lie in 0..{cfg.num_layers - 1}, got {layers[0]}..{layers[-1]}"
+            )
         if buffers < 2:
             raise StreamrtError(f"dense streaming needs at least 2 device buffers (layer l+1 copies while l computes), "
                                 f"got {buffers}")
@@ -106,7 +108,9 @@ class DenseStream:
             offs, off = [], 0
             for name, t in streamed_tensors(model.model.layers[i]):
                 if t.device.type == "meta":
-                    raise StreamrtError(f"dense streaming: layer {i} tensor {name} has no data (load the weights first)")
+                    raise StreamrtError(
+                        f"dense streaming: layer {i} tensor {name} has no data (load the weights first)"
+                    )
                 offs.append((name, t, off))
                 off = _round_up(off + t.numel() * t.element_size(), TENSOR_ALIGN)
             plans.append((i, offs, off))

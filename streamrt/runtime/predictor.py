@@ -20,7 +20,9 @@ from torch import Tensor
 
 
 class Predictor:
-    def __init__(self, routers: Mapping[int, tuple[Tensor, Tensor]], moe_layers: tuple[int, ...], k: int, backend) -> None:
+    def __init__(
+        self, routers: Mapping[int, tuple[Tensor, Tensor]], moe_layers: tuple[int, ...], k: int, backend
+    ) -> None:
         self.routers = dict(routers)  # layer -> (weight [E, D], bias [E]) on the compute device
         self.k = k
         self.backend = backend

@@ -93,7 +93,9 @@ class FileReader:
                 cached = resident_file_bytes(fd, nbytes)
                 self._read_all(fd, path, buf, nbytes)
         except OSError as e:
-            raise CheckpointError(f"expert file {path}: read failed ({e.strerror or e}); run 'streamrt verify'") from None
+            raise CheckpointError(
+                f"expert file {path}: read failed ({e.strerror or e}); run 'streamrt verify'"
+            ) from None
         finally:
             os.close(fd)
         return ReadResult(nbytes, direct, cached, t0, time.perf_counter())
@@ -152,7 +154,10 @@ class ReadJob:
 
     __slots__ = ("priority", "fn", "done", "state", "_reader")
 
-    def __init__(self, reader: "DiskReader", priority: tuple, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]):
+    def __init__(
+        self, reader: "DiskReader", priority: tuple, fn: Callable[[], Any],
+        done: Callable[[Any, BaseException | None], None],
+    ):
         self.priority, self.fn, self.done, self.state, self._reader = priority, fn, done, "queued", reader
 
     def cancel(self) -> bool:
@@ -175,12 +180,16 @@ class DiskReader:
         self._cv = threading.Condition()
         self._closed = False
         self.in_flight = 0
-        self._workers = [threading.Thread(target=self._work, args=(thread_init,), name=f"streamrt-read-{i}", daemon=True)
-                         for i in range(threads)]
+        self._workers = [
+            threading.Thread(target=self._work, args=(thread_init,), name=f"streamrt-read-{i}", daemon=True)
+            for i in range(threads)
+        ]
         for w in self._workers:
             w.start()
 
-    def submit(self, priority: tuple, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> ReadJob:
+    def submit(
+        self, priority: tuple, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
+    ) -> ReadJob:
         job = ReadJob(self, priority, fn, done)
         with self._cv:
             if self._closed:
