@@ -5,7 +5,7 @@
 // [w K / KDA_WARPS, (w + 1) K / KDA_WARPS), held in registers (K <= KDA_MAXK). Each sum over
 // k runs in ascending k inside a warp's rows, then the warps' sums in warp order. One warp per
 // column took ~16 us a step at any H on an H200 (its K loads of a column one after another):
-// a decode step's 69 KDA layers spent 1.2 ms there (profiling/RESULTS.md §18).
+// 1.2 ms for a decode step's 69 KDA layers.
 #include "common.cuh"
 
 #ifndef KDA_MAXK

@@ -131,7 +131,7 @@ def timed_run(name, tree, model, device, opts, prompt, cont, warmup, raw, ref_lo
         "proc_read_bytes_run": proc_read_bytes() - io0, "host_tier": p.get("host_tier", "?"),
         "pool_hits": p.get("pool_hits", 0), "pool_misses": p.get("pool_misses", 0),
         "readahead_reads": p.get("readahead_reads", 0), "readahead_used": p.get("readahead_used", 0),
-        "page_cache_bytes": p.get("bytes_from_page_cache", 0), "staged": p.get("staged", 0),
+        "bytes_from_page_cache": p.get("bytes_from_page_cache", 0), "staged": p.get("staged", 0),
         "stage_dropped": p.get("stage_dropped", 0),
         "identical": ref_logits is not None and len(r["logits"]) == len(ref_logits)
         and all(torch.equal(a, b) for a, b in zip(r["logits"], ref_logits)),

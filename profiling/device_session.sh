@@ -43,7 +43,7 @@ if has kernels; then
   timeout ${T_KERNELS:-60} python3 profiling/bench_kernels.py --torch --markdown "$L/bench_kernels.md" 2>&1 | tee "$L/bench_kernels.log" | tail -40
 fi
 if has variants; then
-  stage "bench kernels: every GEMV variant and NVFP4 block shape"
+  stage "bench kernels: the expert FFN without programmatic launch, and where its time goes"
   timeout ${T_VARIANTS:-150} python3 profiling/bench_kernels.py --variants --markdown "$L/bench_variants.md" 2>&1 | tee "$L/bench_variants.log" | tail -45
 fi
 if has access; then

@@ -8,7 +8,7 @@ Reference: every prompt run through `DirectExpertProvider` (each expert read str
 file, no store, no runtime), teacher-forced over a fixed continuation, one logits hash per
 forward. Every point then runs the same forwards through `StreamingRuntime` and every hash is
 compared with the reference's. Points move one knob each: host window, device slots, policy,
-staging, stage depth and stage cap, the pool tier (with few buffers and reader threads),
+`--copies sync`, stage depth and stage cap, the pool tier (with few buffers and reader threads),
 `--evict sync`, the prefill chunk, a batch of two, and two forwards in lockstep (the server's
 prefill beside its decode step).
 
@@ -56,7 +56,7 @@ def points() -> list[dict]:
     pts = [{}]
     pts += [{"window": w} for w in (2, WS // 2, WS, 65536)]
     pts += [{"gpu_experts": m, "gpu_policy": p} for m in (4, 8, 16, 64) for p in ("lru", "lfu")]
-    pts += [{"staging": False}, {"staging": False, "window": 2, "gpu_experts": 4}]
+    pts += [{"copies": "sync"}, {"copies": "sync", "window": 2, "gpu_experts": 4}]
     pts += [{"stage_depth": d, "gpu_experts": 12} for d in (1, 4)] + [{"stage_max": 2, "gpu_experts": 12}]
     pts += [{"host_tier": "pool", "host_mem": n, "read_threads": t, "gpu_experts": 8}
             for n, t in ((4, 1), (6, 4), (64, 16))]

@@ -183,7 +183,7 @@ class _ModelSession(Session):
             from streamrt.trace import make_tracer
 
             self.tracer = make_tracer(bool(self.options.trace))
-            # issue 22: --gpu-mem (else a card too small for the dense plane) -> the placement plan;
+            # --gpu-mem (else a card too small for the dense plane) -> the placement plan;
             # its streamed layers stream on this device's copy stream, its expert slots are the runtime's
             self.model, plan = load_placed(tree, device, gpu_mem=self.options.gpu_mem,
                                            backend=backend, tracer=self.tracer)

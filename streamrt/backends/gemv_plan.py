@@ -4,8 +4,8 @@ how the tensor-core kernel splits K.
 Every entry point of one family gives the same bits for a row. bf16 weights run the
 tensor-core kernel (sm_80+) with a two-stage cp.async ring per warp (two stages always fit a
 block's shared memory); fp32 weights, and bf16 before sm_80, the CUDA-core kernel with R rows per
-warp (at T=1 the R whose grid wastes least of its last wave). Measurements behind the choice:
-`profiling/RESULTS.md` (bench_kernels.py).
+warp (at T=1 the R whose grid wastes least of its last wave). `profiling/bench_kernels.py`
+measures each entry point against the copy rate.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="device buffers streamed layers rotate through (default 2: double buffer; 3: triple)")
     p.add_argument("--hbm-gbps", type=float, default=3350.0,
                    help="GPU memory bandwidth for the compute floor of the projection (default 3350, an H100 SXM)")
-    # issue 21 (disk tier): the disk floor for a host RAM budget
+    # the disk tier: the disk floor for a host RAM budget
     p.add_argument("--host-mem", default=None, metavar="BYTES",
                    help="host RAM for experts (e.g. 64G): print the disk floor, bytes per token from the drive "
                         "/ --disk-gbps")
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return _placement(cfg, args)
     b = budget(cfg)
     b.update(_tensor_counts(cfg, Path(args.model)))
-    disk_row = _disk_floor(cfg, args, b)  # issue 21
+    disk_row = _disk_floor(cfg, args, b)
     if args.json:
         print(json.dumps(b, indent=2))
         return 0

@@ -99,7 +99,7 @@ def _one_reply(session: Session, ids: list[int], sampling: Sampling, thinking: b
 
 
 def fit_context(ids: list[int], context: int | None, truncate: str | None, reserve: int = 0) -> list[int]:
-    """The context-length policy (issue 26): a prompt longer than the model's context is refused
+    """The context-length policy: a prompt longer than the model's context is refused
     before any work, naming both numbers, or with --truncate left keeps its last tokens, leaving
     `reserve` positions (at most half the context) for the reply. Generation stops at the context."""
     if context is None or len(ids) <= context:

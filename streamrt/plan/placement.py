@@ -37,8 +37,8 @@ WORKSPACE_BYTES = 1 << 30  # activations, logits, kernel scratch: a fixed reserv
 STREAM_BUFFERS = 2  # layer l+1 copies in while layer l computes
 # Expert slots kept whatever the card, in layers' worth of routed experts: the layer computing
 # (pinned), the next layer's staged guesses, the previous layer's slots its queued compute still
-# reads, and one layer of slack. Measured on the H200 (deep-k3.1-pro): 38 slots, 2.4 layers'
-# worth, ran 2.2 s/token against a 0.62 s link floor (profiling/RESULTS.md, issue 22).
+# reads, and one layer of slack. Fewer thrash: on an H200 (deep-k3.1-pro) 38 slots, 2.4 layers'
+# worth, ran 2.2 s/token against a 0.62 s link floor.
 MIN_SLOT_LAYERS = 4
 ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", "block_sparse_moe.gate.e_score_correction_bias")
 

@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graphs, once every routed expert is resident (issue 24).
+"""Decode steps as CUDA graphs, once every routed expert is resident.
 
 A decode step on the NVRTC backend is some 5,000 small launches; issued from Python one by one
 they take many times the GPU's own time. With every routed expert in a device slot that does

@@ -287,7 +287,7 @@ class RuntimeOptions:
         per_layer = min(cfg.num_experts, batch * cfg.experts_per_token) if cfg.expert_files else 0  # no MoE layer
         if self.gpu_experts is not None:
             slots = self.gpu_experts
-        elif self.gpu_mem is not None:  # the card's budget: the placement plan's slots (issue 22)
+        elif self.gpu_mem is not None:  # the card's budget: the placement plan's slots
             from streamrt.plan.placement import plan_placement
 
             slots = plan_placement(cfg, self.gpu_mem, batch=batch).expert_slots

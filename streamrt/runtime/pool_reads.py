@@ -1,4 +1,4 @@
-"""The pool tier's reads (issue 21): expert files read from the drive into page-locked pool
+"""The pool tier's reads: expert files read from the drive into page-locked pool
 buffers by reader threads, routed misses first, guesses behind them by confidence.
 
     reads = PoolReads(tree, budget, why, options=opts, device=dev, loop=loop, stats=st, tracer=tr)

@@ -11,7 +11,7 @@ The whole I/O story of a decode step is in `decode_step` and `serve`, top to bot
                 dropped (a routed one becomes an ordinary miss below); recall is recorded
     2. finish   the previous layer's compute is queued: one compute event marks its slots'
                 last use; its pins drop (only now, so guesses fed during the route never
-                evict the previous layer's experts, as when all were staged at once)
+                evict the previous layer's experts before its compute is queued)
     3. fetch    device hits need nothing. Every miss is issued at once: a miss whose mapping
                 is open is copied now on the copy stream (one event per expert); cold files
                 are mapped (and page-locked) by a bounded thread pool, each copied the moment

@@ -1,4 +1,4 @@
-"""Streamed decode steps as CUDA graphs, one per stretch between two routers (issue 24).
+"""Streamed decode steps as CUDA graphs, one per stretch between two routers.
 
 While experts stream, a step cannot be one graph: after each MoE router the scheduler needs
 the routed ids on the host to fetch the misses. Everything between two routers needs nothing

@@ -38,7 +38,7 @@ PAYLOAD_KEYS = (
     "effective_gbps",
 )
 STAGING_KEYS = ("staged", "stage_dropped", "graph_steps")
-# Disk tier (issue 21): where the expert bytes came from. Added to a runtime's payload when the
+# Disk tier: where the expert bytes came from. Added to a runtime's payload when the
 # pool tier runs or --host-tier was given (see DISK_DOC below).
 DISK_KEYS = ("host_tier", "bytes_from_disk", "bytes_from_page_cache", "pool_hits", "pool_misses", "readahead_reads",
              "readahead_used")
