@@ -106,7 +106,7 @@ def test_load_opens_without_loading_weights(tmp_path):
     ({"window": 0}, ValueError, "window must be >= 1"),
     ({"window": "8"}, TypeError, "window must be int"),
     ({"gpu_mem": "lots"}, ValueError, "gpu_mem"),
-    ({"staging": "maybe"}, ValueError, "staging"),
+    ({"copies": "maybe"}, ValueError, "copies"),
     ({"device": "tpu"}, ValueError, "device"),
     ({"backend": "cuda"}, ValueError, "backend"),
     ({"stats_json": "/proc/streamrt-api/stats.json"}, ValueError, "stats_json"),
