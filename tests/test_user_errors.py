@@ -72,9 +72,9 @@ def test_gpu_mem_without_a_gpu_is_explained(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: --gpu-mem is its budget")
-    from streamrt.cli import build_parser
+    from streamrt.cli.main import build_parser
     from streamrt.default_model import default_model_dir
-    from streamrt.api.session import open_session
+    from streamrt.cli.args import open_session
 
     args = build_parser().parse_args(["run", "--prompt", "hi", "--gpu-mem", "10G"])
     open_session(default_model_dir(), args, progress=False).close()
