@@ -603,7 +603,7 @@ def test_not_enough_space_upfront(releases, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 10, 10))
     with pytest.raises(CheckpointError) as ei:
         convert(releases["tiny-k3"], tmp_path / "out", progress=False)
-    one_line_error(ei, "not enough space", "GiB")
+    one_line_error(ei, "not enough space", "MiB")
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -144,7 +144,7 @@ def _refused(model: str) -> list[tuple[str, dict, str]]:
     msg = {"model": model, "max_tokens": 8, "messages": m}
     resp = {"model": model, "input": "hi"}
     return [
-        ("/v1/messages", {**msg, "top_k": 5}, "top_k"),
+        ("/v1/messages", {**msg, "top_k": 0}, "top_k"),
         ("/v1/messages", {"model": model, "messages": m}, "max_tokens"),
         ("/v1/messages", {**msg, "max_tokens": 0}, "max_tokens"),
         ("/v1/messages", {**msg, "temperature": 1.5}, "temperature"),
