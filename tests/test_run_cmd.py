@@ -248,7 +248,7 @@ def test_ignore_eos_generates_every_requested_token(capsys):
 
 
 def test_tool_call_ids_count_the_conversations_calls_as_the_server_does(scripted, capsys, tmp_path):
-    from streamrt.serve.replies import prior_calls as server_prior_calls
+    from streamrt.chat.tools import prior_calls as server_prior_calls
 
     holder, tree = scripted
     holder["session"] = ScriptedSession([_reply_ids(WEATHER)])

@@ -15,7 +15,8 @@ from streamrt.chat import encode_chat, encode_segments, render  # noqa: E402
 from streamrt.serve import schemas as S  # noqa: E402
 from streamrt.serve.errors import from_validation  # noqa: E402
 from streamrt.serve.schemas import field_path  # noqa: E402
-from streamrt.serve.replies import ChatReply, StopMatcher, prior_calls  # noqa: E402
+from streamrt.chat.tools import prior_calls  # noqa: E402
+from streamrt.serve.replies import ChatReply, StopMatcher  # noqa: E402
 from streamrt.serve.routes import ServerState, _delta_chunks, render_chat  # noqa: E402
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -139,3 +139,8 @@ def typed_value(kind: str, raw: str) -> Any:
     if not ok:
         raise ValueError(f"value {raw[:40]!r} is not of type {kind}")
     return value
+
+
+def prior_calls(messages: list[dict]) -> int:
+    """Tool calls already in the conversation: the first new call's IDX."""
+    return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")

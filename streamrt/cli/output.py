@@ -24,11 +24,6 @@ def call_json(call: ToolCall, idx: int) -> dict:
     return {"id": f"functions.{call.name}:{idx}", "name": call.name, "arguments": call.arguments}
 
 
-def prior_calls(messages: list[dict]) -> int:
-    """Tool calls already in the conversation: the first new call's IDX."""
-    return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
-
-
 class StreamPrinter:
     """Chat events -> terminal: response text as it comes, thinking on request, calls as JSON."""
 

@@ -18,7 +18,8 @@ from streamrt.chat import ChatParser, ParseError, Reply, encode_chat, load_messa
 from streamrt.cli import selfcheck
 from streamrt.cli.args import (Sampling, check_runtime_flags, open_session, parse_int, prefill_chunk, read_user_line,
                                sampling_from_args, user_text)
-from streamrt.cli.output import StreamPrinter, cut_note, prior_calls, report, reply_json
+from streamrt.chat.tools import prior_calls
+from streamrt.cli.output import StreamPrinter, cut_note, report, reply_json
 from streamrt.errors import StreamrtError
 from streamrt.runtime.options import add_runtime_flags
 

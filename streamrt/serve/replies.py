@@ -196,6 +196,3 @@ class TextReply:
         return "stop" if self.stopped else reason
 
 
-def prior_calls(messages: list[dict]) -> int:
-    """Tool calls already in the conversation: the first new call's IDX."""
-    return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")

@@ -27,7 +27,8 @@ from streamrt.chat.render import ConversationTooLong
 from streamrt.serve import schemas as S
 from streamrt.serve.engine import EngineError, Job, QueueFull
 from streamrt.serve.errors import ApiError, error_body, from_validation
-from streamrt.serve.replies import ChatReply, TextReply, prior_calls
+from streamrt.chat.tools import prior_calls
+from streamrt.serve.replies import ChatReply, TextReply
 
 RETRY_AFTER_S = 1
 BODY_SECONDS = 30  # a body not in by then is a 408: a client that stops mid-body holds nothing longer
