@@ -73,12 +73,13 @@ def human_bytes(n: float) -> str:
     n = float(n)
     sign, n = ("-" if n < 0 else ""), abs(n)
     unit = 0
-    while n >= 1024 and unit < len(_UNITS) - 1:
+    # Compare the rounded figure, so 1023.7 KiB prints as 1.0 MiB, not 1024 KiB.
+    while round(n) >= 1024 and unit < len(_UNITS) - 1:
         n /= 1024
         unit += 1
     if unit == 0:
         return f"{sign}{n:.0f} B"
-    return f"{sign}{n:.1f} {_UNITS[unit]}" if n < 100 else f"{sign}{n:.0f} {_UNITS[unit]}"
+    return f"{sign}{n:.1f} {_UNITS[unit]}" if round(n, 1) < 100 else f"{sign}{n:.0f} {_UNITS[unit]}"
 
 
 def space_error(path: Path, need: int) -> str | None:
