@@ -337,3 +337,65 @@ def test_api_key_as_x_api_key_and_anthropic_shaped_401(tok):
     counted = state.metrics.render().decode()
     assert 'endpoint="/v1/messages/count_tokens",status="200"} 2.0' in counted
     assert 'endpoint="/v1/responses",status="401"} 1.0' in counted
+
+
+class _FailingRunner(_Runner):
+    """Scripted tokens, then a forward that raises after `good` decode steps."""
+
+    def __init__(self, tokenizer, script, good: int):
+        super().__init__(tokenizer, script)
+        self.good = good
+
+    async def step(self, last, cache, prefills):
+        if last and not prefills:
+            if self.good == 0:
+                raise RuntimeError("the device fell off the bus")
+            self.good -= 1
+        return await super().step(last, cache, prefills)
+
+
+def _sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_failed_forward_ends_every_stream_in_its_api_shape_and_frees_the_row(tok):
+    """Each API's stream ends in its own error form after the tokens already sent; no row is left."""
+    script = _generated(tok, {"role": "assistant", "content": "Lisbon is the capital of Portugal."})
+    msgs = [USER]
+    bodies = {"/v1/chat/completions": {"model": "org/model", "messages": msgs, "stream": True},
+              "/v1/completions": {"model": "org/model", "prompt": "The capital", "stream": True},
+              "/v1/messages": {"model": "org/model", "messages": msgs, "max_tokens": 64, "stream": True},
+              "/v1/responses": {"model": "org/model", "input": "Write the notes file.", "stream": True}}
+    from streamrt.cli.serve import build_state
+    from streamrt.serve.app import create_app
+
+    for path, body in bodies.items():
+        state = build_state(_FailingRunner(tok, script, good=30), max_batch=4, max_queue=4)  # 30: past the frame
+
+        async def go(path=path, body=body, state=state):
+            engine = asyncio.ensure_future(state.engine.run())
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)),
+                                             base_url="http://test") as c:
+                    r = await c.post(path, json=body)
+                    return r.status_code, r.text, (state.engine.batch_size, state.engine.queue_depth)
+            finally:
+                state.engine.stop()
+                await engine
+
+        status, text, left = asyncio.run(asyncio.wait_for(go(), 120))
+        assert status == 200 and left == (0, 0), (path, text, left)
+        data = _sse_events(text)
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            assert data[-1] == "[DONE]" and "device fell off the bus" in json.loads(data[-2])["error"]["message"]
+            assert len(data) >= 4, (path, data)  # tokens came before the failure
+        elif path == "/v1/messages":
+            last = json.loads(data[-1])
+            assert last["type"] == "error" and "device fell off the bus" in last["error"]["message"], data
+            assert json.loads(data[0])["type"] == "message_start"
+            assert not any(json.loads(d)["type"] == "message_stop" for d in data)
+        else:
+            last = json.loads(data[-1])
+            assert last["type"] == "response.failed", data
+            assert last["response"]["status"] == "failed"
+            assert "device fell off the bus" in last["response"]["error"]["message"]

@@ -27,8 +27,8 @@ from streamrt.jsonio import loads_text
 from streamrt.serve.engine import EngineError, Job
 from streamrt.serve.errors import ApiError, anthropic_body
 from streamrt.serve.replies import ChatReply, Piece
-from streamrt.serve.routes import (ChatTurn, Fed, ServerState, check_model, count_unmet, parse_body, render_turn,
-                                   run_to_end, stream_response, submit, token_limit, watch_disconnect)
+from streamrt.serve.routes import (ChatTurn, ServerState, check_model, count_unmet, parse_body, render_turn,
+                                   run_to_end, stream_events, stream_response, submit, token_limit)
 from streamrt.serve.schemas import _Strict, thinking_effort
 
 # ---- requests -------------------------------------------------------------------------------
@@ -300,34 +300,26 @@ class _Blocks:
         return [event("content_block_stop", {"index": self.index})]
 
 
-async def _events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict):
-    gone = watch_disconnect(request, job)
-    try:
+def _events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict):
+    blocks = _Blocks()
+
+    def first() -> list[str]:
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                  "usage": {**_usage(job), "output_tokens": 0}}
-        yield event("message_start", {"message": start})
-        yield event("ping", {})
-        blocks, run = _Blocks(), Fed()
-        try:
-            async for pieces in run.feed(job, reply):
-                for piece in pieces:
-                    for e in blocks.events(piece):
-                        yield e
-        except EngineError as exc:
-            yield event("error", {"error": anthropic_body(500, str(exc))["error"]})
-            return
-        if run.reason == "cancelled":  # the client is gone
-            return
-        for piece in reply.finish(run.reason):
-            for e in blocks.events(piece):
-                yield e
-        for e in blocks.stop():
-            yield e
+        return [event("message_start", {"message": start}), event("ping", {})]
+
+    def translate(pieces) -> list[str]:
+        return [e for piece in pieces for e in blocks.events(piece)]
+
+    def tail(reason: str) -> list[str]:
+        out = translate(reply.finish(reason)) + blocks.stop()
         count_unmet(state, reply)
-        reason, sequence = _stop_reason(reply, run.reason)
-        yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": {"output_tokens": len(job.tokens)}})
-        yield event("message_stop", {})
-    finally:
-        gone.cancel()
-        job.cancel()  # no-op when finished; frees the row when the client went away
+        stop, sequence = _stop_reason(reply, reason)
+        return out + [event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": sequence},
+                                              "usage": {"output_tokens": len(job.tokens)}}),
+                      event("message_stop", {})]
+
+    def failed(exc: EngineError) -> list[str]:
+        return [event("error", {"error": anthropic_body(500, str(exc))["error"]})]
+
+    return stream_events(request, job, reply, head=first, translate=translate, failed=failed, tail=tail)

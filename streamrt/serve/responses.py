@@ -25,8 +25,8 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from streamrt.serve.engine import EngineError, Job
 from streamrt.serve.errors import ApiError, error_body
 from streamrt.serve.replies import ChatReply, Piece
-from streamrt.serve.routes import (ChatTurn, Fed, ServerState, check_model, count_unmet, parse_body, render_turn,
-                                   run_to_end, stream_response, submit, token_limit, watch_disconnect)
+from streamrt.serve.routes import (ChatTurn, ServerState, check_model, count_unmet, parse_body, render_turn,
+                                   run_to_end, stream_events, stream_response, submit, token_limit)
 from streamrt.serve.schemas import ResponseFormat, _Strict, _unsupported, thinking_effort
 
 # ---- requests -------------------------------------------------------------------------------
@@ -369,34 +369,26 @@ class _Stream:
         return out
 
 
-async def _events(state: ServerState, request: Request, job: Job, reply: ChatReply, out: _Output):
-    gone = watch_disconnect(request, job)
+def _events(state: ServerState, request: Request, job: Job, reply: ChatReply, out: _Output):
     s = _Stream(out)
-    try:
-        yield s.event("response.created", response=out.snapshot("in_progress"))
-        yield s.event("response.in_progress", response=out.snapshot("in_progress"))
-        run = Fed()
-        try:
-            async for pieces in run.feed(job, reply):
-                for piece in pieces:
-                    for e in s.events(piece):
-                        yield e
-        except EngineError as exc:
-            yield s.event("response.failed", response={**out.snapshot("failed", s.items), "error": {
-                "code": "server_error", "message": str(exc)}})
-            return
-        if run.reason == "cancelled":  # the client is gone
-            return
-        for piece in reply.finish(run.reason):
-            for e in s.events(piece):
-                yield e
-        for e in s.stop():
-            yield e
+
+    def first() -> list[str]:
+        return [s.event("response.created", response=out.snapshot("in_progress")),
+                s.event("response.in_progress", response=out.snapshot("in_progress"))]
+
+    def translate(pieces) -> list[str]:
+        return [e for piece in pieces for e in s.events(piece)]
+
+    def tail(reason: str) -> list[str]:
+        events = translate(reply.finish(reason)) + s.stop()
         count_unmet(state, reply)
-        final = out.response(reply, run.reason)
+        final = out.response(reply, reason)
         final["output"] = s.items  # what was streamed, in its order
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        yield s.event(kind, response=final)
-    finally:
-        gone.cancel()
-        job.cancel()  # no-op when finished; frees the row when the client went away
+        return events + [s.event(kind, response=final)]
+
+    def failed(exc: EngineError) -> list[str]:
+        return [s.event("response.failed", response={**out.snapshot("failed", s.items), "error": {
+            "code": "server_error", "message": str(exc)}})]
+
+    return stream_events(request, job, reply, head=first, translate=translate, failed=failed, tail=tail)

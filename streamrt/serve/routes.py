@@ -180,6 +180,33 @@ def watch_disconnect(request: Request, job: Job) -> asyncio.Future:
     return gone
 
 
+async def stream_events(request: Request, job: Job, reply, *, head, translate, failed, tail):
+    """The one skeleton of every streamed reply, whatever the API: `head()`'s events first, then
+    what each token adds (`reply.feed`'s output) through `translate`; an engine failure ends the
+    stream with `failed(exc)`'s events; at the end `tail(reason)`'s. The job is cancelled the
+    moment the client goes away and its row freed however the stream ends."""
+    gone = watch_disconnect(request, job)
+    try:
+        for e in head():
+            yield e
+        run = Fed()
+        try:
+            async for fed in run.feed(job, reply):
+                for e in translate(fed):
+                    yield e
+        except EngineError as exc:
+            for e in failed(exc):
+                yield e
+            return
+        if run.reason == "cancelled":  # the client is gone
+            return
+        for e in tail(run.reason):
+            yield e
+    finally:
+        gone.cancel()
+        job.cancel()  # no-op when finished; frees the row when the client went away
+
+
 def sse(obj) -> str:
     body = S.dump(obj) if isinstance(obj, BaseModel) else obj
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -305,36 +332,28 @@ def _delta_chunks(head: dict, piece) -> list[S.ChatCompletionChunk]:
     return []
 
 
-async def _chat_events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict,
-                       include_usage: bool):
-    gone = watch_disconnect(request, job)
-    try:
-        yield sse(S.ChatCompletionChunk(**head, choices=[S.ChunkChoice(delta=S.Delta(role="assistant", content=""))]))
-        run = Fed()
-        try:
-            async for pieces in run.feed(job, reply):
-                for piece in pieces:
-                    for c in _delta_chunks(head, piece):
-                        yield sse(c)
-        except EngineError as exc:
-            yield sse(error_body(str(exc), type="server_error"))
-            yield "data: [DONE]\n\n"
-            return
-        reason = run.reason
-        if reason == "cancelled":  # the client is gone
-            return
-        for piece in reply.finish(reason):
-            for c in _delta_chunks(head, piece):
-                yield sse(c)
+def _chat_events(state: ServerState, request: Request, job: Job, reply: ChatReply, head: dict, include_usage: bool):
+    def translate(pieces) -> list[str]:
+        return [sse(c) for piece in pieces for c in _delta_chunks(head, piece)]
+
+    def tail(reason: str) -> list[str]:
+        out = translate(reply.finish(reason))
         count_unmet(state, reply)
         final = S.ChunkChoice(delta=S.Delta(), finish_reason=reply.finish_reason(reason))
-        yield sse(S.ChatCompletionChunk(**head, choices=[final]))
+        out.append(sse(S.ChatCompletionChunk(**head, choices=[final])))
         if include_usage:
-            yield sse(S.ChatCompletionChunk(**head, choices=[], usage=usage(job)))
-        yield "data: [DONE]\n\n"
-    finally:
-        gone.cancel()
-        job.cancel()  # no-op when finished; frees the row when the client went away
+            out.append(sse(S.ChatCompletionChunk(**head, choices=[], usage=usage(job))))
+        return out + ["data: [DONE]\n\n"]
+
+    def first() -> list[str]:
+        opening = S.ChunkChoice(delta=S.Delta(role="assistant", content=""))
+        return [sse(S.ChatCompletionChunk(**head, choices=[opening]))]
+
+    return stream_events(request, job, reply, head=first, translate=translate, failed=_failed_sse, tail=tail)
+
+
+def _failed_sse(exc: EngineError) -> list[str]:
+    return [sse(error_body(str(exc), type="server_error")), "data: [DONE]\n\n"]
 
 
 # ---- completions ----------------------------------------------------------------------------
@@ -370,27 +389,15 @@ def prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-async def _text_events(request: Request, job: Job, reply: TextReply, head: dict, include_usage: bool):
+def _text_events(request: Request, job: Job, reply: TextReply, head: dict, include_usage: bool):
     def chunk(text: str, reason: str | None = None):
         return sse(S.Completion(**head, choices=[S.CompletionChoice(text=text, finish_reason=reason)]))
 
-    gone = watch_disconnect(request, job)
-    try:
-        run = Fed()
-        try:
-            async for text in run.feed(job, reply):
-                yield chunk(text)
-        except EngineError as exc:
-            yield sse(error_body(str(exc), type="server_error"))
-            yield "data: [DONE]\n\n"
-            return
-        reason = run.reason
-        if reason == "cancelled":  # the client is gone
-            return
-        yield chunk(reply.finish(), reply.finish_reason(reason))
+    def tail(reason: str) -> list[str]:
+        out = [chunk(reply.finish(), reply.finish_reason(reason))]
         if include_usage:
-            yield sse(S.Completion(**head, choices=[], usage=usage(job)))
-        yield "data: [DONE]\n\n"
-    finally:
-        gone.cancel()
-        job.cancel()
+            out.append(sse(S.Completion(**head, choices=[], usage=usage(job))))
+        return out + ["data: [DONE]\n\n"]
+
+    return stream_events(request, job, reply, head=list, translate=lambda text: [chunk(text)], failed=_failed_sse,
+                         tail=tail)
