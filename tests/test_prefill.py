@@ -1,6 +1,7 @@
-"""Chunked prefill: a position's logits do not depend on the
-prefill chunk C, equal token-by-token decode within tolerance, ExpertRequests by prefill order, the absorbed tile-and-block MLA prefill against a float64 reference (selection
-active, with ties), the context-length policy, and peak RSS linear in the prompt."""
+"""Chunked prefill: a position's logits do not depend on the prefill chunk C, equal
+token-by-token decode within tolerance, ExpertRequests by prefill order, the absorbed
+tile-and-block MLA prefill against a float64 reference (selection active, with ties), the
+context-length policy, and peak RSS linear in the prompt."""
 
 from __future__ import annotations
 
