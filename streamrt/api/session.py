@@ -192,6 +192,7 @@ class _ModelSession(Session):
                 bar.say(format_plan(tree.config, plan))
                 bar.say(f"streamrt: {self.model.layer_weights.line()}")
             self.model.prefill_chunk = self._prefill_chunk
+            self.model.prefill_order = self.options.prefill_order
             bar.step("expert store")
             predictor = None
             if self.ep is not None:
