@@ -217,7 +217,7 @@ class _ModelSession(Session):
                 logits = self.runtime.run(gen, tokens=0)
                 # The counters describe decoding: the prefill's compulsory misses would hide the
                 # steady state the window and cache sizes are chosen for.
-                self.runtime.reset_stats()
+                self.runtime.reset_stats(keep_prefill=True)  # the prefill's own counters stay
                 return logits
             return self.runtime.run(gen, tokens=1)
 
