@@ -213,3 +213,31 @@ def test_stationary_peak_rss_is_linear_in_the_prompt():
     inc_a, inc_b = a["rss_peak"] - a["rss_loaded"], b["rss_peak"] - b["rss_loaded"]
     assert inc_b < 1.5 * 4 * max(inc_a, 8 << 20) + b["cache_bytes"], (a, b)
     assert b["length"] == 2048 and a["top1"] >= 0
+
+
+def test_a_union_wider_than_the_slots_is_fetched_once_and_exact(tree, monkeypatch):
+    """8 device slots, a layer's union of up to 32 experts: the overflow goes to transient device
+    buffers, each routed expert still crosses the link once per layer, and the logits equal the
+    chunk-major run's on the same runtime settings."""
+    model = load_model(tree, "cpu", dtype=None)
+    cfg = tree.config
+    ids = tokens(cfg, 48, 10)[None]
+    logits, loads = {}, {}
+    for order in ("chunk", "layer"):
+        with StreamingRuntime(tree, model, RuntimeOptions(device="cpu", gpu_experts=8, stage_max=0), workers=2) as rt:
+            loads[order], seen = _loads_by_layer(rt, monkeypatch), []
+            model.prefill_order = order
+            try:
+                with torch.no_grad():
+                    gen = model.forward_steps(ids, model.new_cache(1), prefill_chunk=16)
+                    logits[order] = rt.run(_recording(gen, seen))
+            finally:
+                model.prefill_order = "layer"
+        routed = {}
+        for layer, chosen in seen:
+            routed.setdefault(layer, set()).update(chosen.reshape(-1).tolist())
+        if order == "layer":
+            assert {la: sorted(e) for la, e in loads[order].items()} == {la: sorted(e) for la, e in routed.items()}
+            assert max(len(e) for e in routed.values()) > 8  # wider than the slab
+    assert torch.equal(logits["layer"], logits["chunk"])
+    assert sum(map(len, loads["chunk"].values())) > sum(map(len, loads["layer"].values()))
