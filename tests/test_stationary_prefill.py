@@ -241,3 +241,37 @@ def test_a_union_wider_than_the_slots_is_fetched_once_and_exact(tree, monkeypatc
             assert max(len(e) for e in routed.values()) > 8  # wider than the slab
     assert torch.equal(logits["layer"], logits["chunk"])
     assert sum(map(len, loads["chunk"].values())) > sum(map(len, loads["layer"].values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["torch", "nvrtc"])
+@pytest.mark.parametrize("name", ["tiny-k3", "tiny-k3.1-pro"])
+def test_cuda_stationary_equals_chunk_major_through_the_runtime(name, backend, tmp_path_factory, monkeypatch):
+    """On the GPU, bf16 weights, each backend, through the streaming runtime with a third of the
+    bank in slots: the same logits bit for bit and each routed expert copied once per layer."""
+    from streamrt.backends.nvrtc import NvrtcBackend
+
+    root = tmp_path_factory.mktemp(name) / "tree"
+    synth(name, root, fmt="streamrt", seed=1, progress=False)
+    tree = open_tree(root)
+    cfg = tree.config
+    be = NvrtcBackend() if backend == "nvrtc" else None
+    model = load_model(tree, "cuda", dtype=torch.bfloat16, backend=be)
+    ids = tokens(cfg, 90, 12)[None].cuda()
+    out, loaded = {}, {}
+    for order in ("chunk", "layer"):
+        opts = RuntimeOptions(device="cuda", gpu_experts=cfg.expert_files // 3, backend=backend)
+        with StreamingRuntime(tree, model, opts) as rt:
+            loads = _loads_by_layer(rt, monkeypatch)
+            model.prefill_order = order
+            try:
+                with torch.no_grad():
+                    out[order] = rt.run(model.forward_steps(ids, model.new_cache(1), prefill_chunk=32)).cpu()
+            finally:
+                model.prefill_order = "layer"
+            loaded[order] = sum(map(len, loads.values()))
+            if order == "layer":
+                assert rt.payload()["prefill"]["layer_requests"] == len(cfg.moe_layers)
+    assert torch.equal(out["layer"], out["chunk"])
+    assert loaded["layer"] <= loaded["chunk"]
