@@ -185,6 +185,7 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.cpu:
         args.config, args.device, args.backend = "tiny-k3.1-pro", "cpu", "torch"
+        torch.set_num_threads(1)  # a shared CPU: one thread times steadier
         if args.lengths == "512,4096":
             args.lengths, args.prefill_chunk = "64,160", 32
     args.lengths = [int(x) for x in args.lengths.split(",")]
