@@ -151,8 +151,8 @@ def run_length(tree, model, device, args, length: int, link: float) -> list[dict
 def line(cfg, length: int, chunk: int, r: dict, fb: int, link: float) -> str:
     once = r["routed_once"] * fb
     return (f"{cfg.name} {length:>6} tok chunk {chunk:>5} {r['order']:>8} slots {r['slots']:>5} "
-            f"({r['fraction']:.3g}): TTFT {r['ttft_s']:8.2f} s  link {r['bytes_h2d'] / 1e9:8.1f} GB "
-            f"= {r['bank_passes']:5.2f} banks  routed once {once / 1e9:6.1f} GB "
+            f"({r['fraction']:.3g}): TTFT {r['ttft_s']:8.2f} s  link {r['bytes_h2d'] / 1e9:8.4g} GB "
+            f"= {r['bank_passes']:5.2f} banks  routed once {once / 1e9:6.4g} GB "
             f"(x{r['bytes_h2d'] / once if once else 0:.2f})  link floor {once / (link * 1e9) if link else 0:.2f} s")
 
 
@@ -161,7 +161,7 @@ def table(rows: list[dict]) -> str:
            "TTFT / floor | device peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['length']:,} | {r['chunk']:,} | {r['slots']:,} ({r['fraction']:.3g}) | {r['order']} "
-                   f"| {r['ttft_s']:.2f} | {r['bytes_h2d'] / 1e9:.1f} | {r['bank_passes']:.2f} "
+                   f"| {r['ttft_s']:.2f} | {r['bytes_h2d'] / 1e9:.4g} | {r['bank_passes']:.2f} "
                    f"| {r['bytes_over_routed']:.2f} | {r['floor_s']:.2f} | {r['ttft_over_floor']:.2f} "
                    f"| {r['device_peak_bytes'] / 2**30:.1f} |")
     return "\n".join(out)
