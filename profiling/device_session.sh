@@ -4,6 +4,7 @@
 #   bash profiling/device_session.sh [stages...]
 #   stages: tests kernels variants access profile decode trace sweep convert kda mla
 #           slice graphs-slice deep graphs-deep profile-deep serve dense parts prefill experts drop-slice
+#           fanout (synthesise fanout-k3.1-pro, ~50 GB, then bench_stationary_prefill on it)
 #           (slice / deep: synthesise slice-k3.1-pro, ~30 s, / deep-k3.1-pro, ~2 min; serve 1/4/16
 #           clients, dense streaming and prefill run on whichever of the two is present; the disk
 #           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
@@ -143,6 +144,16 @@ fi
 if has experts; then
   stage "bench grouped prefill expert GEMM"
   timeout ${T_EXPERTS:-60} python3 profiling/bench_prefill_experts.py --tokens 512,4096 2>&1 | tail -6
+fi
+if has fanout; then  # the real fan-out, ~50 GB on disk: the 64 GiB disk holds it beside no other big tree (rm deep first)
+  stage "synthesise fanout-k3.1-pro (896 experts x 3 MoE layers, even router popularity)"
+  (cd profiling && timeout ${T_FANOUT_SYNTH:-470} python3 -c "import sys; from pathlib import Path; from bench_stationary_prefill import ensure_tree; ensure_tree(Path(sys.argv[1]), 'fanout-k3.1-pro', 0.0)" "$W") 2>&1 | tail -2
+  FAN=$W/fanout-k3.1-pro-skew0
+  stage "bench stationary prefill (fanout: 512 and 4k tokens, chunk 512; 32k, chunk 4096)"
+  [ -f "$FAN/manifest.json" ] && timeout ${T_FANOUT:-470} python3 profiling/bench_stationary_prefill.py --tree "$FAN" \
+    --backend ${FANOUT_BACKEND:-nvrtc} --lengths 512,4096 --prefill-chunk 512 --json "$OUT/stationary_fanout.json" 2>&1 | tail -14
+  [ -f "$FAN/manifest.json" ] && timeout ${T_FANOUT:-470} python3 profiling/bench_stationary_prefill.py --tree "$FAN" \
+    --backend ${FANOUT_BACKEND:-nvrtc} --lengths 32768 --prefill-chunk 4096 --json "$OUT/stationary_fanout_32k.json" 2>&1 | tail -8
 fi
 if has drop-slice; then
   rm -rf "$TREE"

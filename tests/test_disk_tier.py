@@ -21,7 +21,7 @@ from streamrt.model import run_sync
 from streamrt.loader import DirectExpertProvider, load_model
 from streamrt.runtime.options import RuntimeOptions, add_runtime_flags
 from streamrt.runtime.scheduler import StreamingRuntime
-from streamrt.runtime.stats import DISK_KEYS, PAYLOAD_KEYS, STAGING_KEYS, RuntimeStats
+from streamrt.runtime.stats import DISK_KEYS, PAYLOAD_KEYS, PREFILL_KEYS, STAGING_KEYS, RuntimeStats
 from streamrt.runtime.streams import CpuDevice
 from streamrt.store.disk_reader import DiskReader, FileReader
 from streamrt.store.gds import choose_gds
@@ -278,7 +278,8 @@ def test_pool_logits_bit_identical_to_mapped(tree, model):
                 rt.host.pool.check()
     for name, (logits, p, line) in results.items():
         assert all(torch.equal(a, b) for a, b in zip(logits, ref)), name
-        assert tuple(p) == PAYLOAD_KEYS + STAGING_KEYS + DISK_KEYS and p["host_tier"] == name.split("-")[0]
+        assert tuple(p) == PAYLOAD_KEYS + STAGING_KEYS + DISK_KEYS + PREFILL_KEYS
+        assert p["host_tier"] == name.split("-")[0]
         assert line.startswith(f"host tier {p['host_tier']}") and "\n" not in line
     p = results["pool"][1]
     assert p["pool_misses"] > 0 and p["pool_hits"] > 0 and p["bytes_from_disk"] + p["bytes_from_page_cache"] > 0

@@ -4,6 +4,7 @@ are served as one (fewer provider calls, the union of the experts)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from streamrt.backends.torch_backend import TorchBackend
@@ -38,24 +39,34 @@ def _forwards(model, cfg, seed: int):
     ], (batch, ca, cb)
 
 
-def test_lockstep_is_bit_identical_and_shares_each_layers_fetch():
+@pytest.mark.parametrize("order", ["chunk", "layer"])
+def test_lockstep_is_bit_identical_and_shares_each_layers_fetch(order):
     cfg, model, experts = _model()
-    with torch.no_grad():
-        makers, _ = _forwards(model, cfg, 5)
-        alone_provider = DictExpertProvider(experts, record=True)
-        alone = [run_sync(make(), alone_provider) for make in makers]
-        makers, _ = _forwards(model, cfg, 5)
-        merged_provider = DictExpertProvider(experts, record=True)
-        together = run_sync(lockstep([make() for make in makers]), merged_provider)
+    model.prefill_order = order
+    try:
+        with torch.no_grad():
+            makers, _ = _forwards(model, cfg, 5)
+            alone_provider = DictExpertProvider(experts, record=True)
+            alone = [run_sync(make(), alone_provider) for make in makers]
+            makers, _ = _forwards(model, cfg, 5)
+            merged_provider = DictExpertProvider(experts, record=True)
+            together = run_sync(lockstep([make() for make in makers]), merged_provider)
+    finally:
+        model.prefill_order = "layer"
     assert len(together) == 3
     for x, y in zip(alone, together):
         assert x.shape == y.shape and torch.equal(x, y)
-    n_moe = len(alone_provider.requests) // 4  # decode 1 pass, a 1 pass, b 2 chunks: 4 passes
-    assert len(alone_provider.requests) == 4 * n_moe
-    # b's second chunk runs alone after the three first passes went together: 2 passes' worth
-    assert len(merged_provider.requests) == 2 * n_moe
+    n_moe = len(cfg.moe_layers)
     first = merged_provider.requests[0]
-    assert first.ids.shape[0] == 2 + 9 + 8  # the decode rows, a's 9 positions, b's first chunk of 8
+    if order == "chunk":  # decode 1 pass, a 1 pass, b 2 chunks: 4 passes
+        assert len(alone_provider.requests) == 4 * n_moe
+        # b's second chunk runs alone after the three first passes went together: 2 passes' worth
+        assert len(merged_provider.requests) == 2 * n_moe
+        assert first.ids.shape[0] == 2 + 9 + 8  # the decode rows, a's 9 positions, b's first chunk of 8
+    else:  # b's two chunks are one pass layer by layer: all three go together
+        assert len(alone_provider.requests) == 3 * n_moe
+        assert len(merged_provider.requests) == n_moe
+        assert first.ids.shape[0] == 2 + 9 + 13
 
 
 def test_a_bound_forward_reaches_decode_steps_only_and_lockstep_binds_its_parts():

@@ -1,7 +1,7 @@
-"""Chunked prefill: a position's logits do not depend on the
-prefill chunk C, equal token-by-token decode within tolerance, one ExpertRequest per MoE layer
-per chunk, the absorbed tile-and-block MLA prefill against a float64 reference (selection
-active, with ties), the context-length policy, and peak RSS linear in the prompt."""
+"""Chunked prefill: a position's logits do not depend on the prefill chunk C, equal
+token-by-token decode within tolerance, ExpertRequests by prefill order, the absorbed
+tile-and-block MLA prefill against a float64 reference (selection active, with ties), the
+context-length policy, and peak RSS linear in the prompt."""
 
 from __future__ import annotations
 
@@ -112,7 +112,10 @@ def test_prefill_after_decode_continues_the_cache():
     assert rel(torch.cat([a, b, c]), full) < 1e-4
 
 
-def test_one_expert_request_per_moe_layer_per_chunk():
+@pytest.mark.parametrize("order", ["chunk", "layer"])
+def test_expert_requests_by_prefill_order(order):
+    """chunk: one request per MoE layer per chunk; layer (expert-stationary): one per MoE layer
+    for the whole prompt's rows."""
     cfg, model, prov = build("tiny-k3.1-pro")
     seen = []
 
@@ -120,10 +123,17 @@ def test_one_expert_request_per_moe_layer_per_chunk():
         seen.append((req.layer, req.ids.shape[0]))
         return prov(req)
 
-    with torch.no_grad():
-        model(tokens(cfg, 100, 4)[None], model.new_cache(1), recording, prefill_chunk=64)
+    model.prefill_order = order
+    try:
+        with torch.no_grad():
+            model(tokens(cfg, 100, 4)[None], model.new_cache(1), recording, prefill_chunk=64)
+    finally:
+        model.prefill_order = "layer"
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
-    assert seen == [(layer, 64) for layer in moe] + [(layer, 36) for layer in moe]
+    if order == "chunk":
+        assert seen == [(layer, 64) for layer in moe] + [(layer, 36) for layer in moe]
+    else:
+        assert seen == [(layer, 100) for layer in moe]
 
 
 # ---- the MLA prefill op against float64 -------------------------------------------------

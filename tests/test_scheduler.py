@@ -18,7 +18,7 @@ from streamrt.loader import DirectExpertProvider, load_model
 from streamrt.runtime.options import RuntimeOptions, add_runtime_flags
 from streamrt.runtime.scheduler import StreamedExperts, StreamingRuntime
 from streamrt.runtime.stager import Stager
-from streamrt.runtime.stats import PAYLOAD_KEYS, STAGING_KEYS
+from streamrt.runtime.stats import PAYLOAD_KEYS, PREFILL_KEYS, STAGING_KEYS
 from streamrt.store.keys import ExpertKey
 
 PROMPT = [256, 72, 101, 108]
@@ -78,7 +78,7 @@ def test_logits_bit_identical_and_no_full_synchronize(tree, model, reference, kw
         out = decode(model, lambda g, n: rt.run(g, tokens=n))
         p = rt.payload()
     assert same(out, reference)
-    assert tuple(p) == PAYLOAD_KEYS + STAGING_KEYS and p["tokens"] == len(CONT)
+    assert tuple(p) == PAYLOAD_KEYS + STAGING_KEYS + PREFILL_KEYS and p["tokens"] == len(CONT)
     assert p["full_synchronizes"] == 0
     assert p["retired"] == p["evictions"] and p["released"] == p["retired"]  # CPU events: done at once
     assert p["device_hits"] + p["device_misses"] == sum(len(ids) for _, ids in rt.stats.trace)

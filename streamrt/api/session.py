@@ -192,6 +192,7 @@ class _ModelSession(Session):
                 bar.say(format_plan(tree.config, plan))
                 bar.say(f"streamrt: {self.model.layer_weights.line()}")
             self.model.prefill_chunk = self._prefill_chunk
+            self.model.prefill_order = self.options.prefill_order
             bar.step("expert store")
             predictor = None
             if self.ep is not None:
@@ -216,7 +217,7 @@ class _ModelSession(Session):
                 logits = self.runtime.run(gen, tokens=0)
                 # The counters describe decoding: the prefill's compulsory misses would hide the
                 # steady state the window and cache sizes are chosen for.
-                self.runtime.reset_stats()
+                self.runtime.reset_stats(keep_prefill=True)  # the prefill's own counters stay
                 return logits
             return self.runtime.run(gen, tokens=1)
 

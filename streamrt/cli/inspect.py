@@ -39,6 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="host RAM for experts (e.g. 64G): print the disk floor, bytes per token from the drive "
                         "/ --disk-gbps")
     p.add_argument("--disk-gbps", type=float, default=2.0, help="drive read rate for the disk floor (default 2.0)")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="prefill of an N-token prompt: expert bytes over the link chunk-major vs expert-stationary "
+                        "(even router popularity, no expert resident) and the TTFT the link alone sets")
+    p.add_argument("--prefill-chunk", type=int, default=4096, metavar="TOKENS",
+                   help="with --prompt-tokens: tokens per chunk of the chunk-major order (default 4096)")
     p.set_defaults(func=run)
 
 
@@ -74,18 +79,23 @@ def run(args: argparse.Namespace) -> int:
         raise StreamrtError(f"--gpus must be >= 1, got {args.gpus}")
     if args.gpus is not None and args.gpu_mem is None:
         raise StreamrtError("--gpus N plans N GPUs of one size: give --gpu-mem too (e.g. --gpus 8 --gpu-mem 141G)")
+    if args.prompt_tokens is not None and (args.prompt_tokens < 1 or args.prefill_chunk < 1):
+        raise StreamrtError(f"--prompt-tokens and --prefill-chunk must be >= 1, got {args.prompt_tokens} and "
+                            f"{args.prefill_chunk}")
     cfg = load_config(args.model)
     if args.gpu_mem is not None:
         return _placement(cfg, args)
     b = budget(cfg)
     b.update(_tensor_counts(cfg, Path(args.model)))
     disk_row = _disk_floor(cfg, args, b)
+    prefill_rows = _prefill_rows(cfg, args, b)
     if args.json:
         print(json.dumps(b, indent=2))
         return 0
     rows = _budget_rows(cfg, args, b)
     if disk_row is not None:
         rows.append(disk_row)
+    rows += prefill_rows
     rows.append((
         "tensors (release)",
         f"{b['tensor_count']:,} = {b['text_tensor_count']:,} text + {b['vision_tensor_count']:,} "
@@ -151,6 +161,26 @@ def _disk_floor(cfg, args: argparse.Namespace, b: dict):
     return (f"disk floor @ {args.disk_gbps:g} GB/s",
             f"{floor:.3f} s/token: {per_token / 1e9:.2f} GB/token from disk with --host-mem {host_mem / GIB:.1f} GiB "
             f"(host tier {tier}; uniform routing, skew reads less)")
+
+
+def _prefill_rows(cfg, args: argparse.Namespace, b: dict) -> list[tuple[str, str]]:
+    """`--prompt-tokens N`: the prefill's expert bytes over the link in both orders and the TTFT
+    the link sets (plan/prefill_bytes.py). Adds the numbers to `b` under "prefill"."""
+    if args.prompt_tokens is None:
+        return []
+    from streamrt.checkpoint.expert_file import ExpertLayout
+    from streamrt.plan.prefill_bytes import prefill_projection
+
+    fb = ExpertLayout.for_config(cfg).file_bytes
+    p = b["prefill"] = prefill_projection(cfg, fb, args.prompt_tokens, args.prefill_chunk, args.link_gbps)
+    head = f"prefill {args.prompt_tokens:,} tokens"
+    rows = [(head, f"{p['unique_experts_per_layer']:.1f} of {cfg.num_experts} experts per MoE layer routed "
+                   f"(even popularity), no expert resident, link {args.link_gbps:g} GB/s")]
+    for key, label in (("chunk_major", f"chunk-major (chunk {args.prefill_chunk:,})"), ("stationary", "stationary")):
+        q = p[key]
+        rows.append((f"  {label}", f"{q['link_bytes'] / 1e9:,.1f} GB over the link = {q['banks']:.2f} banks; "
+                                   f"TTFT >= {q['ttft_link_s']:.2f} s"))
+    return rows
 
 
 def _placement(cfg, args: argparse.Namespace) -> int:

@@ -14,7 +14,8 @@ from streamrt.jsonio import load_json
 
 MAX_CONFIG_BYTES = 16 << 20  # a release config.json is ~10 KB
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own header limit
-BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro", "deep-k3.1-pro", "small-k3.1-pro")
+BUNDLED = ("kimi-k3", "kimi-k3.1-pro", "tiny-k3", "tiny-k3.1-pro", "slice-k3.1-pro", "deep-k3.1-pro", "small-k3.1-pro",
+           "fanout-k3.1-pro")
 
 
 def load_config(source: str | Path, *, check_tensors: bool = True) -> ModelConfig:

@@ -28,6 +28,7 @@ from streamrt.model.kda import KimiDeltaAttention
 from streamrt.model.layers import GLUMLP, RMSNorm, act_betas
 from streamrt.model.mla import KimiMLAAttention
 from streamrt.model.moe import ExpertRequest, LatentMoE
+from streamrt.model.stationary import stationary_prefill
 
 ExpertProvider = Callable[[ExpertRequest], Mapping[int, ExpertWeights]]
 ForwardSteps = Generator[ExpertRequest, Mapping[int, ExpertWeights], Tensor]
@@ -156,6 +157,16 @@ class DecoderLayer(nn.Module):
 
     def forward_steps(self, partial: Tensor, blocks: list[Tensor], step: Step):
         """partial [N, D] in-block running sum, blocks: completed sources -> (partial, blocks)."""
+        partial, blocks, h = self.mix_and_attend(partial, blocks, step)
+        if hasattr(self, "block_sparse_moe"):
+            partial = yield from self.block_sparse_moe.forward_steps(h, step.be, (partial,))
+        else:
+            partial = self.mlp(h, step.be, (partial,))
+        return partial, blocks
+
+    def mix_and_attend(self, partial: Tensor, blocks: list[Tensor], step: Step) -> tuple[Tensor, list[Tensor], Tensor]:
+        """Everything before the FFN: -> (partial [N, D] with the token mixer's output added,
+        blocks, h [N, D] the FFN input)."""
         be = step.be
         cache = step.cache.layers[self.layer_idx] if step.cache is not None else None
         # the mixes and the norms after them are one op each
@@ -169,11 +180,7 @@ class DecoderLayer(nn.Module):
         # the residual adds ride on the output projections' GEMVs: partial + a, partial + m
         partial = self.self_attn(x, step, cache, () if partial is None else (partial,))  # [N, D]
         h = attn_res(partial, blocks, self.mlp_res_proj, self.mlp_res_norm, be, self.post_attention_layernorm)
-        if hasattr(self, "block_sparse_moe"):
-            partial = yield from self.block_sparse_moe.forward_steps(h, be, (partial,))
-        else:
-            partial = self.mlp(h, be, (partial,))
-        return partial, blocks
+        return partial, blocks, h
 
 
 class TokenEmbedding(nn.Embedding):
@@ -208,6 +215,10 @@ class KimiLinearForCausalLM(nn.Module):
         # Tokens per prefill chunk on a cache (None: `default_prefill_chunk` from free memory).
         # Timing and memory only: a position's logits do not depend on it on the torch backend.
         self.prefill_chunk: int | None = None
+        # A prompt longer than one chunk on a cache: "layer" runs each layer over the whole prompt
+        # (model/stationary.py: each MoE layer's experts fetched once), "chunk" each chunk through
+        # every layer. Bit-identical logits; link bytes and timing differ.
+        self.prefill_order: str = "layer"
         # Around every layer: acquire / release its dense weights (RESIDENT: they never move).
         self.layer_weights: LayerWeights = RESIDENT
         self.model = KimiLinearModel(cfg, float_experts)
@@ -231,8 +242,9 @@ class KimiLinearForCausalLM(nn.Module):
 
         With a cache: T == 1 decodes (rows may sit at different lengths); T > 1 is a
         prefill continuing from the cache (rows must share one length), run in chunks of
-        `prefill_chunk` tokens (default `self.prefill_chunk`, else from free memory), one
-        ExpertRequest per MoE layer per chunk. Without a cache: the full parallel forward
+        `prefill_chunk` tokens (default `self.prefill_chunk`, else from free memory): in
+        `self.prefill_order` "layer", one ExpertRequest per MoE layer for the whole prompt; in
+        "chunk", one per MoE layer per chunk. Without a cache: the full parallel forward
         (training, or a reference). A decode step runs as its driver's bound `Forward` says.
         """
         return ForwardPass(lambda forward: self._forward_steps(input_ids, cache, last_only, prefill_chunk, forward))
@@ -265,6 +277,9 @@ class KimiLinearForCausalLM(nn.Module):
             C = int(prefill_chunk or self.prefill_chunk or default_prefill_chunk(cfg, ids.device))
             if C < 1:
                 raise StreamrtError(f"prefill chunk must be >= 1 token, got {C}")
+            if T > C and self.prefill_order == "layer":
+                logits = yield from stationary_prefill(self, ids, cache, C, last_only)
+                return logits[0] if squeeze else logits
             if T > C:
                 outs = []
                 for t0 in range(0, T, C):

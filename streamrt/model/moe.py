@@ -85,13 +85,7 @@ class LatentMoE(nn.Module):
     def forward_steps(self, x: Tensor, be, add: tuple[Tensor, ...] = ()) -> ExpertSteps:
         """x [N, D] (post post_attention_layernorm) -> [N, D], then + each of `add` (residuals);
         yields one ExpertRequest unless float experts."""
-        kw = {"n_group": self.n_group, "topk_group": self.topk_group} if self.n_group > 1 else {}
-        # every projection of x in one backend call: router logits, latent down, shared gate / up
-        shared = self.shared_experts
-        mats = [self.gate.weight, self.routed_expert_down_proj.weight]
-        mats += [shared.gate_proj.weight, shared.up_proj.weight] if shared is not None else []
-        logits, z, *shared_gate_up = be.linears(x, mats)  # [N, E], [N, Dl], 2 x [N, I_shared]
-        ids, w = be.route(logits, self.gate.e_score_correction_bias, self.k, self.renormalize, self.scale, **kw)
+        ids, w, z, shared_gate_up = self.route(x, be)
         if self.experts is not None:
             u = self._float_expert_ffn(z, ids, w, be)
         else:
@@ -100,7 +94,28 @@ class LatentMoE(nn.Module):
             # which keeps this layer free of another device synchronize, or, every expert resident,
             # with the device ids and a pointer table (ResidentExperts); a plain mapping is wrapped.
             experts = answer_for_layer(answer, ids, self.layer_idx)
-            u = be.expert_ffn(z, experts.ids, w, experts, self.beta, self.linear_beta)  # [N, Dl] fp32
+            u = self.routed_sum(z, w, experts, be)
+        return self.combine(u, shared_gate_up, be, add)
+
+    def route(self, x: Tensor, be) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        """x [N, D] -> (ids [N, k], weights [N, k], z [N, Dl] the latent, the shared experts'
+        gate and up [N, I_shared] or [])."""
+        kw = {"n_group": self.n_group, "topk_group": self.topk_group} if self.n_group > 1 else {}
+        # every projection of x in one backend call: router logits, latent down, shared gate / up
+        shared = self.shared_experts
+        mats = [self.gate.weight, self.routed_expert_down_proj.weight]
+        mats += [shared.gate_proj.weight, shared.up_proj.weight] if shared is not None else []
+        logits, z, *shared_gate_up = be.linears(x, mats)  # [N, E], [N, Dl], 2 x [N, I_shared]
+        ids, w = be.route(logits, self.gate.e_score_correction_bias, self.k, self.renormalize, self.scale, **kw)
+        return ids, w, z, shared_gate_up
+
+    def routed_sum(self, z: Tensor, w: Tensor, experts, be) -> Tensor:
+        """sum_j w_j E_ids_j(z) [N, Dl] fp32 with the answer's experts (RoutedExperts for these rows)."""
+        return be.expert_ffn(z, experts.ids, w, experts, self.beta, self.linear_beta)
+
+    def combine(self, u: Tensor, shared_gate_up: list[Tensor], be, add: tuple[Tensor, ...] = ()) -> Tensor:
+        """The routed sum u [N, Dl] -> [N, D]: latent norm, up projection, the shared experts, + `add`."""
+        shared = self.shared_experts
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u, be)
         if shared is None:

@@ -203,6 +203,10 @@ class RuntimeOptions:
                 "experts stream the work between two routers as one graph each; resident: only the former (op by op "
                 "while experts stream); off: op by op (the same tokens, more host time)",
         choices=("auto", "resident", "off"))
+    prefill_order: str = _flag(
+        "layer", "a prompt longer than one prefill chunk: layer (default) runs each layer over the whole prompt, so "
+                 "each MoE layer fetches the prompt's routed experts once; chunk runs each chunk through every layer "
+                 "(each chunk fetches its experts again). The same logits bit for bit", choices=("layer", "chunk"))
     device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
     backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
                                   "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))

@@ -166,9 +166,11 @@ class StreamingRuntime:
         bind = getattr(gen, "bind", None)
         if bind is not None:
             bind(self.forward)
+        requests = 0
         try:
             req = next(gen)  # runs the model up to the first MoE router
             while True:
+                requests += 1
                 experts = await self.serve(req)
                 with tracer.span("compute", f"L{req.layer}", stream=self.device.compute_stream, layer=req.layer):
                     req = gen.send(experts)  # queues this layer's compute, runs to the next router
@@ -184,8 +186,18 @@ class StreamingRuntime:
             self.stats.tokens += tokens
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.decode_bytes_h2d += self.stats.bytes_h2d - b0
+        else:
+            self._count_prefill(time.perf_counter() - t0, self.stats.bytes_h2d - b0, requests)
         tracer.end_step()
         return logits
+
+    def _count_prefill(self, seconds: float, nbytes: int, requests: int) -> None:
+        """A forward that is not a decode step (a prompt): its expert traffic apart from decode's."""
+        st = self.stats
+        st.prefills += 1
+        st.prefill_s += seconds
+        st.prefill_bytes_h2d += nbytes
+        st.prefill_requests += requests
 
     @property
     def stage_depth(self) -> int:
@@ -389,11 +401,13 @@ class StreamingRuntime:
     def payload(self) -> dict:
         """The `--stats-json` object."""
         disk = self.host.kind == "pool" or self.options.host_tier != "auto"
-        return self.stats.payload(retire=self.retire, device=self.device, staging=True, disk=disk)
+        return self.stats.payload(retire=self.retire, device=self.device, staging=True, disk=disk,
+                                  bank=(self.cfg.expert_files, self.layout.file_bytes))
 
-    def reset_stats(self) -> None:
-        """Zero every counter (e.g. after warm-up steps), retirement and synchronizes included."""
-        self.stats.reset()
+    def reset_stats(self, *, keep_prefill: bool = False) -> None:
+        """Zero every counter (e.g. after warm-up steps), retirement and synchronizes included;
+        `keep_prefill`: the prefill counters stay (the decode counters start after a prompt)."""
+        self.stats.reset(keep_prefill=keep_prefill)
         self.retire.retired = self.retire.released = 0
         self.device.full_synchronizes = 0
 

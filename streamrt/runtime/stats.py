@@ -24,6 +24,15 @@ A runtime's `--stats-json` adds the staging counters (STAGING_KEYS) after those:
                                staged + stage_dropped = guesses queued (not already resident)
   graph_steps                  decode steps replayed as a CUDA graph (every expert resident: no
                                expert is requested, so the hit counters above stay still)
+
+and last, `prefill` (PREFILL_KEYS), the forwards that are not decode steps (prompts), apart
+from decode's counters above (which include them except where they say decode):
+  prefill.forwards             prefill forwards run
+  prefill.s                    their wall time
+  prefill.layer_requests       ExpertRequests they served (expert-stationary: one per MoE layer)
+  prefill.bytes_h2d            routed-expert bytes they copied host -> device (staged included)
+  prefill.experts_loaded       expert copies they made (bytes_h2d / the expert file's bytes)
+  prefill.bank_passes          bytes_h2d / the whole routed bank's bytes (1.0: every expert once)
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ PAYLOAD_KEYS = (
     "effective_gbps",
 )
 STAGING_KEYS = ("staged", "stage_dropped", "graph_steps")
+PREFILL_KEYS = ("prefill",)
 # Disk tier: where the expert bytes came from. Added to a runtime's payload when the
 # pool tier runs or --host-tier was given (see DISK_DOC below).
 DISK_KEYS = ("host_tier", "bytes_from_disk", "bytes_from_page_cache", "pool_hits", "pool_misses", "readahead_reads",
@@ -79,18 +89,27 @@ class RuntimeStats:
     pool_misses: int = 0
     readahead_reads: int = 0
     readahead_used: int = 0
+    prefills: int = 0  # forwards that are not decode steps (prompts); see PREFILL_KEYS
+    prefill_s: float = 0.0
+    prefill_requests: int = 0
+    prefill_bytes_h2d: int = 0
     trace: list | None = field(default=None, repr=False)  # [[layer, [experts]], ...] when recording
 
-    def reset(self) -> None:
-        """Zero every counter in place (the tiers hold a reference to this object)."""
+    def reset(self, *, keep_prefill: bool = False) -> None:
+        """Zero every counter in place (the tiers hold a reference to this object); with
+        `keep_prefill` the prefill counters (PREFILL_KEYS) stay."""
         trace = [] if self.trace is not None else None
         tier = self.host_tier  # a setting, not a counter
         for f in self.__dataclass_fields__.values():
+            if keep_prefill and f.name.startswith("prefill"):
+                continue
             setattr(self, f.name, f.default if f.default is not MISSING else f.default_factory())
         self.trace, self.host_tier = trace, tier
 
-    def payload(self, *, retire=None, device=None, staging: bool = False, disk: bool = False) -> dict:
-        """The `--stats-json` object: exactly PAYLOAD_KEYS, then STAGING_KEYS with `staging`."""
+    def payload(self, *, retire=None, device=None, staging: bool = False, disk: bool = False,
+                bank: tuple[int, int] | None = None) -> dict:
+        """The `--stats-json` object: exactly PAYLOAD_KEYS, then STAGING_KEYS with `staging`,
+        DISK_KEYS with `disk`, PREFILL_KEYS with `bank` = (expert files, bytes per file)."""
         retired = retire.retired if retire is not None else 0
         released = (retire.released if retire is not None else 0) + self.released_sync
         out = {
@@ -115,7 +134,16 @@ class RuntimeStats:
             out.update(staged=self.staged, stage_dropped=self.stage_dropped, graph_steps=self.graph_steps)
         if disk:
             out.update({k: getattr(self, k) for k in DISK_KEYS})
+        if bank is not None:
+            out["prefill"] = self.prefill_payload(*bank)
         return out
+
+    def prefill_payload(self, expert_files: int, file_bytes: int) -> dict:
+        """The prefill forwards' own expert traffic (PREFILL_KEYS)."""
+        bank = expert_files * file_bytes
+        return {"forwards": self.prefills, "s": self.prefill_s, "layer_requests": self.prefill_requests,
+                "bytes_h2d": self.prefill_bytes_h2d, "experts_loaded": self.prefill_bytes_h2d // max(1, file_bytes),
+                "bank_passes": self.prefill_bytes_h2d / bank if bank else 0.0}
 
 
 def write_stats_json(path: str | Path, payload: dict) -> None:
