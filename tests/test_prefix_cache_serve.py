@@ -1,0 +1,87 @@
+"""The prefix cache behind `streamrt serve`, through the official `openai` client: the second
+request of a conversation resumes at the first request's prompt end and reports it as
+`usage.prompt_tokens_details.cached_tokens`; its answer equals a server with the cache off
+(`--prefix-cache-mem 0`); `/metrics` counts the cached tokens and the snapshot bytes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+STARTUP_S = 300
+
+
+def _start(*flags: str):
+    proc = subprocess.Popen([sys.executable, "-m", "streamrt", "serve", "--port", "0", "--log-level", "error",
+                             *flags], stderr=subprocess.PIPE, text=True, env=ENV)
+    return proc
+
+
+def _url(proc) -> str:
+    lines, deadline = [], time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+            return m.group(1)
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def servers():
+    procs = {"on": _start("--prefix-cache-mem", "256M"), "off": _start("--prefix-cache-mem", "0")}
+    try:
+        yield {k: _url(p) for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def _conversation(url: str):
+    """Two turns: the second resends the first with its reply and asks again."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = c.models.list().data[0].id
+    first = [{"role": "user", "content": "What is the capital of France?"}]
+    r1 = c.chat.completions.create(model=model, messages=first, temperature=0, max_tokens=40)
+    m1 = r1.choices[0].message
+    second = first + [{"role": "assistant", "content": m1.content, "reasoning_content": m1.reasoning_content},
+                      {"role": "user", "content": "What is the capital of Spain?"}]
+    r2 = c.chat.completions.create(model=model, messages=second, temperature=0, max_tokens=40)
+    return r1, r2
+
+
+def test_second_turn_reports_cached_tokens_and_answers_as_without_cache(servers):
+    on1, on2 = _conversation(servers["on"])
+    off1, off2 = _conversation(servers["off"])
+    assert on1.usage.prompt_tokens_details.cached_tokens == 0
+    assert on2.usage.prompt_tokens_details.cached_tokens == on1.usage.prompt_tokens  # the first prompt's end
+    assert off2.usage.prompt_tokens_details.cached_tokens == 0
+    assert on2.usage.prompt_tokens == off2.usage.prompt_tokens > on1.usage.prompt_tokens
+    for a, b in ((on1, off1), (on2, off2)):
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert a.choices[0].message.reasoning_content == b.choices[0].message.reasoning_content
+        assert a.usage.completion_tokens == b.usage.completion_tokens
+
+    text = httpx.get(servers["on"] + "/metrics", timeout=30).text
+    cached = float(re.search(r"^streamrt_prompt_cached_tokens_total (\S+)$", text, re.M).group(1))
+    held = float(re.search(r"^streamrt_prefix_cache_bytes (\S+)$", text, re.M).group(1))
+    assert cached == on1.usage.prompt_tokens and held > 0
+    assert "streamrt_prefix_cache_bytes" not in httpx.get(servers["off"] + "/metrics", timeout=30).text
