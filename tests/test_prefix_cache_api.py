@@ -1,4 +1,6 @@
-"""The prefix cache behind `streamrt serve`, through the official `openai` client: the second
+"""The prefix cache behind the Python API and `streamrt serve` (the embedded model). API: a chat's
+second turn resumes at the first turn's prompt end, and answers as with the cache off. Serve,
+through the official `openai` client: the second
 request of a conversation resumes at the first request's prompt end and reports it as
 `usage.prompt_tokens_details.cached_tokens`; its answer equals a server with the cache off
 (`--prefix-cache-mem 0`); `/metrics` counts the cached tokens and the snapshot bytes."""
@@ -85,3 +87,23 @@ def test_second_turn_reports_cached_tokens_and_answers_as_without_cache(servers)
     held = float(re.search(r"^streamrt_prefix_cache_bytes (\S+)$", text, re.M).group(1))
     assert cached == on1.usage.prompt_tokens and held > 0
     assert "streamrt_prefix_cache_bytes" not in httpx.get(servers["off"] + "/metrics", timeout=30).text
+
+
+def test_api_chat_second_turn_resumes_and_answers_as_without_cache():
+    import streamrt
+
+    first = [{"role": "user", "content": "What is the capital of France?"}]
+    replies = {}
+    for label, mem in (("on", "64M"), ("off", 0)):
+        with streamrt.load(prefix_cache_mem=mem) as engine:
+            m1 = engine.chat(first, max_new_tokens=40)
+            s1 = engine.stats
+            second = first + [m1, {"role": "user", "content": "What is the capital of Spain?"}]
+            m2 = engine.chat(second, max_new_tokens=40)
+            replies[label] = (m1, m2, s1, engine.stats)
+    (a1, a2, on1, on2), (b1, b2, off1, off2) = replies["on"], replies["off"]
+    assert (a1, a2) == (b1, b2)
+    assert (on1.cached_tokens, off2.cached_tokens) == (0, 0)
+    assert on2.cached_tokens == on1.prompt_tokens and on2.prompt_tokens == off2.prompt_tokens
+    assert (on1.logits_hash, on2.logits_hash) == (off1.logits_hash, off2.logits_hash)  # every step, bit for bit
+    assert f"({on2.cached_tokens} cached)" in on2.line()
