@@ -166,3 +166,29 @@ def test_marks_fall_on_chunk_boundaries():
     assert PrefixCache.marks(10, 40, 32) == [40]
     assert PrefixCache.marks(10, 60, 32) == [42, 60]
     assert PrefixCache.marks(0, 100, 0) == [100]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_cuda_snapshots_are_page_locked_and_resume_bit_identically(name):
+    """The torch backend on CUDA: a snapshot lives in page-locked host memory, its restore on the
+    device, and the resumed turn's logits and tokens equal the uncached run's."""
+    from streamrt.loader import _to
+
+    cfg, model, prov = build(name)
+    gm = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval().cuda()
+    gm.load_state_dict(model.state_dict())
+    gprov = DictExpertProvider({k: _to(v, "cuda") for k, v in prov.experts.items()})
+    first = tokens(cfg, 77, 12)
+    pc = PrefixCache(1 << 30)
+    kw = dict(provider=gprov, max_new_tokens=4, prefill_chunk=24)
+    r1 = generate(gm, first, prefix_cache=pc, **kw)
+    snap = pc.lookup(first + [1, 2])
+    assert snap is not None and all(t.is_pinned() for t in snap.layers[0][1:] if isinstance(t, torch.Tensor))
+    assert snap.restore("cuda").layers[0].tensors()[0].is_cuda
+    second = first + r1.tokens[0] + tokens(cfg, 30, 13)
+    got = generate(gm, second, prefix_cache=pc, **kw)
+    plain = generate(gm, second, **kw)
+    assert got.cached_tokens == [len(first)]
+    assert torch.equal(got.prefill_logits, plain.prefill_logits) and got.tokens == plain.tokens

@@ -21,8 +21,12 @@ is one contiguous tensor per row.
 Exactness: snapshots are taken only where a prefill piece ends on a cache that has only ever
 been prefilled (never after a decode step, whose recurrent arithmetic differs in its last
 bits), and the prefill is chunk-invariant (model.py), so a request resumed from a snapshot
-gets logits bit-identical to the same request prefilled from scratch. A resume leaves at least
-`MIN_NEW` tokens to prefill: a one-token piece on a cache runs as a decode step.
+gets logits bit-identical to the same request prefilled from scratch on the torch backend (CPU
+and CUDA: fixed-tile prefill products). With `--backend nvrtc` the prefill's GEMMs depend on
+the rows of their chunk, so a resumed request's logits are those of the same request prefilled
+in pieces split at the snapshot's position, which agree with a one-piece prefill to the
+prefill's tolerance, not bit for bit. A resume leaves at least `MIN_NEW` tokens to prefill: a
+one-token piece on a cache runs as a decode step.
 
 Budget: `--prefix-cache-mem` bytes of snapshots (default an eighth of the host's available
 memory at start, 0: off); least recently used snapshots go first; one larger than the whole
