@@ -107,3 +107,32 @@ def test_api_chat_second_turn_resumes_and_answers_as_without_cache():
     assert on2.cached_tokens == on1.prompt_tokens and on2.prompt_tokens == off2.prompt_tokens
     assert (on1.logits_hash, on2.logits_hash) == (off1.logits_hash, off2.logits_hash)  # every step, bit for bit
     assert f"({on2.cached_tokens} cached)" in on2.line()
+
+
+def _chat_run(model_dir, lines: str, *flags: str, monkeypatch, capsys) -> list[dict]:
+    import io
+    import json
+
+    from streamrt.cli.main import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["run", "--model", str(model_dir), "--chat", "--json", "--max-new-tokens", "40", *flags]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_chat_keeps_its_history_as_a_cached_prefix(default_model_copy, monkeypatch, capsys):
+    """`run --chat` on a tree that holds multi-turn context: turn 2 resumes at turn 1's prompt end,
+    and every reply and step's logits equal a run with the cache off."""
+    import json
+
+    config = default_model_copy / "tokenizer_config.json"
+    cfg = json.loads(config.read_text())
+    cfg["streamrt_chat"] = {**cfg.get("streamrt_chat", {}), "multi_turn": True}
+    config.write_text(json.dumps(cfg))
+    lines = "What is the capital of France?\nWhat is the capital of Spain?\n"
+    on = _chat_run(default_model_copy, lines, monkeypatch=monkeypatch, capsys=capsys)
+    off = _chat_run(default_model_copy, lines, "--prefix-cache-mem", "0", monkeypatch=monkeypatch, capsys=capsys)
+    assert [r["stats"]["cached_tokens"] for r in on] == [0, on[0]["stats"]["prompt_tokens"]]
+    assert [r["stats"]["cached_tokens"] for r in off] == [0, 0]
+    assert [(r["content"], r["thinking"], r["stats"]["logits_hash"]) for r in on] == \
+        [(r["content"], r["thinking"], r["stats"]["logits_hash"]) for r in off]
