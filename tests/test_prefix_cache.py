@@ -126,7 +126,9 @@ def test_eviction_under_a_tiny_budget():
     hits; answers equal the uncached ones either way; a snapshot over the budget is not kept."""
     cfg, model, prov = build("tiny-k3")
     a, b, c = (tokens(cfg, 40, s) for s in (7, 8, 9))
-    one = Snapshot.take(a, scratch(model, prov, a, 40)[1]).nbytes
+    a_cache = scratch(model, prov, a, 40)[1]
+    one = Snapshot.take(a, a_cache).nbytes
+    assert Snapshot.size_of(a_cache, 40) == one
     pc = PrefixCache(2 * one + one // 2)
     kw = dict(provider=prov, max_new_tokens=2, prefill_chunk=64)
     for p in (a, b):

@@ -86,6 +86,17 @@ class Snapshot:
     layers: list
     nbytes: int = field(default=0)
 
+    @staticmethod
+    def size_of(cache: ModelCache, n: int) -> int:
+        """The bytes a snapshot of `cache` (1 row) at n positions holds, before copying anything."""
+        size = 0
+        for lc in cache.layers:
+            if isinstance(lc, MLACache):
+                size += n * sum(t.shape[2] * t.element_size() for t in lc.tensors())
+            else:
+                size += _nbytes(lc.tensors() + [lc.anchor_state] + (lc.pending or []))
+        return size
+
     @classmethod
     def take(cls, tokens: Sequence[int], cache: ModelCache) -> "Snapshot":
         n = len(tokens)
@@ -175,10 +186,10 @@ class PrefixCache:
         if key in self._entries:  # the same prefix again (a shared system prompt): nothing to copy
             self._entries.move_to_end(key)
             return True
-        snap = Snapshot.take(tokens, cache)
-        if snap.nbytes > self.budget:
+        if Snapshot.size_of(cache, len(tokens)) > self.budget:  # not worth a copy
             self.stats.too_big += 1
             return False
+        snap = Snapshot.take(tokens, cache)
         while self.nbytes + snap.nbytes > self.budget:
             self._evict()
         self._entries[key] = snap
