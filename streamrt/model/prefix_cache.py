@@ -168,8 +168,8 @@ class PrefixCache:
         """The snapshot of the longest prefix of `ids` that leaves at least MIN_NEW tokens, or None."""
         self.stats.lookups += 1
         limit = len(ids) - MIN_NEW
-        for n in sorted((n for n in self._lengths if n <= limit), reverse=True):
-            key = (n, _key(ids[:n]))
+        for key in reversed(self._candidates(ids, sorted(n for n in self._lengths if n <= limit))):
+            n = key[0]
             snap = self._entries.get(key)
             if snap is not None and snap.tokens == tuple(ids[:n]):
                 self._entries.move_to_end(key)
@@ -177,6 +177,17 @@ class PrefixCache:
                 self.stats.cached_tokens += n
                 return snap
         return None
+
+    @staticmethod
+    def _candidates(ids: Sequence[int], lengths: list[int]) -> list[tuple[int, bytes]]:
+        """The keys of ids[:n] for each n of ascending `lengths`: one pass over the ids (the hash
+        of a concatenation is the hash updated piece by piece)."""
+        data, h, at, keys = np.asarray(ids, dtype=np.int64), hashlib.blake2b(digest_size=16), 0, []
+        for n in lengths:
+            h.update(data[at:n].tobytes())
+            at = n
+            keys.append((n, h.copy().digest()))
+        return keys
 
     def store(self, tokens: Sequence[int], cache: ModelCache) -> bool:
         """Keep the state of `cache` (1 row, at len(tokens)) under `tokens`; False if not kept."""
