@@ -91,7 +91,7 @@ def test_generate_with_cache_equals_generate_without(name):
     cfg, model, prov = build(name)
     first = tokens(cfg, 70, 1)
     pc = PrefixCache(1 << 30)
-    kw = dict(provider=prov, max_new_tokens=4, prefill_chunk=16)
+    kw = dict(provider=prov, max_new_tokens=4, prefill_chunk=16, hash_steps=True, stop_ids=[])
     r1 = generate(model, first, prefix_cache=pc, **kw)
     assert r1.cached_tokens == [0]
     second = first + r1.tokens[0] + tokens(cfg, 9, 2)
@@ -100,7 +100,7 @@ def test_generate_with_cache_equals_generate_without(name):
     plain = generate(model, second, **kw)
     assert r2.cached_tokens == [len(first)]
     assert torch.equal(r2.prefill_logits, plain.prefill_logits)
-    assert r2.tokens == plain.tokens
+    assert r2.tokens == plain.tokens and r2.step_hashes == plain.step_hashes  # every decode step, bit for bit
     assert counting.tokens == len(second) - len(first) + r2.decode_steps
 
 
