@@ -5,6 +5,7 @@
 #   stages: tests kernels variants access profile decode trace sweep convert kda mla
 #           slice graphs-slice deep graphs-deep profile-deep serve dense parts prefill experts drop-slice
 #           fanout (synthesise fanout-k3.1-pro, ~50 GB, then bench_stationary_prefill on it)
+#           prefix-conv prefix-fanout (bench_prefix_cache.py on deep)
 #           (slice / deep: synthesise slice-k3.1-pro, ~30 s, / deep-k3.1-pro, ~2 min; serve 1/4/16
 #           clients, dense streaming and prefill run on whichever of the two is present; the disk
 #           holds one of them beside the other only just, so `drop-slice` removes the slice tree)
@@ -107,6 +108,18 @@ if has serve; then  # needs the fastapi / uvicorn / pydantic / opentelemetry-api
     --gpu-experts 736 --clients 1,4,16 --max-tokens 32 --json "$OUT/serve_deep.json" 2>&1 | tee "$L/serve_deep.log" | tail -8
   [ -f "$TREE/manifest.json" ] && timeout ${T_SERVE_SLICE:-200} python3 profiling/bench_serve.py --model "$TREE" --backend nvrtc \
     --gpu-experts 341 --clients 1,4,16 --max-tokens 32 --json "$OUT/serve_slice.json" 2>&1 | tee "$L/serve_slice.log" | tail -8
+fi
+if has prefix-conv; then
+  stage "bench prefix cache: a three-turn conversation, 16k-token first turn (deep, a third in slots)"
+  [ -f "$DEEP/manifest.json" ] && timeout ${T_PREFIX_CONV:-420} python3 profiling/bench_prefix_cache.py --model "$DEEP" \
+    --part conversation --first 16384 --reply 64 --new 512 --prefill-chunk 4096 --device cuda --backend nvrtc \
+    --gpu-experts 736 --json "$OUT/prefix_conv_deep.json" 2>&1 | grep -v USDT | tee "$L/prefix_conv_deep.log" | tail -12
+fi
+if has prefix-fanout; then  # needs the serve wheels, as `serve`
+  stage "bench prefix cache: 16 clients sharing a 4k system prompt, cache on and off (deep, a third in slots)"
+  [ -f "$DEEP/manifest.json" ] && timeout ${T_PREFIX_FANOUT:-450} python3 profiling/bench_prefix_cache.py --model "$DEEP" \
+    --part fanout --system 4096 --suffix 64 --clients 16 --max-tokens 16 --prefill-chunk 1024 --backend nvrtc \
+    --gpu-experts 736 --json "$OUT/prefix_fanout_deep.json" 2>&1 | grep -v USDT | tee "$L/prefix_fanout_deep.log" | tail -8
 fi
 if has dense; then
   stage "bench dense streaming (deep; slice)"

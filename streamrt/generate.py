@@ -20,7 +20,8 @@ from torch import Tensor
 
 from streamrt.errors import StreamrtError
 from streamrt.model import ModelCache, logits_hash, run_sync  # noqa: F401  (re-exported)
-from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM
+from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM, default_prefill_chunk
+from streamrt.model.prefix_cache import PrefixCache, prefill_steps
 
 Runner = Callable[[ForwardSteps], Tensor]
 TokenCallback = Callable[..., None]  # on_token(token) for one prompt, on_token(row, token) for a batch
@@ -36,6 +37,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    cached_tokens: list[int] = field(default_factory=list)  # per row, prompt tokens resumed from the prefix cache
 
     @property
     def new_tokens(self) -> int:
@@ -151,6 +153,7 @@ def generate_tokens(
     hash_steps: bool = False,
     prefill_chunk: int | None = None,
     max_context: int | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generator[tuple[int, int], None, GenerationResult]:
     """`generate` as an iterator: yields (row, token) as each token is drawn and returns the
     GenerationResult (StopIteration.value). Closing it early stops between two forwards.
@@ -160,7 +163,9 @@ def generate_tokens(
     (default the model's, else chosen from free memory; the logits do not depend on it).
     top_k, min_p, repetition_penalty: as vLLM's (see `sampling_probs`, `apply_penalties`).
     max_context: a row stops ("length") once prompt + generated tokens reach it; a prompt
-    longer than it is an error (the caller truncates or refuses first).
+    longer than it is an error (the caller truncates or refuses first). prefix_cache: a row
+    resumes from its longest cached prefix and leaves snapshots (model/prefix_cache.py; the
+    logits do not depend on it).
     """
     prompts, _ = _as_batch(prompts)
     _check_request(prompts, max_new_tokens, top_p, max_context, min_p, repetition_penalty)
@@ -170,7 +175,7 @@ def generate_tokens(
     gens = [torch.Generator().manual_seed(seed * 1_000_003 + row) for row in range(len(prompts))]
 
     t0 = time.perf_counter()
-    caches, prefill_logits = _prefill(model, prompts, runner, prefill_chunk)
+    caches, prefill_logits, cached = _prefill(model, prompts, runner, prefill_chunk, prefix_cache)
     t1 = time.perf_counter()
     cache = ModelCache.stack(caches) if len(prompts) > 1 else caches[0]
 
@@ -189,6 +194,7 @@ def generate_tokens(
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         decode_steps=steps,
+        cached_tokens=cached,
     )
 
 
@@ -219,19 +225,27 @@ def _check_request(prompts: list[list[int]], max_new_tokens: int, top_p: float, 
 
 
 def _prefill(
-    model: KimiLinearForCausalLM, prompts: list[list[int]], runner: Runner, prefill_chunk: int | None
-) -> tuple[list[ModelCache], Tensor]:
-    """Each prompt prefilled on its own: (its cache, the logits of its last position) per row."""
+    model: KimiLinearForCausalLM, prompts: list[list[int]], runner: Runner, prefill_chunk: int | None,
+    prefix: PrefixCache | None = None,
+) -> tuple[list[ModelCache], Tensor, list[int]]:
+    """Each prompt prefilled on its own, past its longest cached prefix: (its cache, the logits of
+    its last position, the tokens resumed from the prefix cache) per row."""
     device = model.lm_head.weight.device
-    caches, last = [], []
+    prefix = prefix if prefix is not None and prefix.enabled else None
+    caches, last, cached = [], [], []
+    stride = 0 if prefix is None else int(prefill_chunk or model.prefill_chunk
+                                          or default_prefill_chunk(model.config, device))
     with torch.no_grad():
         for p in prompts:
-            cache = model.new_cache(1, device)
-            ids = torch.tensor([p], device=device)
-            logits = runner(model.forward_steps(ids, cache, last_only=True, prefill_chunk=prefill_chunk))  # [1, 1, V]
+            snap = prefix.lookup(p) if prefix is not None else None
+            cache = snap.restore(device) if snap is not None else model.new_cache(1, device)
+            start = cache.lengths[0]
+            stops = PrefixCache.marks(start, len(p), stride) if prefix is not None else [len(p)]
+            logits = runner(prefill_steps(model, p, cache, stops, prefix, prefill_chunk))  # [1, 1, V]
             caches.append(cache)
             last.append(logits[0, 0].float())
-    return caches, torch.stack(last)  # [B, V]
+            cached.append(start)
+    return caches, torch.stack(last), cached  # [B, V]
 
 
 class _Rows:

@@ -94,7 +94,8 @@ def test_completion_prompt_as_a_batch_of_one_or_token_ids(tok):
     *good, several, past, negative, empty, empty_ids = _serve(runner, requests)
     for r in good:
         assert r.status_code == 200, r.text
-        assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 2, "total_tokens": len(ids) + 2}
+        assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 2, "total_tokens": len(ids) + 2,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
     assert runner.prompts == [ids] * 4
     for r in several, past, negative, empty, empty_ids:
         assert r.status_code == 400, r.text

@@ -68,6 +68,7 @@ class GenStats:
     stop: str = "length"  # "stop" (a stop token) or "length" (--max-new-tokens)
     hits: dict = field(default_factory=dict)  # e.g. {"device": 0.41, "host": 0.98}
     logits_hash: str = ""  # over the prefill's and every decode step's logits: any divergence shows
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (not prefilled again)
 
     @property
     def decode_rate(self) -> float:
@@ -76,9 +77,10 @@ class GenStats:
 
     def line(self) -> str:
         hits = ", ".join(f"{k} {v:.1%}" for k, v in self.hits.items()) or "n/a"
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (
-            f"{self.new_tokens} tokens, {self.decode_rate:.2f} tok/s decode; prefill {self.prompt_tokens} tokens "
-            f"in {self.prefill_s:.2f} s; expert hit rate: {hits}"
+            f"{self.new_tokens} tokens, {self.decode_rate:.2f} tok/s decode; prefill {self.prompt_tokens} tokens"
+            f"{cached} in {self.prefill_s:.2f} s; expert hit rate: {hits}"
         )
 
 
@@ -135,6 +137,7 @@ class _ModelSession(Session):
         self.options = options
         self._prefill_chunk, self._progress, self._ranks, self._loaded = prefill_chunk, progress, ranks, False
         self.runtime, self.ep = None, None
+        self.prefix = options.make_prefix_cache()  # snapshots of prefilled prompts, across calls
         self._graphs_said = None  # the graphs_line last printed: said once, not after every reply
         tree = open_tree(model_dir)
         tree.check_side_files()
@@ -260,6 +263,7 @@ class _ModelSession(Session):
             stop_ids=[] if sampling.ignore_eos else sorted(self.tokenizer.stop_ids),
             hash_steps=True,
             max_context=self.context,
+            prefix_cache=self.prefix,
         )
         r = yield from _tokens_of(steps)
         if (line := self.runtime.graphs_line) is not None and line != self._graphs_said:
@@ -272,7 +276,8 @@ class _ModelSession(Session):
             if h + m:
                 hits[tier] = h / (h + m)
         digest = hashlib.sha256(" ".join(r.prefill_hashes + [h for row in r.step_hashes for h in row]).encode())
-        return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits, digest.hexdigest()[:16])
+        return GenStats(len(ids), r.new_tokens, r.prefill_s, r.decode_s, r.stop, hits, digest.hexdigest()[:16],
+                        r.cached_tokens[0])
 
     def close(self) -> None:
         if self.runtime is not None:

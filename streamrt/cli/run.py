@@ -130,6 +130,8 @@ def run_command(args: argparse.Namespace) -> int:
     elif not args.chat:
         raise StreamrtError("give --prompt TEXT, --chat or --messages FILE.json")
     model_dir = resolve_model_dir(args.model, lambda m: print(m, file=sys.stderr))
+    if not args.chat and getattr(args, "prefix_cache_mem", None) is None:
+        args.prefix_cache_mem = "0"  # one request: no later one resumes from its snapshots
     if args.gpus is not None and "RANK" not in os.environ:  # spawn the ranks; each runs this command
         from streamrt.parallel.launch import check_gpus, run_ranks
 

@@ -154,7 +154,8 @@ def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None 
         raise StreamrtError(f"--max-context must be at most the model's context ({runner.max_context} tokens, "
                             f"max_position_embeddings), got {max_context}")
     metrics = ServeMetrics()
-    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, metrics=metrics)
+    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, metrics=metrics,
+                    prefix_cache=getattr(runner, "prefix", None))
     if runner.stats is not None:
         metrics.attach(engine, runner.stats)
     return ServerState(engine=engine, tokenizer=runner.tokenizer, model_id=model_id or runner.name,

@@ -99,6 +99,11 @@ def _bytes_of(flag: str) -> Callable:
     return lambda text: parse_bytes(text, flag) if text is not None else None
 
 
+def _bytes_or_off(flag: str) -> Callable:
+    """As `_bytes_of`, and 0 (off) allowed."""
+    return lambda text: 0 if text is not None and str(text).strip() == "0" else _bytes_of(flag)(text)
+
+
 class _Renamed(argparse.Action):
     """A flag's old spelling: refused with one line naming the new one."""
 
@@ -207,6 +212,11 @@ class RuntimeOptions:
         "layer", "a prompt longer than one prefill chunk: layer (default) runs each layer over the whole prompt, so "
                  "each MoE layer fetches the prompt's routed experts once; chunk runs each chunk through every layer "
                  "(each chunk fetches its experts again). The same logits bit for bit", choices=("layer", "chunk"))
+    prefix_cache_mem: int | None = _flag(
+        None, "host memory for prefix-cache snapshots (e.g. 16G; page-locked on CUDA): a request resumes from the "
+              "state after the longest prefix of its tokens an earlier prompt left and prefills only the rest, "
+              "bit-identically; default an eighth of the available memory, 0: off", metavar="BYTES",
+        parse=_bytes_or_off("--prefix-cache-mem"))
     device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
     backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
                                   "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))
@@ -266,6 +276,12 @@ class RuntimeOptions:
         if plan is None:
             return self
         return dataclasses.replace(self, gpu_experts=self.gpu_experts or plan.expert_slots)
+
+    def make_prefix_cache(self):
+        """The prefix cache these options ask for (model/prefix_cache.py); budget 0 when off."""
+        from streamrt.model.prefix_cache import PrefixCache, default_budget
+
+        return PrefixCache(default_budget() if self.prefix_cache_mem is None else self.prefix_cache_mem)
 
     def make_backend(self, device):
         """The ops backend for `device` (a streams.Device); None means the model's default (torch)."""

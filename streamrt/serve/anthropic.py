@@ -258,8 +258,9 @@ def _stop_reason(reply: ChatReply, reason: str) -> tuple[str, str | None]:
 
 
 def _usage(job: Job) -> dict:
-    return {"input_tokens": len(job.ids), "output_tokens": len(job.tokens), "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+    # Anthropic's input_tokens are the ones not read from the cache (the three add up to the prompt)
+    return {"input_tokens": len(job.ids) - job.cached_tokens, "output_tokens": len(job.tokens),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": job.cached_tokens}
 
 
 def event(kind: str, body: dict) -> str:

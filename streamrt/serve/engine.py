@@ -4,7 +4,9 @@ Each turn of `Engine.run`, at a step boundary:
   1. drop   rows whose client went away or whose reply hit a stop string (`Job.cancel`), and
             waiting jobs cancelled before they got a row: the batch cache keeps the others
   2. admit  waiting jobs (FIFO) take prefill slots while the batch has free rows; each has
-            its own 1-row cache and goes in whole, or with `prefill_chunk` one chunk of that
+            its own 1-row cache, restored from the prefix cache's snapshot of its longest
+            cached prefix when there is one (model/prefix_cache.py: only the tokens past it
+            are prefilled, bit-identically), and goes in whole, or with `prefill_chunk` one chunk of that
             many tokens per boundary, so a long prompt is spread over several steps; at most
             `prefill_tokens` prompt tokens go in per boundary (the oldest piece always does).
             (Chunks must be multiples of the KDA chunk, 64, and are exact only on a model
@@ -14,7 +16,8 @@ Each turn of `Engine.run`, at a step boundary:
             are fetched once for all of them (the runner's `step`). Each row samples its
             token and hands it to its client's queue; rows that stop (a stop token or their
             max_tokens) leave; a prefill that finished samples its first token and its cache
-            is stacked onto the batch's.
+            is stacked onto the batch's. A piece ending at one of the prefill's snapshot
+            marks (its last chunk boundary, its end) leaves a snapshot in the prefix cache.
   4. yield  to the loop, so the HTTP side reads requests and writes tokens
 
 A row samples with its own generator seeded as `streamrt run --seed S` seeds row 0, so a
@@ -74,6 +77,7 @@ class Job:
     cancelled: bool = False
     done: bool = False
     finish_reason: str = ""  # set when `stream` ends
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache, set when the job is admitted
     submitted: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -104,8 +108,9 @@ class EngineError(Exception):
 
 class Engine:
     def __init__(self, runner, *, max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 0,
-                 prefill_tokens: int = 4096, metrics=None):
+                 prefill_tokens: int = 4096, metrics=None, prefix_cache=None):
         self.runner = runner
+        self.prefix = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_chunk = prefill_chunk  # 0: a whole prompt per boundary
         self.prefill_tokens = prefill_tokens  # prompt tokens per step, beyond the first piece: bounds activations
@@ -150,7 +155,7 @@ class Engine:
                 await self._wake.wait()
                 continue
             while self.waiting and len(self.rows) + len(self.prefilling) < self.max_batch:
-                self.prefilling.append(_Prefill(self.waiting.popleft(), self.runner.new_cache()))
+                self.prefilling.append(self._admit(self.waiting.popleft()))
             await self._guarded(self._step(), [p.job for p in self.prefilling] + list(self.rows))
             await asyncio.sleep(0)
         for job in [p.job for p in self.prefilling] + list(self.rows) + list(self.waiting):
@@ -191,13 +196,29 @@ class Engine:
             self.metrics.prefill(total, seconds)
         for p, piece, logits in zip(going, pieces, prefilled):
             p.done += len(piece)
+            if p.done in p.stops:
+                self.prefix.store(p.job.ids[: p.done], p.cache)
             if p.done == len(p.job.ids):
                 self._join(p, logits)
         self.prefilling = [p for p in self.prefilling if p.done < len(p.job.ids)]
 
+    def _admit(self, job: Job) -> "_Prefill":
+        """A prefill slot for the job: on its longest cached prefix's state, or a fresh cache."""
+        if self.prefix is None:
+            return _Prefill(job, self.runner.new_cache())
+        snap = self.prefix.lookup(job.ids)
+        cache = self.runner.new_cache() if snap is None else snap.restore(self.runner.device)
+        job.cached_tokens = cache.lengths[0]
+        if self.metrics is not None:
+            self.metrics.cached(job.cached_tokens)
+        stride = self.prefill_chunk if self.prefill_chunk > 0 else self.runner.prefill_stride
+        return _Prefill(job, cache, job.cached_tokens, self.prefix.marks(job.cached_tokens, len(job.ids), stride))
+
     def _next_piece(self, p: "_Prefill") -> list[int]:
         n = len(p.job.ids)
-        return p.job.ids[p.done : p.done + (n if self.prefill_chunk <= 0 else self.prefill_chunk)]
+        end = p.done + (n if self.prefill_chunk <= 0 else self.prefill_chunk)
+        end = min([end] + [m for m in p.stops if m > p.done])  # a snapshot mark ends a piece
+        return p.job.ids[p.done : end]
 
     def _join(self, p: "_Prefill", logits) -> None:
         """A prefill's last piece is in: sample its first token; a live row joins the batch."""
@@ -264,8 +285,10 @@ class Engine:
 
 @dataclass(eq=False)
 class _Prefill:
-    """A job being prefilled: its 1-row cache and how many prompt tokens it holds."""
+    """A job being prefilled: its 1-row cache, how many prompt tokens it holds, and where it
+    leaves prefix-cache snapshots."""
 
     job: Job
     cache: ModelCache
     done: int = 0
+    stops: list[int] = field(default_factory=list)

@@ -27,6 +27,8 @@ class ServeMetrics:
                                        buckets=BATCH_BUCKETS)
         self.ttft = Histogram("streamrt_time_to_first_token_seconds", "submit to first token (queue + prefill)",
                               registry=r)
+        self.cached_tokens = Counter("streamrt_prompt_cached_tokens", "prompt tokens resumed from the prefix cache "
+                                     "(not prefilled)", registry=r)
         self.prefill_s = Counter("streamrt_prefill_seconds", "time spent in prefills", registry=r)
         self.tool_choice_unmet = Counter("streamrt_tool_choice_unmet",
                                          "replies without the call tool_choice required", registry=r)
@@ -39,6 +41,9 @@ class ServeMetrics:
     def prefill(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.prefill_s.inc(seconds)
+
+    def cached(self, tokens: int) -> None:
+        self.cached_tokens.inc(tokens)
 
     def first_token(self, since_submit: float) -> None:
         self.ttft.observe(since_submit)
@@ -66,6 +71,14 @@ class _LiveCollector:
                                   value=st.bytes_h2d)
         yield CounterMetricFamily("streamrt_expert_bytes_read", "expert file bytes newly mapped or read",
                                   value=st.bytes_read)
+        pc = getattr(e, "prefix", None)
+        if pc is not None:
+            yield GaugeMetricFamily("streamrt_prefix_cache_bytes", "prefix-cache snapshot bytes held", value=pc.nbytes)
+            yield GaugeMetricFamily("streamrt_prefix_cache_snapshots", "prefix-cache snapshots held", value=len(pc))
+            yield CounterMetricFamily("streamrt_prefix_cache_hits", "requests resumed from a snapshot",
+                                      value=pc.stats.hits)
+            yield CounterMetricFamily("streamrt_prefix_cache_evictions", "snapshots evicted (LRU)",
+                                      value=pc.stats.evicted)
         for tier in ("device", "host"):
             hits, misses = getattr(st, f"{tier}_hits"), getattr(st, f"{tier}_misses")
             yield CounterMetricFamily(f"streamrt_{tier}_hits", f"{tier}-tier expert hits", value=hits)

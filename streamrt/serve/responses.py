@@ -298,8 +298,8 @@ class _Output:
         if not done:
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         n, m = len(self.job.ids), len(self.job.tokens)
-        body["usage"] = {"input_tokens": n, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": m,
-                         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n + m}
+        body["usage"] = {"input_tokens": n, "input_tokens_details": {"cached_tokens": self.job.cached_tokens},
+                         "output_tokens": m, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n + m}
         return body
 
 

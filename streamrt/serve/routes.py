@@ -119,7 +119,8 @@ def submit(state: ServerState, ids: list[int], sampling: dict, limit: int) -> Jo
 
 def usage(job: Job) -> S.Usage:
     return S.Usage(prompt_tokens=len(job.ids), completion_tokens=len(job.tokens),
-                   total_tokens=len(job.ids) + len(job.tokens))
+                   total_tokens=len(job.ids) + len(job.tokens),
+                   prompt_tokens_details=S.PromptTokensDetails(cached_tokens=job.cached_tokens))
 
 
 class Fed:

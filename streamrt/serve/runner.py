@@ -49,6 +49,7 @@ class ModelRunner:
                                         batch=max_batch)
         self.max_context = tree.config.max_position_embeddings
         self._device = self.model.lm_head.weight.device
+        self.prefix = self.options.make_prefix_cache()  # the engine's prefix cache (--prefix-cache-mem)
 
     @property
     def loop(self):
@@ -57,6 +58,17 @@ class ModelRunner:
     @property
     def stats(self):
         return self.runtime.stats
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def prefill_stride(self) -> int:
+        """Tokens per prefill chunk of a whole-prompt piece: the model's own chunking."""
+        from streamrt.model.model import default_prefill_chunk
+
+        return int(self.model.prefill_chunk or default_prefill_chunk(self.model.config, self._device))
 
     def new_cache(self) -> ModelCache:
         return self.model.new_cache(1, self._device)

@@ -324,10 +324,15 @@ class CompletionRequest(_Sampling):
 # ---- responses ------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # resumed from the prefix cache, as OpenAI reports prompt caching
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class FunctionCallOut(BaseModel):
