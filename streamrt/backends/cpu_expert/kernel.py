@@ -30,7 +30,7 @@ _F = ctypes.c_float
 def bind(lib: ctypes.CDLL):
     """The library's `srt_cpu_expert_ffn` with its C signature."""
     fn = lib.srt_cpu_expert_ffn
-    fn.argtypes = [_P, _I64, _I64, _I64, *([_P] * 9), _F, _F, _P, _P, ctypes.c_int]
+    fn.argtypes = [_P, _I64, _I64, _I64, *([_P] * 9), _F, _F, _P, _P, _P, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
@@ -88,9 +88,10 @@ def expert_ffn_rows(z: Tensor, expert: ExpertWeights, beta: float, linear_beta: 
         raise ValueError(f"out: expected contiguous float32 [{m}, {dl}], got {out.dtype} {tuple(out.shape)}")
     if m == 0:
         return out
-    h = torch.empty(m, inter, dtype=torch.float32)  # [m, I] the GLU's output
+    zl = torch.empty(m, dl, dtype=torch.float32)  # [m, Dl] z in the kernel's lane order
+    h = torch.empty(m, inter, dtype=torch.float32)  # [m, I] the GLU's output, lane order
     mats = [t.data_ptr() for w in (expert.gate, expert.up, expert.down)
             for t in (w.packed, w.scales, w.global_scale)]
-    _entry()(z.data_ptr(), m, dl, inter, *mats, beta, linear_beta or 0.0, h.data_ptr(), out.data_ptr(),
+    _entry()(z.data_ptr(), m, dl, inter, *mats, beta, linear_beta or 0.0, zl.data_ptr(), h.data_ptr(), out.data_ptr(),
              int(threads))
     return out
