@@ -103,8 +103,8 @@ def main(argv=None) -> int:
             z = torch.from_numpy(rng.standard_normal((m, args.dl)).astype(np.float32))
             ms = kernel_ms(experts, z, threads, args.reps)
             gbps = nbytes / (ms * 1e-3) / 1e9
-            extra = f" {torch_ms(experts, z, threads):.2f} |" if args.torch else ""
-            print(f"| {threads} | {m} | {ms:.3f} | {gbps:.1f} | {ram:.1f} | {gbps / ram:.2f} |{extra}", flush=True)
+            extra = f" {torch_ms(experts, z, threads):.4g} |" if args.torch else ""
+            print(f"| {threads} | {m} | {ms:.4g} | {gbps:.3g} | {ram:.3g} | {gbps / ram:.2g} |{extra}", flush=True)
     return 0
 
 
