@@ -142,8 +142,8 @@ def test_kernel_matches_torch_path(rng, dl, inter):
 
 
 def test_a_row_has_the_same_bits_alone_in_any_batch_and_at_any_thread_count(rng):
-    ew = random_expert(rng, 96, 80)
-    z = rows(rng, 11, 96)
+    ew = random_expert(rng, 512, 384)  # 6.5M weight x row products: up to 6 threads (MIN_WORK 2^20 each)
+    z = rows(rng, 11, 512)
     whole = kernel.expert_ffn_rows(z, ew, 4.0, 25.0, threads=1)
     for threads in (2, 3, 5):
         assert torch.equal(kernel.expert_ffn_rows(z, ew, 4.0, 25.0, threads=threads), whole)

@@ -35,6 +35,7 @@
 #endif
 
 #define BLOCK 16
+#define MIN_WORK (1 << 20) /* weight x row products per thread, at least */
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -187,7 +188,11 @@ int srt_cpu_expert_ffn(const float *z, int64_t m, int64_t dl, int64_t inter, con
     for (int64_t r = 0; r < m; r++)
         for (int64_t e = 0; e < dl; e++) zl[r * dl + lane_of(e)] = z[r * dl + e];
 #ifdef _OPENMP
-#pragma omp parallel num_threads(threads > 0 ? threads : omp_get_max_threads())
+    /* a thread per MIN_WORK products at most: a small expert is not worth waking a team for */
+    int64_t cap = 3 * dl * inter * m / MIN_WORK;
+    int nt = threads > 0 ? threads : omp_get_max_threads();
+    if (nt > cap) nt = cap > 1 ? (int)cap : 1;
+#pragma omp parallel num_threads(nt)
 #endif
     {
         float gsum[MAX_ROWS], usum[MAX_ROWS], dsum[MAX_ROWS];
