@@ -5,6 +5,12 @@ never on window or device slots; the counters say what the CPU computed; bad val
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -71,3 +77,34 @@ def test_no_compiler_is_one_line_before_any_weights(capsys, monkeypatch):
         build.load_library.cache_clear()
     err = capsys.readouterr().err.strip()
     assert "need a C compiler" in err and "\n" not in err
+
+
+def test_serve_with_cpu_experts_answers_as_run_does(capsys, tmp_path):
+    """`serve --cpu-experts 0.5` (batched decode rows) gives the tokens `run --cpu-experts 0.5` gives."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    want, _ = run(capsys, tmp_path, "--cpu-experts", "0.5", "--max-new-tokens", "24")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "streamrt", "serve", "--port", "0", "--device", "cpu",
+                             "--cpu-experts", "0.5", "--log-level", "error"], stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        url, deadline = None, time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)", line)
+            url, model = (m.group(2), m.group(1)) if m else (None, None)
+            if not line:
+                break
+        assert url, "server did not start"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24,
+                "temperature": 0}
+        got = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert want["thinking"] or want["content"]
+    assert (got["content"] or "") == want["content"]
+    assert (got.get("reasoning_content") or "") == want["thinking"]
