@@ -29,7 +29,10 @@ def run(capsys, tmp_path, *flags) -> tuple[dict, dict]:
     argv = ["run", "--prompt", PROMPT, "--greedy", "--json", "--max-new-tokens", "6", "--device", "cpu",
             "--stats-json", str(stats), *flags]
     assert main(argv) == 0
-    return json.loads(capsys.readouterr().out), json.loads(stats.read_text())
+    out, err = capsys.readouterr()
+    if "--cpu-experts" in flags:  # the start line says what runs where
+        assert "streamrt: CPU experts: " in err and "kernel " in err, err
+    return json.loads(out), json.loads(stats.read_text())
 
 
 def test_answers_depend_on_the_share_not_on_window_or_slots(capsys, tmp_path):

@@ -322,7 +322,9 @@ class RuntimeOptions:
 
         load_library()  # no compiler, or no build: one line now, before any weights
         share = self.cpu_share
-        return HostExpertBackend(lambda layer, expert: cpu_home(layer, expert, share), threads=self.cpu_threads)
+        which = "every routed expert" if share >= 1 else f"a share of {share:g} of the routed experts, by key"
+        return HostExpertBackend(lambda layer, expert: cpu_home(layer, expert, share), threads=self.cpu_threads,
+                                 which=which)
 
     def resolve(self, cfg, file_bytes: int, device, *, batch: int = 1) -> ResolvedSizes:
         """Concrete window and slot count for a model config and device."""

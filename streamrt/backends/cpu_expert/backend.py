@@ -40,10 +40,15 @@ class CpuExpertCounts:
 class HostExpertBackend(TorchBackend):
     name = "torch+cpu-experts"
 
-    def __init__(self, on_cpu: Callable[[int, int], bool], threads: int = 0, **kw):
+    def __init__(self, on_cpu: Callable[[int, int], bool], threads: int = 0, which: str = "", **kw):
         super().__init__(**kw)
-        self.on_cpu, self.threads = on_cpu, threads
+        self.on_cpu, self.threads, self.which = on_cpu, threads, which
         self.counts = CpuExpertCounts()
+
+    def line(self) -> str:
+        """What `run` and `serve` print at start: which experts, which kernel build, how many threads."""
+        threads = f"{self.threads} threads" if self.threads else "one thread per core"
+        return f"CPU experts: {self.which or 'on_cpu(layer, expert)'}; kernel {kernel.simd_path()}, {threads}"
 
     def expert_rows(self, zr: Tensor, ew: ExpertWeights, beta: float, linear_beta: float | None, layer: int,
                     expert: int) -> Tensor:
