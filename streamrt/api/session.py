@@ -205,6 +205,8 @@ class _ModelSession(Session):
                                             predictor=predictor)
             if self.ep is None or self.ep.rank == 0:
                 bar.say(f"streamrt: {self.runtime.host_tier_line}")
+                if hasattr(backend, "counts"):  # --cpu-experts: HostExpertBackend
+                    bar.say(f"streamrt: {backend.line()}")
                 if self.ep is not None:
                     bar.say(f"streamrt: {self.ep.line()}")
         self._loaded = True

@@ -413,17 +413,19 @@ class TorchBackend:
         outs = z.new_zeros(T, k, z.shape[-1], dtype=torch.float32)  # [T, k, Dl]
         for e in routed.unique:
             rows, slots = (ids == e).nonzero(as_tuple=True)
-            ew = routed.take(e)
-            zr = z[rows]  # [m, Dl]
-            h = situ_glu(
-                self.linear(zr, dequant_nvfp4(ew.gate)), self.linear(zr, dequant_nvfp4(ew.up)), beta, linear_beta
-            )
-            outs = outs.index_put((rows, slots), self.linear(h, dequant_nvfp4(ew.down)))  # [m, Dl]
+            y = self.expert_rows(z[rows], routed.take(e), beta, linear_beta, routed.layer, e)  # [m, Dl]
+            outs = outs.index_put((rows, slots), y)
         w = weights.float()
         acc = outs[:, 0] * w[:, 0:1]
         for j in range(1, k):
             acc = acc + outs[:, j] * w[:, j : j + 1]
         return acc
+
+    def expert_rows(self, zr: Tensor, ew: ExpertWeights, beta: float, linear_beta: float | None, layer: int,
+                    expert: int) -> Tensor:
+        """One routed expert (`layer`, `expert`) on its rows zr [m, Dl] -> [m, Dl] fp32."""
+        h = situ_glu(self.linear(zr, dequant_nvfp4(ew.gate)), self.linear(zr, dequant_nvfp4(ew.up)), beta, linear_beta)
+        return self.linear(h, dequant_nvfp4(ew.down))
 
     # ---- AttnRes -------------------------------------------------------------------
 

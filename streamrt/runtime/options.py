@@ -56,6 +56,25 @@ def parse_read_threads(text) -> int:
     return n
 
 
+MAX_CPU_THREADS = 1024
+
+
+def parse_cpu_experts(text) -> str:
+    """'--cpu-experts': 'off', 'auto', or a share of the routed experts in [0, 1] ('0.25' or '25%'),
+    returned as 'off', 'auto' or the share's repr."""
+    t = str(text if text is not None else "off").strip().lower()
+    if t in ("off", "auto"):
+        return t
+    try:
+        share = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise StreamrtError(f"--cpu-experts: expected off, auto or a share in [0, 1] (e.g. 0.25 or 25%), "
+                            f"got {str(text)[:40]!r}")
+    return repr(share)
+
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
@@ -217,6 +236,14 @@ class RuntimeOptions:
               "state after the longest prefix of its tokens an earlier prompt left and prefills only the rest, "
               "bit-identically; default an eighth of the available memory, 0: off", metavar="BYTES",
         parse=_bytes_or_off("--prefix-cache-mem"))
+    cpu_experts: str = _flag(
+        "off", "compute a share of the routed experts on the host CPUs with the NVFP4 CPU kernel (built on first use "
+               "with the system C compiler). SHARE in [0, 1] (or N%%): an expert's home is a fixed function of its "
+               "key and the share, so answers stay a function of the routing and the configuration; auto: on a "
+               "machine without a GPU, every routed expert (the torch path shares the same cores and is slower); "
+               "off (default): none", metavar="off|auto|SHARE", parse=parse_cpu_experts)
+    cpu_threads: int = _flag(0, "threads of the CPU expert kernel (default: OpenMP's, one per core)", type=int,
+                             metavar="N")
     device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
     backend: str = _flag("torch", "ops backend: torch (reference, CPU and GPU) or nvrtc (CUDA kernels compiled at run "
                                   "time; decode path; prefill GEMMs stay on cuBLAS)", choices=("torch", "nvrtc"))
@@ -243,6 +270,9 @@ class RuntimeOptions:
             choices, value = f.metadata["flag"].choices, getattr(self, f.name)
             if choices and isinstance(value, str) and f.name != "gpu_policy" and value not in choices:
                 raise StreamrtError(f"{flag_name(f)}: expected {_one_of(choices)}, got {value!r}")
+        if not 0 <= self.cpu_threads <= MAX_CPU_THREADS:
+            raise StreamrtError(f"--cpu-threads must be 0 (one per core) .. {MAX_CPU_THREADS}, got {self.cpu_threads}")
+        parse_cpu_experts(self.cpu_experts)
         if not -1 <= self.read_threads <= MAX_READ_THREADS:
             raise StreamrtError(f"--read-threads must be auto or 1..{MAX_READ_THREADS}, got {self.read_threads}")
 
@@ -282,9 +312,17 @@ class RuntimeOptions:
         from streamrt.model.prefix_cache import PrefixCache, default_budget
 
         return PrefixCache(default_budget() if self.prefix_cache_mem is None else self.prefix_cache_mem)
+    @property
+    def cpu_share(self) -> float:
+        """The share of routed experts homed on the CPU (0 with --cpu-experts off; auto: all of them,
+        which is what it means on a machine without a GPU, the only one it runs on yet)."""
+        mode = parse_cpu_experts(self.cpu_experts)
+        return 0.0 if mode == "off" else 1.0 if mode == "auto" else float(mode)
 
     def make_backend(self, device):
         """The ops backend for `device` (a streams.Device); None means the model's default (torch)."""
+        if self.cpu_experts != "off":
+            return self._host_expert_backend(device)
         if self.backend == "torch":
             return None
         if device.kind != "cuda":
@@ -292,6 +330,20 @@ class RuntimeOptions:
         from streamrt.backends.nvrtc import NvrtcBackend
 
         return NvrtcBackend(device.torch_device)
+
+    def _host_expert_backend(self, device):
+        if device.kind != "cpu" or self.backend != "torch":
+            raise StreamrtError("--cpu-experts runs with --backend torch on a machine without a GPU (or --device "
+                                "cpu) for now; the hybrid executor beside the link is not built yet")
+        from streamrt.backends.cpu_expert.backend import HostExpertBackend
+        from streamrt.backends.cpu_expert.build import load_library
+        from streamrt.runtime.expert_split import cpu_home
+
+        load_library()  # no compiler, or no build: one line now, before any weights
+        share = self.cpu_share
+        which = "every routed expert" if share >= 1 else f"a share of {share:g} of the routed experts, by key"
+        return HostExpertBackend(lambda layer, expert: cpu_home(layer, expert, share), threads=self.cpu_threads,
+                                 which=which)
 
     def resolve(self, cfg, file_bytes: int, device, *, batch: int = 1) -> ResolvedSizes:
         """Concrete window and slot count for a model config and device."""

@@ -401,8 +401,10 @@ class StreamingRuntime:
     def payload(self) -> dict:
         """The `--stats-json` object."""
         disk = self.host.kind == "pool" or self.options.host_tier != "auto"
-        return self.stats.payload(retire=self.retire, device=self.device, staging=True, disk=disk,
-                                  bank=(self.cfg.expert_files, self.layout.file_bytes))
+        payload = self.stats.payload(retire=self.retire, device=self.device, staging=True, disk=disk,
+                                     bank=(self.cfg.expert_files, self.layout.file_bytes))
+        cpu_experts = getattr(getattr(self.model, "backend", None), "counts", None)  # --cpu-experts
+        return payload | cpu_experts.as_dict() if cpu_experts is not None else payload
 
     def reset_stats(self, *, keep_prefill: bool = False) -> None:
         """Zero every counter (e.g. after warm-up steps), retirement and synchronizes included;
@@ -410,6 +412,9 @@ class StreamingRuntime:
         self.stats.reset(keep_prefill=keep_prefill)
         self.retire.retired = self.retire.released = 0
         self.device.full_synchronizes = 0
+        cpu_experts = getattr(getattr(self.model, "backend", None), "counts", None)
+        if cpu_experts is not None:
+            cpu_experts.reset()
 
     def write_stats(self, path=None) -> dict:
         p = self.payload()

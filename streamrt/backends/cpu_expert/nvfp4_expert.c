@@ -1,0 +1,225 @@
+/* One routed expert in NVFP4 on the host CPU: out = down(SiTU-GLU(gate z, up z)) for m rows.
+
+   Weights are read where they lie (a file mapping or a pool buffer): packed E2M1 nibbles
+   [out, in/2] (low nibble = even element), E4M3 scale bytes [out, in/16], fp32 global per row.
+   No dequantised copy exists; each 16-element block is decoded in registers and used at once.
+
+   Arithmetic (the same bits on every path and every thread count): a weight row's dot with a
+   row of x runs in 16 lanes, one element of each 16-block per lane (lane_of) with one fused
+   multiply-add each (the weight e2m1 * e4m3 is exact in fp32), then the lanes are summed in a
+   fixed tree (l + 8, l + 4, l + 2, l + 1) and the sum is multiplied by the row's global scale.
+   AVX-512 holds the 16 lanes in one register, AVX2 in two, the portable path in an array; an
+   output element is computed by one thread, so the thread count changes nothing either.
+   Build with -ffp-contract=off: no contraction the source does not spell out.
+
+   Threads: OpenMP over output rows (the gate/up rows, then the down rows). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SRT_PATH "avx512"
+#define MAX_ROWS 4 /* rows per pass over a weight row: their accumulators stay in registers */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SRT_PATH "avx2"
+#define MAX_ROWS 2
+#else
+#define SRT_PATH "portable"
+#define MAX_ROWS 4
+#endif
+
+#define BLOCK 16
+#define MIN_WORK (1 << 20) /* weight x row products per thread, at least */
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static float E4M3[256];
+
+/* E4M3 (fn) byte -> float: bias 7, subnormals at exponent 0, 0x7F / 0xFF NaN, no Inf. */
+__attribute__((constructor)) static void build_e4m3(void) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float mag = e == 0 ? ldexpf((float)m, -9) : ldexpf(8.0f + m, e - 10);
+        if (e == 15 && m == 7) mag = NAN;
+        E4M3[b] = (b & 0x80) ? -mag : mag;
+    }
+}
+
+const char *srt_cpu_expert_path(void) { return SRT_PATH; }
+
+/* The fixed reduction of 16 lanes. */
+static inline float lane_sum(float *a) {
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int l = 0; l < w; l++) a[l] += a[l + w];
+    return a[0];
+}
+
+/* Lane order: a block's 64-bit word of 16 nibbles is broadcast to every 64-bit lane and 64-bit lane k
+   shifted right by 4k bits, so 32-bit lane 2k holds element k and lane 2k + 1 element k + 8 in its
+   low nibble: no shuffle to unpack. x is stored in the same order (lane_of), once per call. */
+static inline int64_t lane_of(int64_t e) {
+    int64_t b = e & ~(int64_t)(BLOCK - 1), j = e & (BLOCK - 1);
+    return b + (j < 8 ? 2 * j : 2 * (j - 8) + 1);
+}
+
+/* A vector of the 16 lanes of one block: one zmm, two ymm, or an array. */
+#define INL static inline __attribute__((always_inline))
+#if defined(__AVX512F__)
+typedef __m512 v16;
+INL v16 v_zero(void) { return _mm512_setzero_ps(); }
+INL v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+INL v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
+INL void v_store(float *p, v16 a) { _mm512_storeu_ps(p, a); }
+INL v16 v_decode(uint64_t word, float scale) { /* vpermps reads the low 4 bits of each index */
+    const __m512i shift = _mm512_set_epi64(28, 24, 20, 16, 12, 8, 4, 0);
+    __m512i idx = _mm512_srlv_epi64(_mm512_set1_epi64((long long)word), shift);
+    return _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_loadu_ps(E2M1)), _mm512_set1_ps(scale));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct { __m256 a, b; } v16;
+INL v16 v_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+INL v16 v_add(v16 x, v16 y) { return (v16){_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+INL v16 v_fma(v16 w, const float *x, v16 acc) {
+    return (v16){_mm256_fmadd_ps(w.a, _mm256_loadu_ps(x), acc.a), _mm256_fmadd_ps(w.b, _mm256_loadu_ps(x + 8), acc.b)};
+}
+INL void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+INL __m256 decode8(__m256i c, __m256 s) { /* magnitude by the low 3 bits, sign from bit 3 */
+    __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1), c);
+    __m256i sign = _mm256_and_si256(_mm256_slli_epi32(c, 28), _mm256_set1_epi32((int)0x80000000u));
+    return _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), s);
+}
+INL v16 v_decode(uint64_t word, float scale) {
+    __m256i q = _mm256_set1_epi64x((long long)word);
+    __m256 s = _mm256_set1_ps(scale);
+    return (v16){decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(12, 8, 4, 0)), s),
+                 decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(28, 24, 20, 16)), s)};
+}
+#else
+typedef struct { float l[BLOCK]; } v16;
+INL v16 v_zero(void) { v16 v; memset(&v, 0, sizeof v); return v; }
+INL v16 v_add(v16 x, v16 y) { for (int l = 0; l < BLOCK; l++) x.l[l] += y.l[l]; return x; }
+INL v16 v_fma(v16 w, const float *x, v16 acc) {
+    for (int l = 0; l < BLOCK; l++) acc.l[l] = fmaf(w.l[l], x[l], acc.l[l]);
+    return acc;
+}
+INL void v_store(float *p, v16 v) { memcpy(p, v.l, sizeof v.l); }
+INL v16 v_decode(uint64_t word, float scale) { /* lane 2k: nibble k; lane 2k + 1: nibble k + 8 */
+    v16 v;
+    for (int k = 0; k < 8; k++) {
+        v.l[2 * k] = E2M1[(word >> (4 * k)) & 15] * scale;
+        v.l[2 * k + 1] = E2M1[(word >> (4 * k + 32)) & 15] * scale;
+    }
+    return v;
+}
+#endif
+
+/* sums[r] = sum_k W[k] * x[r][k] over one weight row (nblk blocks of 16), for NR rows of x (lane
+   order). Block b goes to accumulator b % PHASES (independent chains hide the FMA latency); the
+   phases are added (0 + 1) + (2 + 3), then the lanes in the fixed tree. */
+#define PHASES 4
+INL void dot_rows(const uint8_t *wp, const uint8_t *ws, int64_t nblk, const float *x, int64_t ldx, int NR,
+                  float *sums) {
+    v16 acc[MAX_ROWS][PHASES];
+    float lanes[BLOCK];
+    for (int r = 0; r < NR; r++)
+        for (int p = 0; p < PHASES; p++) acc[r][p] = v_zero();
+#define SRT_STEP(bb, p)                                                            \
+    do {                                                                           \
+        uint64_t word;                                                             \
+        memcpy(&word, wp + 8 * (bb), 8);                                           \
+        v16 w = v_decode(word, E4M3[ws[bb]]);                                      \
+        for (int r = 0; r < NR; r++) acc[r][p] = v_fma(w, x + r * ldx + BLOCK * (bb), acc[r][p]); \
+    } while (0)
+    int64_t b = 0;
+    for (; b + PHASES <= nblk; b += PHASES) {
+        SRT_STEP(b, 0);
+        SRT_STEP(b + 1, 1);
+        SRT_STEP(b + 2, 2);
+        SRT_STEP(b + 3, 3);
+    }
+    for (; b < nblk; b++) SRT_STEP(b, b % PHASES);
+#undef SRT_STEP
+    for (int r = 0; r < NR; r++) {
+        v_store(lanes, v_add(v_add(acc[r][0], acc[r][1]), v_add(acc[r][2], acc[r][3])));
+        sums[r] = lane_sum(lanes);
+    }
+}
+
+/* sums[r] for m rows of x, MAX_ROWS at a time; each count its own specialised copy of dot_rows. */
+static void row_dots(const uint8_t *wp, const uint8_t *ws, int64_t nblk, const float *x, int64_t ldx, int64_t m,
+                     float *sums) {
+    for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
+        int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
+        const float *xr = x + r0 * ldx;
+        switch (nr) {
+#define SRT_CASE(n) \
+    case n: dot_rows(wp, ws, nblk, xr, ldx, n, sums + r0); break;
+            SRT_CASE(1) SRT_CASE(2)
+#if MAX_ROWS == 4
+            SRT_CASE(3) SRT_CASE(4)
+#endif
+#undef SRT_CASE
+        }
+    }
+}
+
+/* SiTU-GLU: beta tanh(g / beta) sigmoid(g) * (lin_beta tanh(u / lin_beta) or u); beta = inf: SiLU. */
+static inline float situ_glu(float g, float u, float beta, float lin_beta) {
+    float sig = 1.0f / (expf(-g) + 1.0f);
+    float ga = isinf(beta) ? g * sig : beta * tanhf(g / beta) * sig;
+    float ua = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
+    return ga * ua;
+}
+
+/* z [m, dl] -> out [m, dl]. Scratch from the caller: zl [m, dl] (z in lane order), h [m, inter] (the GLU's
+   output, in lane order). gate / up [inter, dl], down [dl, inter]. lin_beta <= 0: no clamp on up.
+   threads <= 0: the OpenMP default. Returns 0. */
+int srt_cpu_expert_ffn(const float *z, int64_t m, int64_t dl, int64_t inter, const uint8_t *gp, const uint8_t *gs,
+                       const float *gg, const uint8_t *up, const uint8_t *us, const float *ug, const uint8_t *dp,
+                       const uint8_t *ds, const float *dg, float beta, float lin_beta, float *zl, float *h,
+                       float *out, int threads) {
+    const int64_t kb1 = dl / BLOCK, kb2 = inter / BLOCK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t e = 0; e < dl; e++) zl[r * dl + lane_of(e)] = z[r * dl + e];
+#ifdef _OPENMP
+    /* a thread per MIN_WORK products at most: a small expert is not worth waking a team for */
+    int64_t cap = 3 * dl * inter * m / MIN_WORK;
+    int nt = threads > 0 ? threads : omp_get_max_threads();
+    if (nt > cap) nt = cap > 1 ? (int)cap : 1;
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+        float gsum[MAX_ROWS], usum[MAX_ROWS], dsum[MAX_ROWS];
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t i = 0; i < inter; i++) {
+            const int64_t at = lane_of(i);
+            for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
+                int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
+                row_dots(gp + i * (dl / 2), gs + i * kb1, kb1, zl + r0 * dl, dl, nr, gsum);
+                row_dots(up + i * (dl / 2), us + i * kb1, kb1, zl + r0 * dl, dl, nr, usum);
+                for (int64_t r = 0; r < nr; r++)
+                    h[(r0 + r) * inter + at] = situ_glu(gsum[r] * gg[i], usum[r] * ug[i], beta, lin_beta);
+            }
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t d = 0; d < dl; d++) {
+            for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
+                int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
+                row_dots(dp + d * (inter / 2), ds + d * kb2, kb2, h + r0 * inter, inter, nr, dsum);
+                for (int64_t r = 0; r < nr; r++) out[(r0 + r) * dl + d] = dsum[r] * dg[d];
+            }
+        }
+    }
+    (void)threads;
+    return 0;
+}
