@@ -100,6 +100,8 @@ def prefill_row(tree, model, device, opts: RuntimeOptions, prompt: torch.Tensor,
     finally:
         rt.close()
         model.prefill_order = "layer"
+        if device.kind == "cuda":
+            torch.cuda.empty_cache()  # the slab and transient buffers go back: the next row (resident) sees them free
     peak = torch.cuda.max_memory_allocated(device.torch_device) if device.kind == "cuda" else 0
     return {"order": order, "ttft_s": ttft, "bytes_h2d": p["bytes_h2d"], "experts_loaded": p["experts_loaded"],
             "bank_passes": p["bank_passes"], "layer_requests": p["layer_requests"],

@@ -42,6 +42,20 @@ def unique_ids(host_ids: Tensor) -> list[int]:
     return torch.bincount(flat).nonzero().view(-1).tolist()
 
 
+def first_seen_ids(host_ids: Tensor) -> list[int]:
+    """The distinct ids of a host tensor in the order they first occur (a guess's ranks: most
+    confident first). A whole prompt's guesses (millions of ids) go through each id's first
+    position, not a Python dict."""
+    flat = host_ids.reshape(-1)
+    if flat.numel() <= 4096:
+        return list(dict.fromkeys(flat.tolist()))
+    n = flat.numel()
+    first = torch.full((int(flat.max()) + 1,), n, dtype=torch.long)
+    first.scatter_reduce_(0, flat.long(), torch.arange(n), reduce="amin")
+    present = (first < n).nonzero().view(-1)
+    return present[torch.argsort(first[present])].tolist()
+
+
 class RoutedExperts:
     """The answer to one ExpertRequest, the one type the model, the providers, the runtime and
     the backends share: the request's routed ids on the host (`host_ids` [N, k]), its unique ids

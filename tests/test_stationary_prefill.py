@@ -275,3 +275,18 @@ def test_cuda_stationary_equals_chunk_major_through_the_runtime(name, backend, t
                 assert rt.payload()["prefill"]["layer_requests"] == len(cfg.moe_layers)
     assert torch.equal(out["layer"], out["chunk"])
     assert loaded["layer"] <= loaded["chunk"]
+
+
+@pytest.mark.parametrize("n,E", [(10, 6), (4096, 24), (4097, 24), (50_000, 896)])
+def test_a_whole_prompts_guesses_keep_their_rank_order(n, E):
+    """The next layer's guesses for a whole prompt (millions of ids) are ranked by first
+    occurrence, as a decode step's few are: the order a plain first-seen walk gives."""
+    from streamrt.expert_weights import first_seen_ids
+
+    ids = torch.randint(0, E, (n,), generator=torch.Generator().manual_seed(n))
+    seen, want = set(), []
+    for e in ids.tolist():
+        if e not in seen:
+            seen.add(e)
+            want.append(e)
+    assert first_seen_ids(ids) == want

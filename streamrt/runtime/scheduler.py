@@ -57,7 +57,7 @@ from collections.abc import Callable
 import torch
 
 from streamrt.checkpoint.expert_file import parse_expert
-from streamrt.expert_weights import ExpertWeights, unique_ids
+from streamrt.expert_weights import ExpertWeights, first_seen_ids, unique_ids
 from streamrt.model.model import Forward
 from streamrt.runtime.aio import event_done, gather_all, new_event_loop, settled
 from streamrt.runtime.graph_choice import GraphChoice
@@ -284,7 +284,7 @@ class StreamingRuntime:
         both = await self._to_host(torch.cat((ids.to(predicted.dtype), predicted)))  # one device-to-host transfer
         n = ids.numel()
         host = both[:n].to(req.ids.dtype).view(req.ids.shape)
-        return host, (target, list(dict.fromkeys(both[n:].tolist())))  # guesses by rank
+        return host, (target, first_seen_ids(both[n:]))  # guesses by rank
 
     async def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the host, without blocking the host thread on the GPU reaching it: from a CUDA
