@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-mem", default=None, metavar="BYTES",
                    help="host RAM for experts (e.g. 64G): print the disk floor, bytes per token from the drive "
                         "/ --disk-gbps")
+    p.add_argument("--cpu-gbps", type=float, default=None,
+                   help="with --gpu-mem: also project s/token with the host CPUs computing missed experts at this "
+                        "rate of expert bytes (bench_cpu_experts.py measures it), split with the link at its floor")
     p.add_argument("--disk-gbps", type=float, default=2.0, help="drive read rate for the disk floor (default 2.0)")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                    help="prefill of an N-token prompt: expert bytes over the link chunk-major vs expert-stationary "
@@ -70,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
     import math
 
-    for flag, value in (("--link-gbps", args.link_gbps), ("--hbm-gbps", args.hbm_gbps)):
+    rates = (("--link-gbps", args.link_gbps), ("--hbm-gbps", args.hbm_gbps), ("--cpu-gbps", args.cpu_gbps))
+    for flag, value in ((f, v) for f, v in rates if v is not None):
         if not (math.isfinite(value) and value > 0):  # nan passed `<= 0` and printed nan s/token
             raise StreamrtError(f"{flag} must be a finite number > 0, got {value}")
     if not args.model:
@@ -191,6 +195,7 @@ def _placement(cfg, args: argparse.Namespace) -> int:
 
     if args.hbm_gbps <= 0 or args.context < 1:
         raise StreamrtError(f"--hbm-gbps must be > 0 and --context >= 1, got {args.hbm_gbps} and {args.context}")
+    cpu = getattr(args, "cpu_gbps", None)
     sizes = [parse_bytes(x, "--gpu-mem") for x in str(args.gpu_mem).split(",")]
     if getattr(args, "gpus", None) is not None:
         return _rank_placement(cfg, sizes, args)
@@ -198,6 +203,8 @@ def _placement(cfg, args: argparse.Namespace) -> int:
         p = plan_placement(cfg, sizes[0], context=args.context, buffers=args.dense_buffers)
         if args.json:
             proj = p.projected_s_per_token(cfg, args.link_gbps, args.hbm_gbps)
+            if cpu is not None:
+                proj |= {"cpu_gbps": cpu, **p.hybrid_s_per_token(cfg, args.link_gbps, cpu, args.hbm_gbps)}
             print(json.dumps({"resident_layers": list(p.resident_layers), "streamed_layers": list(p.streamed_layers),
                               "expert_slots": p.expert_slots, "buffers": p.buffers, "fixed_bytes": p.fixed_bytes,
                               "host_bytes": p.host_bytes,
@@ -205,11 +212,15 @@ def _placement(cfg, args: argparse.Namespace) -> int:
                               "link_bytes_per_token": p.link_bytes_per_token(cfg), **proj}, indent=2))
             return 0
         print(format_plan(cfg, p, args.link_gbps, args.hbm_gbps))
+        if cpu is not None:
+            print(_hybrid_line(cfg, p, args, cpu))
         return 0
     print(f"{cfg.name}: placement per card (context {args.context:,}, link {args.link_gbps:g} GB/s, "
           f"HBM {args.hbm_gbps:g} GB/s, uniform expert hits)")
-    print("| card | resident layers | streamed dense / token | expert slots | link bytes / token | projected s/token |")
-    print("|---|---|---|---|---|---|")
+    extra = f" with CPU experts @ {cpu:g} GB/s |" if cpu is not None else ""
+    print("| card | resident layers | streamed dense / token | expert slots | link bytes / token | projected s/token |"
+          + extra)
+    print("|---|---|---|---|---|---|" + ("---|" if cpu is not None else ""))
     for size in sizes:
         try:
             p = plan_placement(cfg, size, context=args.context, buffers=args.dense_buffers)
@@ -219,7 +230,9 @@ def _placement(cfg, args: argparse.Namespace) -> int:
         proj = p.projected_s_per_token(cfg, args.link_gbps, args.hbm_gbps)
         print(f"| {size / GIB:g} GiB | {len(p.resident_layers)} of {cfg.num_layers} "
               f"| {p.streamed_bytes_per_token / GIB:.1f} GiB | {p.expert_slots:,} "
-              f"| {p.link_bytes_per_token(cfg) / GIB:.1f} GiB | {proj['s_per_token']:.2f} |")
+              f"| {p.link_bytes_per_token(cfg) / GIB:.1f} GiB | {proj['s_per_token']:.2f} |"
+              + (f" {p.hybrid_s_per_token(cfg, args.link_gbps, cpu, args.hbm_gbps)['hybrid_s_per_token']:.2f} |"
+                 if cpu is not None else ""))
     return 0
 
 
@@ -243,3 +256,10 @@ def _rank_placement(cfg, sizes: list[int], args: argparse.Namespace) -> int:
     print(format_rank_plan(cfg, sizes[0], args.gpus, args.link_gbps, args.hbm_gbps, context=args.context,
                            buffers=args.dense_buffers))
     return 0
+
+
+def _hybrid_line(cfg, p, args, cpu: float) -> str:
+    h = p.hybrid_s_per_token(cfg, args.link_gbps, cpu, args.hbm_gbps)
+    return (f"  with CPU experts @ {cpu:g} GB/s  {h['hybrid_s_per_token']:.3f} s/token at the split floor "
+            f"({h['cpu_bytes_per_token'] / GIB:.2f} GiB/token of missed experts on the CPU: link "
+            f"{h['hybrid_link_s']:.3f} s, CPU {h['hybrid_cpu_s']:.3f} s)")

@@ -80,6 +80,19 @@ class Placement:
         return {"link_s": link, "compute_floor_s": compute, "s_per_token": max(link, compute)}
 
 
+    def hybrid_s_per_token(self, cfg: ModelConfig, link_gbps: float, cpu_gbps: float,
+                           hbm_gbps: float) -> dict[str, float]:
+        """The split floor with the host CPUs computing missed experts at `cpu_gbps` of expert bytes:
+        streamed dense bytes go over the link; of the missed expert bytes E, x go to the CPU where
+        the two roads finish together, x = (link bytes) * cpu / (link + cpu), at most E."""
+        base = self.projected_s_per_token(cfg, link_gbps, hbm_gbps)
+        total, misses = self.link_bytes_per_token(cfg), self.expert_miss_bytes_per_token(cfg)
+        cpu_bytes = min(misses, total * cpu_gbps / (link_gbps + cpu_gbps))
+        link_s, cpu_s = (total - cpu_bytes) / (link_gbps * 1e9), cpu_bytes / (cpu_gbps * 1e9)
+        return {"cpu_bytes_per_token": cpu_bytes, "hybrid_link_s": link_s, "hybrid_cpu_s": cpu_s,
+                "hybrid_s_per_token": max(link_s, cpu_s, base["compute_floor_s"])}
+
+
 def layer_dense_bytes(cfg: ModelConfig) -> tuple[int, ...]:
     """Dense (non-routed) bytes of each layer that can stream, as stored (F32 where released):
     every tensor but the router's."""

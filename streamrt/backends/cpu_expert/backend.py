@@ -47,7 +47,8 @@ class HostExpertBackend(TorchBackend):
 
     def line(self) -> str:
         """What `run` and `serve` print at start: which experts, which kernel build, how many threads."""
-        threads = f"{self.threads} threads" if self.threads else "one thread per core"
+        n = self.threads
+        threads = f"{n} thread{'s' if n > 1 else ''}" if n else "one thread per core"
         return f"CPU experts: {self.which or 'on_cpu(layer, expert)'}; kernel {kernel.simd_path()}, {threads}"
 
     def expert_rows(self, zr: Tensor, ew: ExpertWeights, beta: float, linear_beta: float | None, layer: int,
