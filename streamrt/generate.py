@@ -21,7 +21,7 @@ from torch import Tensor
 from streamrt.errors import StreamrtError
 from streamrt.model import ModelCache, logits_hash, run_sync  # noqa: F401  (re-exported)
 from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM, default_prefill_chunk
-from streamrt.model.prefix_cache import PrefixCache, prefill_steps
+from streamrt.model.prefix_cache import PrefixCache, prefill_steps, resume_align
 
 Runner = Callable[[ForwardSteps], Tensor]
 TokenCallback = Callable[..., None]  # on_token(token) for one prompt, on_token(row, token) for a batch
@@ -235,13 +235,14 @@ def _prefill(
     caches, last, cached = [], [], []
     stride = 0 if prefix is None else int(prefill_chunk or model.prefill_chunk
                                           or default_prefill_chunk(model.config, device))
+    align = resume_align(model, stride)
     with torch.no_grad():
         for p in prompts:
-            snap = prefix.lookup(p) if prefix is not None else None
+            snap = prefix.lookup(p, align) if prefix is not None else None
             cache = snap.restore(device) if snap is not None else model.new_cache(1, device)
             start = cache.lengths[0]
             stops = PrefixCache.marks(start, len(p), stride) if prefix is not None else [len(p)]
-            logits = runner(prefill_steps(model, p, cache, stops, prefix, prefill_chunk))  # [1, 1, V]
+            logits = runner(prefill_steps(model, p, cache, stops, prefix, prefill_chunk, align))  # [1, 1, V]
             caches.append(cache)
             last.append(logits[0, 0].float())
             cached.append(start)

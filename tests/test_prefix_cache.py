@@ -194,3 +194,56 @@ def test_cuda_snapshots_are_page_locked_and_resume_bit_identically(name):
     plain = generate(gm, second, **kw)
     assert got.cached_tokens == [len(first)]
     assert torch.equal(got.prefill_logits, plain.prefill_logits) and got.tokens == plain.tokens
+
+
+def test_a_row_dependent_backend_keeps_and_resumes_at_chunk_multiples_only():
+    """Where the backend's prefill bits depend on a chunk's rows (nvrtc's cuBLAS GEMMs), a resume
+    must cut its chunks where a prefill from scratch does: snapshots at multiples of the chunk."""
+    from streamrt.model.prefix_cache import resume_align
+
+    cfg, model, prov = build("tiny-k3.1-pro")
+
+    class _RowDependent(TorchBackend):
+        prefill_rows_exact = False
+
+    rd = KimiLinearForCausalLM(cfg, backend=_RowDependent()).eval()
+    rd.load_state_dict(model.state_dict())
+    assert resume_align(model, 24) == 1 and resume_align(rd, 24) == 24 and resume_align(rd, 0) == 1
+    first = tokens(cfg, 77, 21)
+    pc = PrefixCache(1 << 30)
+    kw = dict(provider=prov, max_new_tokens=3, prefill_chunk=24)
+    r1 = generate(rd, first, prefix_cache=pc, **kw)
+    assert sorted(n for n, _ in pc._entries) == [72]  # the chunk boundary; 77 is no multiple of 24
+    second = first + r1.tokens[0] + tokens(cfg, 30, 22)
+    got = generate(rd, second, prefix_cache=pc, **kw)
+    plain = generate(rd, second, **kw)
+    assert got.cached_tokens == [72] and got.tokens == plain.tokens
+    assert torch.equal(got.prefill_logits, plain.prefill_logits)
+    assert not pc.store(first[:50], model.new_cache(1), align=24)  # off the grid: not kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_nvrtc_resumes_at_a_chunk_boundary_bit_identically(name, tmp_path_factory):
+    """--backend nvrtc, bf16: turn 2 resumes at turn 1's last chunk boundary and its prefill
+    logits and tokens equal a prefill from scratch, bit for bit."""
+    from streamrt.backends.nvrtc import NvrtcBackend
+    from streamrt.checkpoint.reader import open_tree
+    from streamrt.checkpoint.synth import synth
+    from streamrt.loader import DirectExpertProvider, load_model
+
+    root = tmp_path_factory.mktemp(name) / "tree"
+    synth(name, root, fmt="streamrt", seed=3, progress=False)
+    tree = open_tree(root)
+    model = load_model(tree, "cuda", dtype=torch.bfloat16, backend=NvrtcBackend())
+    cfg = tree.config
+    first = tokens(cfg, 77, 31)
+    pc = PrefixCache(1 << 30)
+    kw = dict(provider=DirectExpertProvider(tree, "cuda"), max_new_tokens=4, prefill_chunk=24)
+    r1 = generate(model, first, prefix_cache=pc, **kw)
+    second = first + r1.tokens[0] + tokens(cfg, 30, 32)
+    got = generate(model, second, prefix_cache=pc, **kw)
+    plain = generate(model, second, **kw)
+    assert got.cached_tokens == [72]
+    assert torch.equal(got.prefill_logits, plain.prefill_logits) and got.tokens == plain.tokens

@@ -19,6 +19,7 @@ from streamrt.expert_weights import ExpertWeights, RoutedExperts
 class Backend(Protocol):
     name: str
     captures_decode: bool  # a decode step's ops can be captured as CUDA graphs (runtime/graph_choice.py)
+    prefill_rows_exact: bool  # a prefill row's bits do not depend on the other rows of its chunk (prefix_cache.py)
 
     def for_prefill(self) -> "Backend":
         """Optional: the backend a prefill chunk runs on (the torch one: fixed-tile GEMMs, so a

@@ -58,6 +58,7 @@ class NvrtcBackend(LinearOps, AttentionOps, MoeOps):
 
     name = "nvrtc"
     captures_decode = True  # decode steps replay as CUDA graphs (runtime/graph_choice.py)
+    prefill_rows_exact = False  # cuBLAS picks a prefill GEMM by its row count: resume on chunk boundaries only
 
     def __init__(self, device: torch.device | str | int | None = None, rowwise_max: int = 64):
         if not torch.cuda.is_available():

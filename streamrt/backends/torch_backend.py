@@ -91,6 +91,7 @@ class TorchBackend:
 
     name = "torch"
     captures_decode = False  # reads routed ids on the host: no CUDA graph of a decode step
+    prefill_rows_exact = True  # fixed-tile prefill products: a prompt resumes anywhere, bit for bit
     TILES = {"cpu": (64, 64, 256), "cuda": (64, 256, 2048)}  # (row_tile, q_tile, key_block)
 
     def __init__(self, rowwise_max: int = 64, block_elems: int = 1 << 24, row_tile: int | None = None,

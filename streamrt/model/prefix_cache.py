@@ -21,12 +21,14 @@ is one contiguous tensor per row.
 Exactness: snapshots are taken only where a prefill piece ends on a cache that has only ever
 been prefilled (never after a decode step, whose recurrent arithmetic differs in its last
 bits), and the prefill is chunk-invariant (model.py), so a request resumed from a snapshot
-gets logits bit-identical to the same request prefilled from scratch on the torch backend (CPU
-and CUDA: fixed-tile prefill products). With `--backend nvrtc` the prefill's GEMMs depend on
-the rows of their chunk, so a resumed request's logits are those of the same request prefilled
-in pieces split at the snapshot's position, which agree with a one-piece prefill to the
-prefill's tolerance, not bit for bit. A resume leaves at least `MIN_NEW` tokens to prefill: a
-one-token piece on a cache runs as a decode step.
+gets logits bit-identical to the same request prefilled from scratch. On a backend whose
+prefill products depend on the rows of their chunk (`prefill_rows_exact` False: nvrtc, whose
+prefill GEMMs are cuBLAS's, chosen by row count) that holds only where the resumed prefill cuts
+its chunks where a prefill from scratch does, so there snapshots are kept and used at multiples
+of the prefill chunk only (`resume_align`): a resumed turn then prefills up to one chunk of the
+history again. On the torch backend (CPU and CUDA: fixed-tile prefill products) a prompt
+resumes at any position. A resume leaves at least `MIN_NEW` tokens to prefill: a one-token
+piece on a cache runs as a decode step.
 
 Budget: `--prefix-cache-mem` bytes of snapshots (default an eighth of the host's available
 memory at start, 0: off); least recently used snapshots go first; one larger than the whole
@@ -60,6 +62,13 @@ def default_budget() -> int:
     except OSError:
         pass
     return 0
+
+
+def resume_align(model, stride: int) -> int:
+    """The positions a snapshot may be kept and resumed at, as a multiple: 1 where the model's
+    backend computes a prefill row's bits whatever the rows beside it, else the prefill chunk
+    `stride` (module doc: Exactness)."""
+    return 1 if getattr(model.backend, "prefill_rows_exact", True) or stride <= 0 else stride
 
 
 def _key(ids: Sequence[int]) -> bytes:
@@ -164,11 +173,13 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.budget > 0
 
-    def lookup(self, ids: Sequence[int]) -> Snapshot | None:
-        """The snapshot of the longest prefix of `ids` that leaves at least MIN_NEW tokens, or None."""
+    def lookup(self, ids: Sequence[int], align: int = 1) -> Snapshot | None:
+        """The snapshot of the longest prefix of `ids` that leaves at least MIN_NEW tokens and ends
+        at a multiple of `align` (`resume_align`), or None."""
         self.stats.lookups += 1
         limit = len(ids) - MIN_NEW
-        for key in reversed(self._candidates(ids, sorted(n for n in self._lengths if n <= limit))):
+        lengths = sorted(n for n in self._lengths if n <= limit and n % align == 0)
+        for key in reversed(self._candidates(ids, lengths)):
             n = key[0]
             snap = self._entries.get(key)
             if snap is not None and snap.tokens == tuple(ids[:n]):
@@ -189,9 +200,10 @@ class PrefixCache:
             keys.append((n, h.copy().digest()))
         return keys
 
-    def store(self, tokens: Sequence[int], cache: ModelCache) -> bool:
-        """Keep the state of `cache` (1 row, at len(tokens)) under `tokens`; False if not kept."""
-        if not self.enabled or len(tokens) < MIN_NEW:
+    def store(self, tokens: Sequence[int], cache: ModelCache, align: int = 1) -> bool:
+        """Keep the state of `cache` (1 row, at len(tokens)) under `tokens`; False if not kept
+        (off, too short, not at a multiple of `align`, or larger than the budget)."""
+        if not self.enabled or len(tokens) < MIN_NEW or len(tokens) % align:
             return False
         key = (len(tokens), _key(tokens))
         if key in self._entries:  # the same prefix again (a shared system prompt): nothing to copy
@@ -228,7 +240,7 @@ class PrefixCache:
 
 
 def prefill_steps(model, ids: Sequence[int], cache: ModelCache, stops: Sequence[int],
-                  prefix: PrefixCache | None, prefill_chunk: int | None = None):
+                  prefix: PrefixCache | None, prefill_chunk: int | None = None, align: int = 1):
     """One forward generator prefilling ids[cache length:] on `cache` in pieces ending at `stops`
     (`PrefixCache.marks`), leaving a snapshot in `prefix` at each -> the last position's logits
     [1, 1, V]. The pieces cost no more expert traffic than one forward when the stops fall on
@@ -239,6 +251,6 @@ def prefill_steps(model, ids: Sequence[int], cache: ModelCache, stops: Sequence[
         x = torch.tensor([list(ids[start:stop])], device=device)  # [1, T]
         out = yield from model.forward_steps(x, cache, last_only=True, prefill_chunk=prefill_chunk)
         if prefix is not None:
-            prefix.store(ids[:stop], cache)
+            prefix.store(ids[:stop], cache, align)
         start = stop
     return out

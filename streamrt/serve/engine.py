@@ -197,7 +197,7 @@ class Engine:
         for p, piece, logits in zip(going, pieces, prefilled):
             p.done += len(piece)
             if p.done in p.stops:
-                self.prefix.store(p.job.ids[: p.done], p.cache)
+                self.prefix.store(p.job.ids[: p.done], p.cache, self._resume_align())
             if p.done == len(p.job.ids):
                 self._join(p, logits)
         self.prefilling = [p for p in self.prefilling if p.done < len(p.job.ids)]
@@ -206,13 +206,22 @@ class Engine:
         """A prefill slot for the job: on its longest cached prefix's state, or a fresh cache."""
         if self.prefix is None:
             return _Prefill(job, self.runner.new_cache())
-        snap = self.prefix.lookup(job.ids)
+        snap = self.prefix.lookup(job.ids, self._resume_align())
         cache = self.runner.new_cache() if snap is None else snap.restore(self.runner.device)
         job.cached_tokens = cache.lengths[0]
         if self.metrics is not None:
             self.metrics.cached(job.cached_tokens)
-        stride = self.prefill_chunk if self.prefill_chunk > 0 else self.runner.prefill_stride
-        return _Prefill(job, cache, job.cached_tokens, self.prefix.marks(job.cached_tokens, len(job.ids), stride))
+        stops = self.prefix.marks(job.cached_tokens, len(job.ids), self._stride())
+        return _Prefill(job, cache, job.cached_tokens, stops)
+
+    def _stride(self) -> int:
+        """Tokens per prefill chunk: the engine's pieces, else the model's own chunks."""
+        return self.prefill_chunk if self.prefill_chunk > 0 else self.runner.prefill_stride
+
+    def _resume_align(self) -> int:
+        """Where snapshots are kept and resumed (prefix_cache.resume_align): anywhere, or at
+        multiples of the prefill chunk where the backend's prefill bits depend on a chunk's rows."""
+        return 1 if self.runner.prefill_rows_exact else self._stride()
 
     def _next_piece(self, p: "_Prefill") -> list[int]:
         n = len(p.job.ids)

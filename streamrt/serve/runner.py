@@ -70,6 +70,11 @@ class ModelRunner:
 
         return int(self.model.prefill_chunk or default_prefill_chunk(self.model.config, self._device))
 
+    @property
+    def prefill_rows_exact(self) -> bool:
+        """The backend computes a prefill row's bits whatever the rows beside it (prefix_cache.py)."""
+        return getattr(self.model.backend, "prefill_rows_exact", True)
+
     def new_cache(self) -> ModelCache:
         return self.model.new_cache(1, self._device)
 
