@@ -8,7 +8,8 @@ is `on_cpu`'s to fix: the runtime passes a function of the key and the share
 (runtime/expert_split.cpu_home), never of timing. Each expert's output is within the kernel's
 stated tolerance of the float64 reference on either road (tests/test_cpu_expert_kernel.py).
 
-Counters (`counts`): experts and rows computed on the CPU, and the seconds the kernel took.
+Counters (`counts`): experts and rows computed on the CPU, and the seconds the kernel took; with a
+tracer, one span per expert on a "cpu experts" track.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 from streamrt.backends.cpu_expert import kernel
 from streamrt.backends.torch_backend import TorchBackend
 from streamrt.expert_weights import ExpertWeights
+from streamrt.trace.recorder import NullTracer
 
 
 @dataclass
@@ -44,6 +46,7 @@ class HostExpertBackend(TorchBackend):
         super().__init__(**kw)
         self.on_cpu, self.threads, self.which = on_cpu, threads, which
         self.counts = CpuExpertCounts()
+        self.tracer = NullTracer()  # the session's, when it has one: a "cpu experts" track
 
     def line(self) -> str:
         """What `run` and `serve` print at start: which experts, which kernel build, how many threads."""
@@ -56,7 +59,8 @@ class HostExpertBackend(TorchBackend):
         if zr.device.type != "cpu" or not self.on_cpu(layer, expert):
             return super().expert_rows(zr, ew, beta, linear_beta, layer, expert)
         t0 = time.perf_counter()
-        y = kernel.expert_ffn_rows(zr.float().contiguous(), ew, beta, linear_beta, threads=self.threads)
+        with self.tracer.span("cpu experts", f"L{layer} E{expert}", layer=layer, expert=expert, rows=zr.shape[0]):
+            y = kernel.expert_ffn_rows(zr.float().contiguous(), ew, beta, linear_beta, threads=self.threads)
         self.counts.experts += 1
         self.counts.rows += zr.shape[0]
         self.counts.seconds += time.perf_counter() - t0
