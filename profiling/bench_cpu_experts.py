@@ -89,13 +89,21 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ram-mib", type=int, default=1024)
     ap.add_argument("--torch", action="store_true", help="also time the torch path (dequantise + GEMV)")
+    ap.add_argument("--kernel-first", action="store_true",
+                    help="call the kernel at the most threads before torch's first parallel op (the RAM rate): "
+                         "on a loaded 2-core host its OpenMP team ran 5-8x slower at 2 threads when torch's team "
+                         "had started first; this run shows whether the order matters on this host")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     experts = [ExpertWeights(random_matrix(rng, args.inter, args.dl), random_matrix(rng, args.inter, args.dl),
                              random_matrix(rng, args.dl, args.inter)) for _ in range(args.experts)]
     nbytes = expert_bytes(experts[0])
+    if args.kernel_first:
+        z = torch.zeros(1, args.dl)
+        kernel.expert_ffn_rows(z, experts[0], 4.0, 25.0, threads=max(args.threads))
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, kernel {kernel.simd_path()}; "
-          f"{args.experts} experts of {nbytes / 1e6:.2f} MB (Dl {args.dl}, I {args.inter})")
+          f"{args.experts} experts of {nbytes / 1e6:.2f} MB (Dl {args.dl}, I {args.inter})"
+          f"{'; kernel team started first' if args.kernel_first else ''}")
     print("| threads | rows | ms/expert | expert GB/s | RAM GB/s | ratio |" + (" torch ms |" if args.torch else ""))
     print("|---|---|---|---|---|---|" + ("---|" if args.torch else ""))
     for threads in args.threads:
