@@ -182,48 +182,70 @@ static inline float situ_glu(float g, float u, float beta, float lin_beta) {
     return ga * ua;
 }
 
-/* z [m, dl] -> out [m, dl]. Scratch from the caller: zl [m, dl] (z in lane order), h [m, inter] (the GLU's
-   output, in lane order). gate / up [inter, dl], down [dl, inter]. lin_beta <= 0: no clamp on up.
-   threads <= 0: the OpenMP default. Returns 0. */
-int srt_cpu_expert_ffn(const float *z, int64_t m, int64_t dl, int64_t inter, const uint8_t *gp, const uint8_t *gs,
-                       const float *gg, const uint8_t *up, const uint8_t *us, const float *ug, const uint8_t *dp,
-                       const uint8_t *ds, const float *dg, float beta, float lin_beta, float *zl, float *h,
-                       float *out, int threads) {
-    const int64_t kb1 = dl / BLOCK, kb2 = inter / BLOCK;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t e = 0; e < dl; e++) zl[r * dl + lane_of(e)] = z[r * dl + e];
+/* One expert's work in a batch: its rows z [m, dl], scratch zl [m, dl] (z in lane order) and h [m, inter]
+   (the GLU's output, lane order), out [m, dl]; gate / up [inter, dl] and down [dl, inter] as
+   (packed, scales, global) each. */
+typedef struct {
+    const uint8_t *packed[3], *scales[3];
+    const float *global[3];
+    const float *z;
+    float *zl, *h, *out;
+    int64_t m;
+} srt_expert_job;
+
+/* The gate / up rows of one job: h[r][i] for every row r. */
+static void glu_row(const srt_expert_job *j, int64_t i, int64_t dl, int64_t inter, float beta, float lin_beta) {
+    float gsum[MAX_ROWS], usum[MAX_ROWS];
+    const int64_t kb = dl / BLOCK, at = lane_of(i);
+    for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
+        int64_t nr = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
+        row_dots(j->packed[0] + i * (dl / 2), j->scales[0] + i * kb, kb, j->zl + r0 * dl, dl, nr, gsum);
+        row_dots(j->packed[1] + i * (dl / 2), j->scales[1] + i * kb, kb, j->zl + r0 * dl, dl, nr, usum);
+        for (int64_t r = 0; r < nr; r++)
+            j->h[(r0 + r) * inter + at] =
+                situ_glu(gsum[r] * j->global[0][i], usum[r] * j->global[1][i], beta, lin_beta);
+    }
+}
+
+/* The down row d of one job: out[r][d] for every row r. */
+static void down_row(const srt_expert_job *j, int64_t d, int64_t dl, int64_t inter) {
+    float dsum[MAX_ROWS];
+    const int64_t kb = inter / BLOCK;
+    for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
+        int64_t nr = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
+        row_dots(j->packed[2] + d * (inter / 2), j->scales[2] + d * kb, kb, j->h + r0 * inter, inter, nr, dsum);
+        for (int64_t r = 0; r < nr; r++) j->out[(r0 + r) * dl + d] = dsum[r] * j->global[2][d];
+    }
+}
+
+/* n experts of one layer (same dl, inter) in one parallel region: the team forks and meets at two
+   barriers per call, not per expert. lin_beta <= 0: no clamp on up. threads <= 0: the OpenMP
+   default. An output element's bits do not depend on the batch, its order or the threads. Returns 0. */
+int srt_cpu_experts_ffn(const srt_expert_job *jobs, int64_t n, int64_t dl, int64_t inter, float beta, float lin_beta,
+                        int threads) {
+    int64_t rows = 0;
+    for (int64_t k = 0; k < n; k++) {
+        const srt_expert_job *j = jobs + k;
+        rows += j->m;
+        for (int64_t r = 0; r < j->m; r++)
+            for (int64_t e = 0; e < dl; e++) j->zl[r * dl + lane_of(e)] = j->z[r * dl + e];
+    }
 #ifdef _OPENMP
-    /* a thread per MIN_WORK products at most: a small expert is not worth waking a team for */
-    int64_t cap = 3 * dl * inter * m / MIN_WORK;
+    /* a thread per MIN_WORK products at most: a small batch is not worth waking a team for */
+    int64_t cap = 3 * dl * inter * rows / MIN_WORK;
     int nt = threads > 0 ? threads : omp_get_max_threads();
     if (nt > cap) nt = cap > 1 ? (int)cap : 1;
 #pragma omp parallel num_threads(nt)
 #endif
     {
-        float gsum[MAX_ROWS], usum[MAX_ROWS], dsum[MAX_ROWS];
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t i = 0; i < inter; i++) {
-            const int64_t at = lane_of(i);
-            for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-                int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
-                row_dots(gp + i * (dl / 2), gs + i * kb1, kb1, zl + r0 * dl, dl, nr, gsum);
-                row_dots(up + i * (dl / 2), us + i * kb1, kb1, zl + r0 * dl, dl, nr, usum);
-                for (int64_t r = 0; r < nr; r++)
-                    h[(r0 + r) * inter + at] = situ_glu(gsum[r] * gg[i], usum[r] * ug[i], beta, lin_beta);
-            }
-        }
+        for (int64_t t = 0; t < n * inter; t++) glu_row(jobs + t / inter, t % inter, dl, inter, beta, lin_beta);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t d = 0; d < dl; d++) {
-            for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-                int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
-                row_dots(dp + d * (inter / 2), ds + d * kb2, kb2, h + r0 * inter, inter, nr, dsum);
-                for (int64_t r = 0; r < nr; r++) out[(r0 + r) * dl + d] = dsum[r] * dg[d];
-            }
-        }
+        for (int64_t t = 0; t < n * dl; t++) down_row(jobs + t / dl, t % dl, dl, inter);
     }
     (void)threads;
     return 0;
