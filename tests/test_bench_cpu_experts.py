@@ -18,7 +18,7 @@ ROW = re.compile(r"^\| (\d+) \| (\d+) \| " + r" \| ".join([NUM] * 5) + r" \|$", 
 def test_bench_prints_a_row_per_thread_and_row_count(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMRT_CACHE", str(tmp_path))
     args = ["--threads", "1", "2", "--rows", "1", "3", "--experts", "2", "--dl", "64", "--inter", "32",
-            "--reps", "1", "--ram-mib", "8", "--torch"]
+            "--reps", "1", "--ram-mib", "8", "--torch", "--batch", "2", "--kernel-first"]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     rows = ROW.findall(out)

@@ -223,3 +223,19 @@ def test_library_is_cached_per_source_flags_and_cpu():
     flags = (*build.COMMON, "-march=native")
     assert build.cache_key("cc", flags) != build.cache_key("cc", (*build.COMMON,))
     assert kernel.simd_path().endswith(f"({variant} build)")
+
+
+def test_a_batch_of_experts_gives_each_its_own_bits(rng):
+    """experts_ffn_rows (one call per layer request) = expert_ffn_rows per expert, bit for bit,
+    whatever the batch's order and rows (0 rows included)."""
+    experts = [random_expert(rng, 96, 48) for _ in range(4)]
+    zs = [rows(rng, m, 96) for m in (3, 1, 0, 9)]
+    alone = [kernel.expert_ffn_rows(z, ew, 4.0, 25.0) for z, ew in zip(zs, experts)]
+    batch = kernel.experts_ffn_rows(zs, experts, 4.0, 25.0, threads=2)
+    assert all(torch.equal(a, b) for a, b in zip(alone, batch)) and batch[2].shape == (0, 96)
+    backwards = kernel.experts_ffn_rows(zs[::-1], experts[::-1], 4.0, 25.0)
+    assert all(torch.equal(a, b) for a, b in zip(alone, backwards[::-1]))
+    with pytest.raises(ValueError, match="must share"):
+        kernel.experts_ffn_rows(zs[:2], [experts[0], random_expert(rng, 48, 48)], 4.0, 25.0)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        kernel.experts_ffn_rows(zs, experts[:2], 4.0, 25.0)

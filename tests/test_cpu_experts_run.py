@@ -36,13 +36,18 @@ def run(capsys, tmp_path, *flags) -> tuple[dict, dict]:
 
 
 def test_answers_depend_on_the_share_not_on_window_or_slots(capsys, tmp_path):
-    first, stats = run(capsys, tmp_path, "--cpu-experts", "0.5", "--window", "4", "--gpu-experts", "8")
+    trace = tmp_path / "trace.json"
+    first, stats = run(capsys, tmp_path, "--cpu-experts", "0.5", "--window", "4", "--gpu-experts", "8",
+                       "--trace", str(trace))
     again, _ = run(capsys, tmp_path, "--cpu-experts", "50%", "--window", "64", "--gpu-experts", "64",
                    "--cpu-threads", "1")
     assert again["stats"]["logits_hash"] == first["stats"]["logits_hash"]
     assert (again["content"], again["thinking"]) == (first["content"], first["thinking"])
     assert stats["cpu_experts"] > 0 and stats["cpu_expert_rows"] >= stats["cpu_experts"]
     assert stats["cpu_expert_s"] > 0
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "cpu experts"]
+    assert spans and all(e["ph"] == "X" and e["args"]["rows"] >= e["args"]["experts"] >= 1 for e in spans)
+    assert sum(e["args"]["experts"] for e in spans) >= stats["cpu_experts"]  # the trace covers prefill too
 
 
 def test_share_zero_is_the_torch_path_and_auto_puts_every_expert_on_the_cpu(capsys, tmp_path):

@@ -186,6 +186,8 @@ class _ModelSession(Session):
             from streamrt.trace import make_tracer
 
             self.tracer = make_tracer(bool(self.options.trace))
+            if hasattr(backend, "counts"):  # --cpu-experts: the kernel's spans on their own track
+                backend.tracer = self.tracer
             # --gpu-mem (else a card too small for the dense plane) -> the placement plan;
             # its streamed layers stream on this device's copy stream, its expert slots are the runtime's
             self.model, plan = load_placed(tree, device, gpu_mem=self.options.gpu_mem,

@@ -27,10 +27,17 @@ _I64 = ctypes.c_int64
 _F = ctypes.c_float
 
 
+class _Job(ctypes.Structure):
+    """srt_expert_job: one expert's weights, rows, scratch and output."""
+
+    _fields_ = [("packed", _P * 3), ("scales", _P * 3), ("global_", _P * 3), ("z", _P), ("zl", _P), ("h", _P),
+                ("out", _P), ("m", _I64)]
+
+
 def bind(lib: ctypes.CDLL):
-    """The library's `srt_cpu_expert_ffn` with its C signature."""
-    fn = lib.srt_cpu_expert_ffn
-    fn.argtypes = [_P, _I64, _I64, _I64, *([_P] * 9), _F, _F, _P, _P, _P, ctypes.c_int]
+    """The library's `srt_cpu_experts_ffn` with its C signature."""
+    fn = lib.srt_cpu_experts_ffn
+    fn.argtypes = [ctypes.POINTER(_Job), _I64, _I64, _I64, _F, _F, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
@@ -75,23 +82,46 @@ def expert_ffn_rows(z: Tensor, expert: ExpertWeights, beta: float, linear_beta: 
     """z [m, Dl] fp32 -> down(SiTU-GLU(gate z, up z)) [m, Dl] fp32 (into `out` if given).
 
     beta = inf is SiLU; linear_beta None: no clamp on up. threads 0: OpenMP's default."""
-    dl, inter = check_expert(expert)
-    if z.dtype != torch.float32 or z.device.type != "cpu" or z.dim() != 2 or z.shape[1] != dl:
-        raise ValueError(f"z: expected CPU float32 [m, {dl}], got {z.dtype} {tuple(z.shape)} on {z.device}")
+    return experts_ffn_rows([z], [expert], beta, linear_beta, threads, None if out is None else [out])[0]
+
+
+def experts_ffn_rows(zs: list[Tensor], experts: list[ExpertWeights], beta: float, linear_beta: float | None,
+                     threads: int = 0, outs: list[Tensor] | None = None) -> list[Tensor]:
+    """Several experts of one layer in one call (one team of threads, two barriers): zs[k] [m_k, Dl]
+    fp32 -> [m_k, Dl] fp32 each. A row's bits are those of `expert_ffn_rows` alone."""
+    if len(zs) != len(experts) or (outs is not None and len(outs) != len(zs)):
+        raise ValueError(f"zs, experts and outs must have one entry per expert, got {len(zs)}, {len(experts)}"
+                         f"{'' if outs is None else f', {len(outs)}'}")
     if not (beta > 0) or (linear_beta is not None and not (0 < linear_beta < math.inf)):
         raise ValueError(f"beta must be > 0 and linear_beta None or finite > 0, got {beta}, {linear_beta}")
-    z = z.contiguous()
+    shapes = {check_expert(ew) for ew in experts}
+    if len(shapes) > 1:
+        raise ValueError(f"experts of one call must share (Dl, I), got {sorted(shapes)}")
+    results, jobs, keep = [], [], []
+    for k, (z, ew) in enumerate(zip(zs, experts)):
+        dl, inter = check_expert(ew)
+        out = _rows_out(z, dl, None if outs is None else outs[k])
+        results.append(out)
+        if out.shape[0]:
+            zc = z.contiguous()
+            zl, h = torch.empty_like(zc), torch.empty(zc.shape[0], inter, dtype=torch.float32)  # lane order
+            keep += [zc, zl, h]
+            mats = [[t.data_ptr() for t in (w.packed, w.scales, w.global_scale)] for w in (ew.gate, ew.up, ew.down)]
+            jobs.append(_Job((_P * 3)(*(m[0] for m in mats)), (_P * 3)(*(m[1] for m in mats)),
+                             (_P * 3)(*(m[2] for m in mats)), zc.data_ptr(), zl.data_ptr(), h.data_ptr(),
+                             out.data_ptr(), zc.shape[0]))
+    if jobs:
+        dl, inter = shapes.pop()
+        _entry()((_Job * len(jobs))(*jobs), len(jobs), dl, inter, beta, linear_beta or 0.0, int(threads))
+    return results
+
+
+def _rows_out(z: Tensor, dl: int, out: Tensor | None) -> Tensor:
+    if z.dtype != torch.float32 or z.device.type != "cpu" or z.dim() != 2 or z.shape[1] != dl:
+        raise ValueError(f"z: expected CPU float32 [m, {dl}], got {z.dtype} {tuple(z.shape)} on {z.device}")
     m = z.shape[0]
     if out is None:
-        out = torch.empty(m, dl, dtype=torch.float32)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (m, dl) or not out.is_contiguous():
+        return torch.empty(m, dl, dtype=torch.float32)
+    if out.dtype != torch.float32 or tuple(out.shape) != (m, dl) or not out.is_contiguous():
         raise ValueError(f"out: expected contiguous float32 [{m}, {dl}], got {out.dtype} {tuple(out.shape)}")
-    if m == 0:
-        return out
-    zl = torch.empty(m, dl, dtype=torch.float32)  # [m, Dl] z in the kernel's lane order
-    h = torch.empty(m, inter, dtype=torch.float32)  # [m, I] the GLU's output, lane order
-    mats = [t.data_ptr() for w in (expert.gate, expert.up, expert.down)
-            for t in (w.packed, w.scales, w.global_scale)]
-    _entry()(z.data_ptr(), m, dl, inter, *mats, beta, linear_beta or 0.0, zl.data_ptr(), h.data_ptr(), out.data_ptr(),
-             int(threads))
     return out

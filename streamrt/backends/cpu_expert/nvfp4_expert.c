@@ -6,8 +6,10 @@
 
    Arithmetic (the same bits on every path and every thread count): a weight row's dot with a
    row of x runs in 16 lanes, one element of each 16-block per lane (lane_of) with one fused
-   multiply-add each (the weight e2m1 * e4m3 is exact in fp32), then the lanes are summed in a
-   fixed tree (l + 8, l + 4, l + 2, l + 1) and the sum is multiplied by the row's global scale.
+   multiply-add each (the weight e2m1 * e4m3 is exact in fp32, read from a 16-entry table per
+   scale byte), block b into accumulator b % 4; the four accumulators are added (0 + 1) + (2 + 3),
+   the lanes in a fixed tree (l + 8, l + 4, l + 2, l + 1), and the sum is multiplied by the row's
+   global scale.
    AVX-512 holds the 16 lanes in one register, AVX2 in two, the portable path in an array; an
    output element is computed by one thread, so the thread count changes nothing either.
    Build with -ffp-contract=off: no contraction the source does not spell out.
@@ -40,6 +42,8 @@
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 static float E4M3[256];
+/* SCALED[s][c] = E2M1[c] * E4M3[s], exact in fp32: a block's 16 possible weights, one load per block */
+static float SCALED[256][16] __attribute__((aligned(64)));
 
 /* E4M3 (fn) byte -> float: bias 7, subnormals at exponent 0, 0x7F / 0xFF NaN, no Inf. */
 __attribute__((constructor)) static void build_e4m3(void) {
@@ -49,6 +53,8 @@ __attribute__((constructor)) static void build_e4m3(void) {
         if (e == 15 && m == 7) mag = NAN;
         E4M3[b] = (b & 0x80) ? -mag : mag;
     }
+    for (int b = 0; b < 256; b++)
+        for (int c = 0; c < 16; c++) SCALED[b][c] = E2M1[c] * E4M3[b];
 }
 
 const char *srt_cpu_expert_path(void) { return SRT_PATH; }
@@ -76,10 +82,10 @@ INL v16 v_zero(void) { return _mm512_setzero_ps(); }
 INL v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 INL v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
 INL void v_store(float *p, v16 a) { _mm512_storeu_ps(p, a); }
-INL v16 v_decode(uint64_t word, float scale) { /* vpermps reads the low 4 bits of each index */
+INL v16 v_decode(uint64_t word, const float *lut) { /* vpermps reads the low 4 bits of each index */
     const __m512i shift = _mm512_set_epi64(28, 24, 20, 16, 12, 8, 4, 0);
     __m512i idx = _mm512_srlv_epi64(_mm512_set1_epi64((long long)word), shift);
-    return _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_loadu_ps(E2M1)), _mm512_set1_ps(scale));
+    return _mm512_permutexvar_ps(idx, _mm512_load_ps(lut));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef struct { __m256 a, b; } v16;
@@ -89,16 +95,15 @@ INL v16 v_fma(v16 w, const float *x, v16 acc) {
     return (v16){_mm256_fmadd_ps(w.a, _mm256_loadu_ps(x), acc.a), _mm256_fmadd_ps(w.b, _mm256_loadu_ps(x + 8), acc.b)};
 }
 INL void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
-INL __m256 decode8(__m256i c, __m256 s) { /* magnitude by the low 3 bits, sign from bit 3 */
-    __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1), c);
+INL __m256 decode8(__m256i c, __m256 pos) { /* codes 0..7 by the low 3 bits; bit 3 flips the sign */
     __m256i sign = _mm256_and_si256(_mm256_slli_epi32(c, 28), _mm256_set1_epi32((int)0x80000000u));
-    return _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), s);
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, c), _mm256_castsi256_ps(sign));
 }
-INL v16 v_decode(uint64_t word, float scale) {
+INL v16 v_decode(uint64_t word, const float *lut) {
     __m256i q = _mm256_set1_epi64x((long long)word);
-    __m256 s = _mm256_set1_ps(scale);
-    return (v16){decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(12, 8, 4, 0)), s),
-                 decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(28, 24, 20, 16)), s)};
+    __m256 pos = _mm256_load_ps(lut);
+    return (v16){decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(12, 8, 4, 0)), pos),
+                 decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(28, 24, 20, 16)), pos)};
 }
 #else
 typedef struct { float l[BLOCK]; } v16;
@@ -109,11 +114,11 @@ INL v16 v_fma(v16 w, const float *x, v16 acc) {
     return acc;
 }
 INL void v_store(float *p, v16 v) { memcpy(p, v.l, sizeof v.l); }
-INL v16 v_decode(uint64_t word, float scale) { /* lane 2k: nibble k; lane 2k + 1: nibble k + 8 */
+INL v16 v_decode(uint64_t word, const float *lut) { /* lane 2k: nibble k; lane 2k + 1: nibble k + 8 */
     v16 v;
     for (int k = 0; k < 8; k++) {
-        v.l[2 * k] = E2M1[(word >> (4 * k)) & 15] * scale;
-        v.l[2 * k + 1] = E2M1[(word >> (4 * k + 32)) & 15] * scale;
+        v.l[2 * k] = lut[(word >> (4 * k)) & 15];
+        v.l[2 * k + 1] = lut[(word >> (4 * k + 32)) & 15];
     }
     return v;
 }
@@ -133,7 +138,7 @@ INL void dot_rows(const uint8_t *wp, const uint8_t *ws, int64_t nblk, const floa
     do {                                                                           \
         uint64_t word;                                                             \
         memcpy(&word, wp + 8 * (bb), 8);                                           \
-        v16 w = v_decode(word, E4M3[ws[bb]]);                                      \
+        v16 w = v_decode(word, SCALED[ws[bb]]);                                    \
         for (int r = 0; r < NR; r++) acc[r][p] = v_fma(w, x + r * ldx + BLOCK * (bb), acc[r][p]); \
     } while (0)
     int64_t b = 0;
@@ -177,48 +182,70 @@ static inline float situ_glu(float g, float u, float beta, float lin_beta) {
     return ga * ua;
 }
 
-/* z [m, dl] -> out [m, dl]. Scratch from the caller: zl [m, dl] (z in lane order), h [m, inter] (the GLU's
-   output, in lane order). gate / up [inter, dl], down [dl, inter]. lin_beta <= 0: no clamp on up.
-   threads <= 0: the OpenMP default. Returns 0. */
-int srt_cpu_expert_ffn(const float *z, int64_t m, int64_t dl, int64_t inter, const uint8_t *gp, const uint8_t *gs,
-                       const float *gg, const uint8_t *up, const uint8_t *us, const float *ug, const uint8_t *dp,
-                       const uint8_t *ds, const float *dg, float beta, float lin_beta, float *zl, float *h,
-                       float *out, int threads) {
-    const int64_t kb1 = dl / BLOCK, kb2 = inter / BLOCK;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t e = 0; e < dl; e++) zl[r * dl + lane_of(e)] = z[r * dl + e];
+/* One expert's work in a batch: its rows z [m, dl], scratch zl [m, dl] (z in lane order) and h [m, inter]
+   (the GLU's output, lane order), out [m, dl]; gate / up [inter, dl] and down [dl, inter] as
+   (packed, scales, global) each. */
+typedef struct {
+    const uint8_t *packed[3], *scales[3];
+    const float *global[3];
+    const float *z;
+    float *zl, *h, *out;
+    int64_t m;
+} srt_expert_job;
+
+/* The gate / up rows of one job: h[r][i] for every row r. */
+static void glu_row(const srt_expert_job *j, int64_t i, int64_t dl, int64_t inter, float beta, float lin_beta) {
+    float gsum[MAX_ROWS], usum[MAX_ROWS];
+    const int64_t kb = dl / BLOCK, at = lane_of(i);
+    for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
+        int64_t nr = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
+        row_dots(j->packed[0] + i * (dl / 2), j->scales[0] + i * kb, kb, j->zl + r0 * dl, dl, nr, gsum);
+        row_dots(j->packed[1] + i * (dl / 2), j->scales[1] + i * kb, kb, j->zl + r0 * dl, dl, nr, usum);
+        for (int64_t r = 0; r < nr; r++)
+            j->h[(r0 + r) * inter + at] =
+                situ_glu(gsum[r] * j->global[0][i], usum[r] * j->global[1][i], beta, lin_beta);
+    }
+}
+
+/* The down row d of one job: out[r][d] for every row r. */
+static void down_row(const srt_expert_job *j, int64_t d, int64_t dl, int64_t inter) {
+    float dsum[MAX_ROWS];
+    const int64_t kb = inter / BLOCK;
+    for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
+        int64_t nr = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
+        row_dots(j->packed[2] + d * (inter / 2), j->scales[2] + d * kb, kb, j->h + r0 * inter, inter, nr, dsum);
+        for (int64_t r = 0; r < nr; r++) j->out[(r0 + r) * dl + d] = dsum[r] * j->global[2][d];
+    }
+}
+
+/* n experts of one layer (same dl, inter) in one parallel region: the team forks and meets at two
+   barriers per call, not per expert. lin_beta <= 0: no clamp on up. threads <= 0: the OpenMP
+   default. An output element's bits do not depend on the batch, its order or the threads. Returns 0. */
+int srt_cpu_experts_ffn(const srt_expert_job *jobs, int64_t n, int64_t dl, int64_t inter, float beta, float lin_beta,
+                        int threads) {
+    int64_t rows = 0;
+    for (int64_t k = 0; k < n; k++) {
+        const srt_expert_job *j = jobs + k;
+        rows += j->m;
+        for (int64_t r = 0; r < j->m; r++)
+            for (int64_t e = 0; e < dl; e++) j->zl[r * dl + lane_of(e)] = j->z[r * dl + e];
+    }
 #ifdef _OPENMP
-    /* a thread per MIN_WORK products at most: a small expert is not worth waking a team for */
-    int64_t cap = 3 * dl * inter * m / MIN_WORK;
+    /* a thread per MIN_WORK products at most: a small batch is not worth waking a team for */
+    int64_t cap = 3 * dl * inter * rows / MIN_WORK;
     int nt = threads > 0 ? threads : omp_get_max_threads();
     if (nt > cap) nt = cap > 1 ? (int)cap : 1;
 #pragma omp parallel num_threads(nt)
 #endif
     {
-        float gsum[MAX_ROWS], usum[MAX_ROWS], dsum[MAX_ROWS];
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t i = 0; i < inter; i++) {
-            const int64_t at = lane_of(i);
-            for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-                int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
-                row_dots(gp + i * (dl / 2), gs + i * kb1, kb1, zl + r0 * dl, dl, nr, gsum);
-                row_dots(up + i * (dl / 2), us + i * kb1, kb1, zl + r0 * dl, dl, nr, usum);
-                for (int64_t r = 0; r < nr; r++)
-                    h[(r0 + r) * inter + at] = situ_glu(gsum[r] * gg[i], usum[r] * ug[i], beta, lin_beta);
-            }
-        }
+        for (int64_t t = 0; t < n * inter; t++) glu_row(jobs + t / inter, t % inter, dl, inter, beta, lin_beta);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t d = 0; d < dl; d++) {
-            for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-                int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
-                row_dots(dp + d * (inter / 2), ds + d * kb2, kb2, h + r0 * inter, inter, nr, dsum);
-                for (int64_t r = 0; r < nr; r++) out[(r0 + r) * dl + d] = dsum[r] * dg[d];
-            }
-        }
+        for (int64_t t = 0; t < n * dl; t++) down_row(jobs + t / dl, t % dl, dl, inter);
     }
     (void)threads;
     return 0;
