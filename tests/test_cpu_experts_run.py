@@ -110,9 +110,13 @@ def test_serve_with_cpu_experts_answers_as_run_does(capsys, tmp_path):
         body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24,
                 "temperature": 0}
         got = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        metrics = httpx.get(url + "/metrics", timeout=30).text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert want["thinking"] or want["content"]
     assert (got["content"] or "") == want["content"]
     assert (got.get("reasoning_content") or "") == want["thinking"]
+    counted = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(streamrt_cpu_expert\w*) (\S+)$", metrics, re.M)}
+    assert counted["streamrt_cpu_experts_total"] > 0 and counted["streamrt_cpu_expert_rows_total"] >= \
+        counted["streamrt_cpu_experts_total"] and counted["streamrt_cpu_expert_seconds_total"] > 0, counted

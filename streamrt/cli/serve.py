@@ -157,7 +157,7 @@ def build_state(runner, *, max_batch: int, max_queue: int, model_id: str | None 
     engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, metrics=metrics,
                     prefix_cache=getattr(runner, "prefix", None))
     if runner.stats is not None:
-        metrics.attach(engine, runner.stats)
+        metrics.attach(engine, runner.stats, getattr(runner.model.backend, "counts", None))  # --cpu-experts
     return ServerState(engine=engine, tokenizer=runner.tokenizer, model_id=model_id or runner.name,
                        max_context=max_context or runner.max_context, metrics=metrics, api_key=api_key,
                        created=int(time.time()), thinking_effort=thinking_effort)

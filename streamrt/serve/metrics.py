@@ -33,9 +33,10 @@ class ServeMetrics:
         self.tool_choice_unmet = Counter("streamrt_tool_choice_unmet",
                                          "replies without the call tool_choice required", registry=r)
 
-    def attach(self, engine, stats) -> None:
-        """Live gauges of the engine (queue, batch) and the runtime's counters."""
-        self.registry.register(_LiveCollector(engine, stats))
+    def attach(self, engine, stats, cpu_experts=None) -> None:
+        """Live gauges of the engine (queue, batch), the runtime's counters, and the CPU expert
+        kernel's (`--cpu-experts`: a `CpuExpertCounts`, None when off)."""
+        self.registry.register(_LiveCollector(engine, stats, cpu_experts))
 
     # engine hooks
     def prefill(self, prompt_tokens: int, seconds: float) -> None:
@@ -60,8 +61,8 @@ class ServeMetrics:
 
 
 class _LiveCollector:
-    def __init__(self, engine, stats) -> None:
-        self.engine, self.stats = engine, stats
+    def __init__(self, engine, stats, cpu_experts=None) -> None:
+        self.engine, self.stats, self.cpu = engine, stats, cpu_experts
 
     def collect(self):
         e, st = self.engine, self.stats
@@ -85,3 +86,10 @@ class _LiveCollector:
             yield CounterMetricFamily(f"streamrt_{tier}_misses", f"{tier}-tier expert misses", value=misses)
             yield GaugeMetricFamily(f"streamrt_{tier}_hit_rate", f"{tier}-tier hit rate since start",
                                     value=hits / (hits + misses) if hits + misses else 0.0)
+        if self.cpu is not None:
+            yield CounterMetricFamily("streamrt_cpu_experts", "routed experts computed by the host CPU kernel",
+                                      value=self.cpu.experts)
+            yield CounterMetricFamily("streamrt_cpu_expert_rows", "rows of the CPU-computed experts",
+                                      value=self.cpu.rows)
+            yield CounterMetricFamily("streamrt_cpu_expert_seconds", "wall time inside the CPU expert kernel",
+                                      value=self.cpu.seconds)
