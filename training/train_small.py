@@ -426,7 +426,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--from-state", type=Path, default=None, help="skip training: export (and install) this model state"
     )
-    ap.add_argument("--init-state", type=Path, default=None, help="start from this model state (fresh optimiser)")
+    ap.add_argument("--init-state", type=Path, default=None, help="start from this model state (fresh optimiser): a --state-out file or a converted tree directory")
     args = ap.parse_args(argv)
     assert args.synth_frac + args.tool_random_frac <= 1.0 + 1e-9, "--synth-frac + --tool-random-frac must be <= 1"
 
@@ -460,7 +460,12 @@ def main(argv=None) -> int:
         finish(model.cpu(), cfg, args.out, args.install, st.get("info", {}))
         return 0
     if args.init_state is not None:
-        model.load_state_dict(torch.load(args.init_state, map_location="cpu")["model"])
+        if args.init_state.is_dir():  # a converted tree (e.g. the shipped default model)
+            from tree_state import state_from_tree
+
+            model.load_state_dict(state_from_tree(args.init_state))
+        else:
+            model.load_state_dict(torch.load(args.init_state, map_location="cpu")["model"])
         log(f"initialised from {args.init_state}")
     probes = {}
     if args.probe > 0:
