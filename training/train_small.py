@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 
 import corpus as corpus_mod  # noqa: E402
+import corpus_chat  # noqa: E402
 
 from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.chat import encode_chat  # noqa: E402
@@ -92,11 +93,13 @@ def encode_example(tok, conv, scope: str = "values") -> tuple[list[int], list[in
 
     For each assistant message the prompt is exactly what the runtime renders before it
     (history + generation prompt); the target is the rest of that message."""
+    if conv.meta.get("render"):
+        return encode_formatted(tok, conv)
     full = encode_chat(tok, conv.messages, conv.tools, add_generation_prompt=False)
     mask = [0] * len(full)
     answer = [0] * len(full)
     for i, m in enumerate(conv.messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < conv.meta.get("train_from", 0):
             continue
         prompt = encode_chat(tok, conv.messages[:i], conv.tools, add_generation_prompt=True)
         upto = encode_chat(tok, conv.messages[: i + 1], conv.tools, add_generation_prompt=False)
@@ -107,6 +110,19 @@ def encode_example(tok, conv, scope: str = "values") -> tuple[list[int], list[in
             for j in answer_positions(tok, conv.messages[i - 1], full, len(prompt), len(upto), scope):
                 answer[j] = 1
     return full, mask, answer
+
+
+def encode_formatted(tok, conv) -> tuple[list[int], list[int], list[int]]:
+    """A one-answer conversation rendered with extra keywords (response_format): that system
+    message follows the conversation, so the sequence is the generation prompt with it, then
+    the final assistant message's tokens (the same ids as without it)."""
+    kw = conv.meta["render"]
+    *hist, last = conv.messages
+    assert last["role"] == "assistant" and all(m["role"] != "assistant" for m in hist)
+    plain = encode_chat(tok, hist, conv.tools, add_generation_prompt=True)
+    target = encode_chat(tok, conv.messages, conv.tools, add_generation_prompt=False)[len(plain):]
+    prompt = encode_chat(tok, hist, conv.tools, add_generation_prompt=True, **kw)
+    return prompt + target, [0] * len(prompt) + [1] * len(target), [0] * (len(prompt) + len(target))
 
 
 def answer_positions(tok, tool_msg: dict, full: list[int], lo: int, hi: int, scope: str) -> list[int]:
@@ -236,7 +252,9 @@ def indexer_kl(mla: KimiMLAAttention, x, B, T, token_mask, sparse: bool, be):
     ind = mla.indexer
     with torch.no_grad():
         cq = mla.q_a_layernorm(be.linear(x, mla.q_a_proj.weight), be)
-    qi, ki, wi = ind(x, cq.detach(), be)
+    qi, ki, wi = ind.from_projections(be.linear(cq.detach(), ind.wq_b.weight), be.linear(x, ind.wk.weight),
+                                      be.linear(x, ind.weights_proj.weight), be)
+    wi = ind.head_weights(wi)
     I = ind.prefill_scores(qi.view(B, T, *qi.shape[1:]), wi.view(B, T, -1), ki.view(B, T, -1), 0)  # [B, T, T], -inf s>t
     valid = causal
     if sparse:
@@ -404,6 +422,13 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-scope", choices=("values", "message"), default="values",
                     help="values: only the answer tokens quoting a tool-result value (temperature digits, condition, "
                     "city); message: the whole assistant message after the tool result")
+    ap.add_argument("--chat-frac", type=float, default=0.0,
+                    help="share of steps on chat-corpus batches (system prompts, follow-ups, tool loops, parallel "
+                    "calls, unknown countries, greetings, JSON answers: training/corpus_chat.py), drawn fresh")
+    ap.add_argument("--client-view", type=float, default=0.3,
+                    help="share of multi-turn chat conversations whose earlier assistant turns carry no reasoning "
+                    "(as API clients send history back); only the turns after the last user message are learnt")
+    ap.add_argument("--p-system", type=float, default=0.6, help="share of chat conversations with a system prompt")
     ap.add_argument("--probe", type=int, default=24,
                     help="teacher-forced copy probe before and after training: the 6 test cities with the test's "
                     "unseen tool result (variant 50) plus N random results (0: off)")
@@ -426,7 +451,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--from-state", type=Path, default=None, help="skip training: export (and install) this model state"
     )
-    ap.add_argument("--init-state", type=Path, default=None, help="start from this model state (fresh optimiser): a --state-out file or a converted tree directory")
+    ap.add_argument("--init-state", type=Path, default=None,
+                    help="start from this model state (fresh optimiser): a --state-out file or a converted tree")
     args = ap.parse_args(argv)
     assert args.synth_frac + args.tool_random_frac <= 1.0 + 1e-9, "--synth-frac + --tool-random-frac must be <= 1"
 
@@ -515,11 +541,17 @@ def main(argv=None) -> int:
         lr = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        pool = long_ex if rng.random() < p_long else short_ex
-        maxlen = max(len(e[0]) for e in pool)
-        bsz = max(1, min(len(pool), args.batch_tokens // maxlen))
-        picked = rng.sample(pool, bsz)
-        if pool is long_ex and args.synth_frac + args.tool_random_frac > 0:
+        pool = None
+        if args.chat_frac > 0 and rng.random() < args.chat_frac:  # the chat corpus (training/corpus_chat.py)
+            picked = chat_batch(rng, tok, args.batch_tokens, scope, args.client_view, args.p_system)
+        else:
+            pool = long_ex if rng.random() < p_long else short_ex
+            maxlen = max(len(e[0]) for e in pool)
+            bsz = max(1, min(len(pool), args.batch_tokens // maxlen))
+            picked = rng.sample(pool, bsz)
+        if pool is None:
+            pass
+        elif pool is long_ex and args.synth_frac + args.tool_random_frac > 0:
             # made-up cities (synth) or real cities with a random tool result: copying, not recall
             out = []
             for e in picked:
@@ -615,6 +647,21 @@ def main(argv=None) -> int:
     else:
         (args.out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     return 0
+
+
+def chat_batch(rng: random.Random, tok, batch_tokens: int, scope: str, client_frac: float, p_system: float):
+    """Fresh chat-corpus conversations (split train) until the padded batch would pass
+    batch_tokens; `client_frac` of them in the client view (history without reasoning)."""
+    out, longest = [], 0
+    while True:
+        conv = corpus_chat.sample_chat(rng, "train", p_system=p_system)
+        if rng.random() < client_frac and sum(m["role"] == "user" for m in conv.messages) > 1:
+            conv = corpus_chat.client_view(conv)
+        ex = encode_example(tok, conv, scope)
+        if out and max(longest, len(ex[0])) * (len(out) + 1) > batch_tokens:
+            return out
+        out.append(ex)
+        longest = max(longest, len(ex[0]))
 
 
 def new_stats(t0: float = 0.0) -> dict:
