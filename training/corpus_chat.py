@@ -165,7 +165,7 @@ def said(reasoning: str, content: str) -> dict:
 def capital_answer(country: str) -> dict:
     if country in CAPITALS:
         return said(f"{country}: {CAPITALS[country]}.", f"The capital of {country} is {CAPITALS[country]}.")
-    return said(f"I do not know {country}.", IDK)
+    return said("I do not know this country.", IDK)
 
 
 def call(name: str, city_: str, index: int) -> dict:

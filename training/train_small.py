@@ -392,6 +392,12 @@ def save_ckpt(path: Path, model, opt, step: int, elapsed: float, be) -> None:
     atomic_write(path, buf.getvalue())
 
 
+def save_state(path: Path, model, info: dict) -> None:
+    buf = io.BytesIO()
+    torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "info": info}, buf)
+    atomic_write(path, buf.getvalue())
+
+
 # ---- training ---------------------------------------------------------------------------
 
 
@@ -627,6 +633,8 @@ def main(argv=None) -> int:
             stats = new_stats(el)
         if time.perf_counter() - last_ckpt > args.ckpt_minutes * 60:
             save_ckpt(ckpt, model, opt, step, time.perf_counter() - t_start, be)
+            if args.state_out is not None:  # the model alone, so a run cut short still leaves a state
+                save_state(args.state_out, model, {"steps": step, "partial": True, "argv": sys.argv[1:]})
             last_ckpt = time.perf_counter()
 
     train_s = time.perf_counter() - t_start
@@ -640,7 +648,7 @@ def main(argv=None) -> int:
     info = {"steps": step, "train_minutes": round(train_s / 60, 2), "seed": args.seed, "device": str(device),
             "threads": args.threads, "argv": sys.argv[1:], "copy_probe": probes}
     if args.state_out is not None:
-        torch.save({"model": model.state_dict(), "info": info}, args.state_out)
+        save_state(args.state_out, model, info)
         log(f"saved model state: {args.state_out}")
     if not args.no_export:
         finish(model, cfg, args.out, args.install, info)
