@@ -251,20 +251,17 @@ def chat_cases(tok, n: int = CHAT_N, seed: int = 1234) -> dict[str, list[Case]]:
 def chat_table(r: Runner, n: int = CHAT_N, show_misses: int = 2) -> dict[str, tuple[int, int]]:
     """Exact answers per held-out chat category, printed as a table; {category: (ok, n)}."""
     cases = chat_cases(r.tok, n)
-    flat = [(cat, c) for cat, cs in cases.items() for c in cs]
-    res = run_cases(r, [c for _, c in flat])
     table: dict[str, list] = {}
-    for (cat, _), (c, got) in zip(flat, res):
-        row = table.setdefault(cat, [0, 0, []])
-        row[0] += got == c.target
-        row[1] += 1
-        if got != c.target:
-            row[2].append((c.name, r.tok.decode(got)))
-    cats = sorted({k.split("+")[0] for k in table})
-    print(f"{'held-out category':<14} {'no system':>12} {'with system':>12}")
-    for cat in cats:
-        a, b = table.get(cat, [0, 0, []]), table.get(cat + "+system", [0, 0, []])
-        print(f"{cat:<14} {fmt_share(a):>12} {fmt_share(b):>12}")
+    print(f"{'held-out category':<14} {'no system':>12} {'with system':>12}", flush=True)
+    for cat in sorted({k.split("+")[0] for k in cases}):  # one category at a time: similar lengths batch well
+        for key in (cat, cat + "+system"):
+            row = table.setdefault(key, [0, 0, []])
+            for c, got in run_cases(r, cases.get(key, [])):
+                row[0] += got == c.target
+                row[1] += 1
+                if got != c.target:
+                    row[2].append((c.name, r.tok.decode(got)))
+        print(f"{cat:<14} {fmt_share(table[cat]):>12} {fmt_share(table[cat + '+system']):>12}", flush=True)
     for cat, (_, _, misses) in sorted(table.items()):
         for name, got in misses[:show_misses]:
             print(f"   MISS {cat} {name[:60]}: got {got[-90:]!r}")
