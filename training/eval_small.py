@@ -234,23 +234,26 @@ def chat_turns(tok, conv) -> list[tuple[str, Case]]:
     return out
 
 
-def chat_cases(tok, n: int = CHAT_N, seed: int = 1234) -> dict[str, list[Case]]:
+def chat_cases(tok, n: int = CHAT_N, seed: int = 1234, kinds=CHAT_KINDS) -> dict[str, list[Case]]:
     """{"<category>" / "<category>+system": cases}: n held-out conversations per kind without and
-    with a held-out system prompt (seeded, so every run evaluates the same cases)."""
+    with a held-out system prompt (seeded, so every run evaluates the same cases; a subset of
+    kinds draws the same conversations for those kinds as the full set)."""
     rng = random.Random(seed)
     out: dict[str, list[Case]] = {}
     for kind in CHAT_KINDS:
         for sys_p, suffix in ((0.0, ""), (1.0, "+system")):
             for _ in range(n):
                 conv = CC.sample_chat(rng, "heldout", kind, p_system=sys_p)
+                if kind not in kinds:
+                    continue
                 for cat, case in chat_turns(tok, conv):
                     out.setdefault(cat + suffix, []).append(case)
     return out
 
 
-def chat_table(r: Runner, n: int = CHAT_N, show_misses: int = 2) -> dict[str, tuple[int, int]]:
+def chat_table(r: Runner, n: int = CHAT_N, show_misses: int = 2, kinds=CHAT_KINDS) -> dict[str, tuple[int, int]]:
     """Exact answers per held-out chat category, printed as a table; {category: (ok, n)}."""
-    cases = chat_cases(r.tok, n)
+    cases = chat_cases(r.tok, n, kinds=kinds)
     table: dict[str, list] = {}
     print(f"{'held-out category':<14} {'no system':>12} {'with system':>12}", flush=True)
     for cat in sorted({k.split("+")[0] for k in cases}):  # one category at a time: similar lengths batch well
@@ -277,11 +280,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--chat-only", action="store_true", help="only the held-out chat categories")
     ap.add_argument("--chat-n", type=int, default=CHAT_N, help="conversations per chat kind and system variant")
+    ap.add_argument("--chat-kinds", default=",".join(CHAT_KINDS), help="comma-separated subset of the chat kinds")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     r = Runner(args.model)
-    chat_table(r, args.chat_n)
+    kinds = args.chat_kinds.split(",")
+    if not set(kinds) <= set(CHAT_KINDS):
+        ap.error(f"--chat-kinds: unknown {sorted(set(kinds) - set(CHAT_KINDS))}; known: {', '.join(CHAT_KINDS)}")
+    chat_table(r, args.chat_n, kinds=kinds)
     if args.chat_only:
         print(f"eval wall time {time.perf_counter() - t0:.1f} s")
         return 0

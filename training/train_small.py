@@ -349,7 +349,7 @@ def export_release(model, cfg, out: Path) -> None:
     from tqdm import tqdm
 
     from streamrt.checkpoint.names import strip_prefix
-    from streamrt.checkpoint.synth import DEFAULT_SHARD_BYTES, Generator, quantize_mxfp4_torch, synth_release
+    from streamrt.checkpoint.synth import Generator, quantize_mxfp4_torch, synth_release
     from streamrt.model import dense_state_dict, export_float_experts
 
     dense = {k: v.detach().float().cpu() for k, v in dense_state_dict(model).items()}
@@ -357,7 +357,11 @@ def export_release(model, cfg, out: Path) -> None:
 
     class Trained(Generator):
         def dense_chunks(self, spec):
-            yield self._bytes(dense[strip_prefix(spec.name)].reshape(spec.shape), spec.dtype)
+            name = strip_prefix(spec.name)
+            if name not in dense:  # the release's vision tower: not trained here, dropped by convert
+                yield from super().dense_chunks(spec)
+                return
+            yield self._bytes(dense[name].reshape(spec.shape), spec.dtype)
 
         def expert_mxfp4(self, layer, expert, w):
             p, s = quantize_mxfp4_torch(experts[(layer, expert)][w])
@@ -365,7 +369,7 @@ def export_release(model, cfg, out: Path) -> None:
 
     out.mkdir(parents=True)
     with tqdm(disable=True) as bar:
-        synth_release(cfg, out, Trained(cfg, 0, 0.0, "cpu"), shard_bytes=DEFAULT_SHARD_BYTES, workers=1, bar=bar)
+        synth_release(cfg, out, Trained(cfg, 0, 0.0, "cpu"), shards=1, workers=1, bar=bar)  # a few MB: one shard
 
 
 def convert(release: Path, dst: Path) -> None:
