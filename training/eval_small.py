@@ -14,6 +14,7 @@ stop token included). Held-out: see training/corpus.py (new phrasing, same entit
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 
 import corpus as C  # noqa: E402
+import corpus_chat as CC  # noqa: E402
 
 from streamrt.chat import ChatParser, Reply, encode_chat  # noqa: E402
 from streamrt.checkpoint.reader import open_tree  # noqa: E402
@@ -198,13 +200,98 @@ def weather_roundtrip(r: Runner, cities: list[str], template: str = C.WEATHER_TR
     return rows
 
 
+# ---- held-out chat categories (training/corpus_chat.py, split "heldout") ----------------
+
+CHAT_KINDS = ("capital", "followup", "unknown", "tool_loop", "parallel", "greeting", "json")
+CHAT_N = 12  # conversations per kind and system-prompt variant
+
+
+def chat_turns(tok, conv) -> list[tuple[str, Case]]:
+    """(category, case) for every assistant turn of a held-out chat conversation, the history
+    teacher-forced as trained (what `streamrt run --chat` keeps). Categories: the kind, except
+    tool conversations: "tool_call" for the messages that call, "tool_answer" for those after a
+    result; a follow-up conversation's first answer counts as "capital"."""
+    kw = conv.meta.get("render", {})
+    out = []
+    for i, m in enumerate(conv.messages):
+        if m["role"] != "assistant":
+            continue
+        plain = encode_chat(tok, conv.messages[:i], conv.tools, add_generation_prompt=True)
+        upto = encode_chat(tok, conv.messages[: i + 1], conv.tools, add_generation_prompt=False)
+        prompt = encode_chat(tok, conv.messages[:i], conv.tools, add_generation_prompt=True, **kw) if kw else plain
+        if conv.kind == "parallel":
+            cat = "parallel"
+        elif m.get("tool_calls"):
+            cat = "tool_call"
+        elif conv.messages[i - 1]["role"] == "tool":
+            cat = "tool_answer"
+        elif conv.kind == "followup" and i < 3 + (conv.messages[0]["role"] == "system"):
+            cat = "capital"
+        else:
+            cat = conv.kind
+        out.append((cat, Case(f"{conv.kind}:{m.get('content') or m['tool_calls'][0]['function']}", prompt,
+                              upto[len(plain):])))
+    return out
+
+
+def chat_cases(tok, n: int = CHAT_N, seed: int = 1234, kinds=CHAT_KINDS) -> dict[str, list[Case]]:
+    """{"<category>" / "<category>+system": cases}: n held-out conversations per kind without and
+    with a held-out system prompt (seeded, so every run evaluates the same cases; a subset of
+    kinds draws the same conversations for those kinds as the full set)."""
+    rng = random.Random(seed)
+    out: dict[str, list[Case]] = {}
+    for kind in CHAT_KINDS:
+        for sys_p, suffix in ((0.0, ""), (1.0, "+system")):
+            for _ in range(n):
+                conv = CC.sample_chat(rng, "heldout", kind, p_system=sys_p)
+                if kind not in kinds:
+                    continue
+                for cat, case in chat_turns(tok, conv):
+                    out.setdefault(cat + suffix, []).append(case)
+    return out
+
+
+def chat_table(r: Runner, n: int = CHAT_N, show_misses: int = 2, kinds=CHAT_KINDS) -> dict[str, tuple[int, int]]:
+    """Exact answers per held-out chat category, printed as a table; {category: (ok, n)}."""
+    cases = chat_cases(r.tok, n, kinds=kinds)
+    table: dict[str, list] = {}
+    print(f"{'held-out category':<14} {'no system':>12} {'with system':>12}", flush=True)
+    for cat in sorted({k.split("+")[0] for k in cases}):  # one category at a time: similar lengths batch well
+        for key in (cat, cat + "+system"):
+            row = table.setdefault(key, [0, 0, []])
+            for c, got in run_cases(r, cases.get(key, [])):
+                row[0] += got == c.target
+                row[1] += 1
+                if got != c.target:
+                    row[2].append((c.name, r.tok.decode(got)))
+        print(f"{cat:<14} {fmt_share(table[cat]):>12} {fmt_share(table[cat + '+system']):>12}", flush=True)
+    for cat, (_, _, misses) in sorted(table.items()):
+        for name, got in misses[:show_misses]:
+            print(f"   MISS {cat} {name[:60]}: got {got[-90:]!r}")
+    return {k: (v[0], v[1]) for k, v in table.items()}
+
+
+def fmt_share(row) -> str:
+    return f"{row[0] / max(1, row[1]):.0%} ({row[0]}/{row[1]})"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="evaluate the small default model")
     ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--chat-only", action="store_true", help="only the held-out chat categories")
+    ap.add_argument("--chat-n", type=int, default=CHAT_N, help="conversations per chat kind and system variant")
+    ap.add_argument("--chat-kinds", default=",".join(CHAT_KINDS), help="comma-separated subset of the chat kinds")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     r = Runner(args.model)
+    kinds = args.chat_kinds.split(",")
+    if not set(kinds) <= set(CHAT_KINDS):
+        ap.error(f"--chat-kinds: unknown {sorted(set(kinds) - set(CHAT_KINDS))}; known: {', '.join(CHAT_KINDS)}")
+    chat_table(r, args.chat_n, kinds=kinds)
+    if args.chat_only:
+        print(f"eval wall time {time.perf_counter() - t0:.1f} s")
+        return 0
     for label, cases in (
         ("train", train_cases(r.tok)),
         ("heldout", heldout_cases(r.tok)),

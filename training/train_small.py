@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 
 import corpus as corpus_mod  # noqa: E402
+import corpus_chat  # noqa: E402
 
 from streamrt.backends.torch_backend import TorchBackend  # noqa: E402
 from streamrt.chat import encode_chat  # noqa: E402
@@ -92,11 +93,13 @@ def encode_example(tok, conv, scope: str = "values") -> tuple[list[int], list[in
 
     For each assistant message the prompt is exactly what the runtime renders before it
     (history + generation prompt); the target is the rest of that message."""
+    if conv.meta.get("render"):
+        return encode_formatted(tok, conv)
     full = encode_chat(tok, conv.messages, conv.tools, add_generation_prompt=False)
     mask = [0] * len(full)
     answer = [0] * len(full)
     for i, m in enumerate(conv.messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < conv.meta.get("train_from", 0):
             continue
         prompt = encode_chat(tok, conv.messages[:i], conv.tools, add_generation_prompt=True)
         upto = encode_chat(tok, conv.messages[: i + 1], conv.tools, add_generation_prompt=False)
@@ -107,6 +110,19 @@ def encode_example(tok, conv, scope: str = "values") -> tuple[list[int], list[in
             for j in answer_positions(tok, conv.messages[i - 1], full, len(prompt), len(upto), scope):
                 answer[j] = 1
     return full, mask, answer
+
+
+def encode_formatted(tok, conv) -> tuple[list[int], list[int], list[int]]:
+    """A one-answer conversation rendered with extra keywords (response_format): that system
+    message follows the conversation, so the sequence is the generation prompt with it, then
+    the final assistant message's tokens (the same ids as without it)."""
+    kw = conv.meta["render"]
+    *hist, last = conv.messages
+    assert last["role"] == "assistant" and all(m["role"] != "assistant" for m in hist)
+    plain = encode_chat(tok, hist, conv.tools, add_generation_prompt=True)
+    target = encode_chat(tok, conv.messages, conv.tools, add_generation_prompt=False)[len(plain):]
+    prompt = encode_chat(tok, hist, conv.tools, add_generation_prompt=True, **kw)
+    return prompt + target, [0] * len(prompt) + [1] * len(target), [0] * (len(prompt) + len(target))
 
 
 def answer_positions(tok, tool_msg: dict, full: list[int], lo: int, hi: int, scope: str) -> list[int]:
@@ -236,7 +252,9 @@ def indexer_kl(mla: KimiMLAAttention, x, B, T, token_mask, sparse: bool, be):
     ind = mla.indexer
     with torch.no_grad():
         cq = mla.q_a_layernorm(be.linear(x, mla.q_a_proj.weight), be)
-    qi, ki, wi = ind(x, cq.detach(), be)
+    qi, ki, wi = ind.from_projections(be.linear(cq.detach(), ind.wq_b.weight), be.linear(x, ind.wk.weight),
+                                      be.linear(x, ind.weights_proj.weight), be)
+    wi = ind.head_weights(wi)
     I = ind.prefill_scores(qi.view(B, T, *qi.shape[1:]), wi.view(B, T, -1), ki.view(B, T, -1), 0)  # [B, T, T], -inf s>t
     valid = causal
     if sparse:
@@ -331,7 +349,7 @@ def export_release(model, cfg, out: Path) -> None:
     from tqdm import tqdm
 
     from streamrt.checkpoint.names import strip_prefix
-    from streamrt.checkpoint.synth import DEFAULT_SHARD_BYTES, Generator, quantize_mxfp4_torch, synth_release
+    from streamrt.checkpoint.synth import Generator, quantize_mxfp4_torch, synth_release
     from streamrt.model import dense_state_dict, export_float_experts
 
     dense = {k: v.detach().float().cpu() for k, v in dense_state_dict(model).items()}
@@ -339,7 +357,11 @@ def export_release(model, cfg, out: Path) -> None:
 
     class Trained(Generator):
         def dense_chunks(self, spec):
-            yield self._bytes(dense[strip_prefix(spec.name)].reshape(spec.shape), spec.dtype)
+            name = strip_prefix(spec.name)
+            if name not in dense:  # the release's vision tower: not trained here, dropped by convert
+                yield from super().dense_chunks(spec)
+                return
+            yield self._bytes(dense[name].reshape(spec.shape), spec.dtype)
 
         def expert_mxfp4(self, layer, expert, w):
             p, s = quantize_mxfp4_torch(experts[(layer, expert)][w])
@@ -347,7 +369,7 @@ def export_release(model, cfg, out: Path) -> None:
 
     out.mkdir(parents=True)
     with tqdm(disable=True) as bar:
-        synth_release(cfg, out, Trained(cfg, 0, 0.0, "cpu"), shard_bytes=DEFAULT_SHARD_BYTES, workers=1, bar=bar)
+        synth_release(cfg, out, Trained(cfg, 0, 0.0, "cpu"), shards=1, workers=1, bar=bar)  # a few MB: one shard
 
 
 def convert(release: Path, dst: Path) -> None:
@@ -371,6 +393,12 @@ def install(converted: Path, target: Path = ASSET_DIR) -> None:
 def save_ckpt(path: Path, model, opt, step: int, elapsed: float, be) -> None:
     buf = io.BytesIO()  # a few MB: written whole through the one atomic writer
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed}, buf)
+    atomic_write(path, buf.getvalue())
+
+
+def save_state(path: Path, model, info: dict) -> None:
+    buf = io.BytesIO()
+    torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "info": info}, buf)
     atomic_write(path, buf.getvalue())
 
 
@@ -404,6 +432,13 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-scope", choices=("values", "message"), default="values",
                     help="values: only the answer tokens quoting a tool-result value (temperature digits, condition, "
                     "city); message: the whole assistant message after the tool result")
+    ap.add_argument("--chat-frac", type=float, default=0.0,
+                    help="share of steps on chat-corpus batches (system prompts, follow-ups, tool loops, parallel "
+                    "calls, unknown countries, greetings, JSON answers: training/corpus_chat.py), drawn fresh")
+    ap.add_argument("--client-view", type=float, default=0.3,
+                    help="share of multi-turn chat conversations whose earlier assistant turns carry no reasoning "
+                    "(as API clients send history back); only the turns after the last user message are learnt")
+    ap.add_argument("--p-system", type=float, default=0.6, help="share of chat conversations with a system prompt")
     ap.add_argument("--probe", type=int, default=24,
                     help="teacher-forced copy probe before and after training: the 6 test cities with the test's "
                     "unseen tool result (variant 50) plus N random results (0: off)")
@@ -426,7 +461,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--from-state", type=Path, default=None, help="skip training: export (and install) this model state"
     )
-    ap.add_argument("--init-state", type=Path, default=None, help="start from this model state (fresh optimiser)")
+    ap.add_argument("--init-state", type=Path, default=None,
+                    help="start from this model state (fresh optimiser): a --state-out file or a converted tree")
     args = ap.parse_args(argv)
     assert args.synth_frac + args.tool_random_frac <= 1.0 + 1e-9, "--synth-frac + --tool-random-frac must be <= 1"
 
@@ -460,7 +496,12 @@ def main(argv=None) -> int:
         finish(model.cpu(), cfg, args.out, args.install, st.get("info", {}))
         return 0
     if args.init_state is not None:
-        model.load_state_dict(torch.load(args.init_state, map_location="cpu")["model"])
+        if args.init_state.is_dir():  # a converted tree (e.g. the shipped default model)
+            from tree_state import state_from_tree
+
+            model.load_state_dict(state_from_tree(args.init_state))
+        else:
+            model.load_state_dict(torch.load(args.init_state, map_location="cpu")["model"])
         log(f"initialised from {args.init_state}")
     probes = {}
     if args.probe > 0:
@@ -510,11 +551,17 @@ def main(argv=None) -> int:
         lr = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        pool = long_ex if rng.random() < p_long else short_ex
-        maxlen = max(len(e[0]) for e in pool)
-        bsz = max(1, min(len(pool), args.batch_tokens // maxlen))
-        picked = rng.sample(pool, bsz)
-        if pool is long_ex and args.synth_frac + args.tool_random_frac > 0:
+        pool = None
+        if args.chat_frac > 0 and rng.random() < args.chat_frac:  # the chat corpus (training/corpus_chat.py)
+            picked = chat_batch(rng, tok, args.batch_tokens, scope, args.client_view, args.p_system)
+        else:
+            pool = long_ex if rng.random() < p_long else short_ex
+            maxlen = max(len(e[0]) for e in pool)
+            bsz = max(1, min(len(pool), args.batch_tokens // maxlen))
+            picked = rng.sample(pool, bsz)
+        if pool is None:
+            pass
+        elif pool is long_ex and args.synth_frac + args.tool_random_frac > 0:
             # made-up cities (synth) or real cities with a random tool result: copying, not recall
             out = []
             for e in picked:
@@ -590,6 +637,8 @@ def main(argv=None) -> int:
             stats = new_stats(el)
         if time.perf_counter() - last_ckpt > args.ckpt_minutes * 60:
             save_ckpt(ckpt, model, opt, step, time.perf_counter() - t_start, be)
+            if args.state_out is not None:  # the model alone, so a run cut short still leaves a state
+                save_state(args.state_out, model, {"steps": step, "partial": True, "argv": sys.argv[1:]})
             last_ckpt = time.perf_counter()
 
     train_s = time.perf_counter() - t_start
@@ -603,13 +652,28 @@ def main(argv=None) -> int:
     info = {"steps": step, "train_minutes": round(train_s / 60, 2), "seed": args.seed, "device": str(device),
             "threads": args.threads, "argv": sys.argv[1:], "copy_probe": probes}
     if args.state_out is not None:
-        torch.save({"model": model.state_dict(), "info": info}, args.state_out)
+        save_state(args.state_out, model, info)
         log(f"saved model state: {args.state_out}")
     if not args.no_export:
         finish(model, cfg, args.out, args.install, info)
     else:
         (args.out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     return 0
+
+
+def chat_batch(rng: random.Random, tok, batch_tokens: int, scope: str, client_frac: float, p_system: float):
+    """Fresh chat-corpus conversations (split train) until the padded batch would pass
+    batch_tokens; `client_frac` of them in the client view (history without reasoning)."""
+    out, longest = [], 0
+    while True:
+        conv = corpus_chat.sample_chat(rng, "train", p_system=p_system)
+        if rng.random() < client_frac and sum(m["role"] == "user" for m in conv.messages) > 1:
+            conv = corpus_chat.client_view(conv)
+        ex = encode_example(tok, conv, scope)
+        if out and max(longest, len(ex[0])) * (len(out) + 1) > batch_tokens:
+            return out
+        out.append(ex)
+        longest = max(longest, len(ex[0]))
 
 
 def new_stats(t0: float = 0.0) -> dict:
