@@ -238,11 +238,17 @@ def _prefill(
     align = resume_align(model, stride)
     with torch.no_grad():
         for p in prompts:
-            snap = prefix.lookup(p, align) if prefix is not None else None
-            cache = snap.restore(device) if snap is not None else model.new_cache(1, device)
-            start = cache.lengths[0]
-            stops = PrefixCache.marks(start, len(p), stride) if prefix is not None else [len(p)]
-            logits = runner(prefill_steps(model, p, cache, stops, prefix, prefill_chunk, align))  # [1, 1, V]
+            if prefix is None:  # one forward over the whole prompt
+                cache, start = model.new_cache(1, device), 0
+                steps = model.forward_steps(torch.tensor([p], device=device), cache, last_only=True,
+                                            prefill_chunk=prefill_chunk)
+            else:
+                snap = prefix.lookup(p, align)
+                cache = snap.restore(device) if snap is not None else model.new_cache(1, device)
+                start = cache.lengths[0]
+                stops = PrefixCache.marks(start, len(p), stride)
+                steps = prefill_steps(model, p, cache, stops, prefix, prefill_chunk, align)
+            logits = runner(steps)  # [1, 1, V]
             caches.append(cache)
             last.append(logits[0, 0].float())
             cached.append(start)

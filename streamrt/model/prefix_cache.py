@@ -68,7 +68,9 @@ def resume_align(model, stride: int) -> int:
     """The positions a snapshot may be kept and resumed at, as a multiple: 1 where the model's
     backend computes a prefill row's bits whatever the rows beside it, else the prefill chunk
     `stride` (module doc: Exactness)."""
-    return 1 if getattr(model.backend, "prefill_rows_exact", True) or stride <= 0 else stride
+    if stride <= 0:
+        return 1
+    return 1 if getattr(model.backend, "prefill_rows_exact", True) else stride
 
 
 def _key(ids: Sequence[int]) -> bytes:
