@@ -5,14 +5,10 @@ never on window or device slots; the counters say what the CPU computed; bad val
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
+import serve_process
 
 from streamrt.cli.main import main
 
@@ -93,27 +89,15 @@ def test_serve_with_cpu_experts_answers_as_run_does(capsys, tmp_path):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     want, _ = run(capsys, tmp_path, "--cpu-experts", "0.5", "--max-new-tokens", "24")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "streamrt", "serve", "--port", "0", "--device", "cpu",
-                             "--cpu-experts", "0.5", "--log-level", "error"], stderr=subprocess.PIPE, text=True,
-                            env=env)
+    server = serve_process.serve("--device", "cpu", "--cpu-experts", "0.5")
+    url = server.url
     try:
-        url, deadline = None, time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)", line)
-            url, model = (m.group(2), m.group(1)) if m else (None, None)
-            if not line:
-                break
-        assert url, "server did not start"
-        threading.Thread(target=proc.stderr.read, daemon=True).start()
-        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24,
+        body = {"model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24,
                 "temperature": 0}
         got = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
         metrics = httpx.get(url + "/metrics", timeout=30).text
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
     assert want["thinking"] or want["content"]
     assert (got["content"] or "") == want["content"]
     assert (got.get("reasoning_content") or "") == want["thinking"]

@@ -8,21 +8,15 @@ the history as the client returns them (with `reasoning_content`, as the server 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
+import serve_process
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 STARTUP_S = 180
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -31,23 +25,9 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen([sys.executable, "-m", "streamrt", "serve", "--port", "0", "--max-batch", "4",
-                             "--log-level", "error"], stderr=subprocess.PIPE, text=True, env=ENV)
-    url, lines = None, []
-    deadline = time.monotonic() + STARTUP_S
-    while url is None and time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            model, url = m.group(1), m.group(2)
-    assert url, "server did not start:\n" + "".join(lines)
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300), model
-    proc.terminate()
-    proc.wait(timeout=30)
+    s = serve_process.serve("--max-batch", "4", startup_s=STARTUP_S)
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300), s.model
+    s.stop()
 
 
 def ask(server, messages: list[dict], tools=None):

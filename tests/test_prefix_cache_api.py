@@ -7,14 +7,10 @@ request of a conversation resumes at the first request's prompt end and reports 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
+import serve_process
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -22,35 +18,15 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 STARTUP_S = 300
-
-
-def _start(*flags: str):
-    proc = subprocess.Popen([sys.executable, "-m", "streamrt", "serve", "--port", "0", "--log-level", "error",
-                             *flags], stderr=subprocess.PIPE, text=True, env=ENV)
-    return proc
-
-
-def _url(proc) -> str:
-    lines, deadline = [], time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-            return m.group(1)
-    raise AssertionError("server did not start:\n" + "".join(lines))
 
 
 @pytest.fixture(scope="module")
 def servers():
-    procs = {"on": _start("--prefix-cache-mem", "256M"), "off": _start("--prefix-cache-mem", "0")}
+    procs = {"on": serve_process.start("--prefix-cache-mem", "256M"),
+             "off": serve_process.start("--prefix-cache-mem", "0")}
     try:
-        yield {k: _url(p) for k, p in procs.items()}
+        yield {k: serve_process.ready(p, STARTUP_S).url for k, p in procs.items()}
     finally:
         for p in procs.values():
             p.terminate()

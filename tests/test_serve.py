@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import serve_process
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -61,23 +61,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server(reference):
-    proc = subprocess.Popen([sys.executable, "-m", "streamrt", "serve", "--port", "0", "--max-batch", "20",
-                             "--max-queue", "32", "--log-level", "error"], stderr=subprocess.PIPE, text=True, env=ENV)
-    url, lines = None, []
-    deadline = time.monotonic() + STARTUP_S
-    while url is None and time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            model, url = m.group(1), m.group(2)
-    assert url, "server did not start:\n" + "".join(lines)
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-    yield {"url": url, "model": model}
-    proc.terminate()
-    proc.wait(timeout=30)
+    s = serve_process.serve("--max-batch", "20", "--max-queue", "32", startup_s=STARTUP_S)
+    yield {"url": s.url, "model": s.model}
+    s.stop()
 
 
 def _client(server) -> "openai.OpenAI":
