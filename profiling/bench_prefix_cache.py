@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_serve import launch, metrics  # the same server start and /metrics scrape
 
 
 def parse_args(argv=None):
@@ -154,26 +154,9 @@ def print_conversation(args, rows: list[dict], pc) -> None:
 
 
 def start_server(root: Path, args, flags: list[str]):
-    n = args.clients + 1
-    cmd = [sys.executable, "-m", "streamrt", "serve", "--model", str(root), "--port", "0", "--max-batch", str(n),
-           "--max-queue", str(n), "--log-level", "error", "--prefill-chunk", str(args.prefill_chunk), *flags]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    last = ""
-    for line in proc.stderr:
-        m = re.search(r"serving (\S+) on (http://\S+) ", line)
-        if m:
-            return proc, m.group(1), m.group(2)
-        last = line.strip() or last
-    raise SystemExit(f"server did not start (exit {proc.wait()}): {last}")
-
-
-def scrape(httpx, url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    n = str(args.clients + 1)
+    return launch(["--model", str(root), "--max-batch", n, "--max-queue", n, "--prefill-chunk",
+                   str(args.prefill_chunk), *flags])
 
 
 async def one_request(client, url: str, model: str, ids: list[int], max_tokens: int) -> tuple[float, int, int]:
@@ -200,11 +183,11 @@ async def fanout_run(url: str, model: str, prompts: list[list[int]], warm: list[
     async with httpx.AsyncClient(timeout=None) as client:
         if warm:
             await one_request(client, url, model, warm, 1)
-        before = scrape(httpx, url)
+        before = metrics(httpx, url)
         t0 = time.perf_counter()
         res = await asyncio.gather(*(one_request(client, url, model, p, max_tokens) for p in prompts))
         wall = time.perf_counter() - t0
-        after = scrape(httpx, url)
+        after = metrics(httpx, url)
     ttfts, h2d = [r[0] for r in res], "streamrt_expert_bytes_h2d_total"
     return {"ttft_p50_s": statistics.median(ttfts), "ttft_max_s": max(ttfts), "wall_s": wall,
             "tok_s": sum(r[1] for r in res) / wall, "cached_tokens": sum(r[2] for r in res),

@@ -56,10 +56,13 @@ def parse_args(argv=None):
 
 
 def start_server(args, runtime_flags) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "streamrt", "serve", "--port", "0", "--max-batch", str(max(args.clients)),
-           "--max-queue", str(max(args.clients)), "--log-level", "error", *runtime_flags]
-    if args.model:
-        cmd += ["--model", args.model]
+    flags = ["--max-batch", str(max(args.clients)), "--max-queue", str(max(args.clients)), *runtime_flags]
+    return launch(flags + (["--model", args.model] if args.model else []))
+
+
+def launch(flags: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """`streamrt serve --port 0 FLAGS` once it serves: (process, model id, URL)."""
+    cmd = [sys.executable, "-m", "streamrt", "serve", "--port", "0", "--log-level", "error", *flags]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     last = ""
     for line in proc.stderr:
