@@ -16,30 +16,23 @@ import torch
 
 import reference as ref
 from streamrt.backends.torch_backend import TorchBackend
-from streamrt.config import load_config
 from streamrt.errors import StreamrtError
 from streamrt.model import KimiLinearForCausalLM
 from streamrt.loader import DictExpertProvider
 from streamrt.model.cache import KDACache, MLACache
-from streamrt.model.synthetic import init_random_, random_experts
+from tiny_models import random_ids, random_model
 
 VARIANTS = ["tiny-k3", "tiny-k3.1-pro"]
 ROOT = Path(__file__).resolve().parents[1]
 
-_BUILT: dict = {}
 
 
 def build(name: str):
-    if name not in _BUILT:
-        cfg = load_config(name)
-        model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
-        init_random_(model, 0)
-        _BUILT[name] = (cfg, model, DictExpertProvider(random_experts(cfg, 100)))
-    return _BUILT[name]
+    return random_model(name, 0, 100)
 
 
 def tokens(cfg, n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return random_ids(cfg, n, seed)
 
 
 def rel(a, b) -> float:

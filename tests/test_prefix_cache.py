@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrt.config import load_config
 from streamrt.backends.torch_backend import TorchBackend
 from streamrt.generate import generate
 from streamrt.loader import DictExpertProvider
@@ -17,23 +16,17 @@ from streamrt.model import KimiLinearForCausalLM, run_sync
 from streamrt.model.cache import KDACache
 from streamrt.model.kda import KDA_CHUNK
 from streamrt.model.prefix_cache import MIN_NEW, PrefixCache, Snapshot, prefill_steps
-from streamrt.model.synthetic import init_random_, random_experts
+from tiny_models import random_ids, random_model
 
 VARIANTS = ["tiny-k3", "tiny-k3.1-pro"]
-_BUILT: dict = {}
 
 
 def build(name: str):
-    if name not in _BUILT:
-        cfg = load_config(name)
-        model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
-        init_random_(model, 7)
-        _BUILT[name] = (cfg, model, DictExpertProvider(random_experts(cfg, 11)))
-    return _BUILT[name]
+    return random_model(name, 7, 11)
 
 
 def tokens(cfg, n: int, seed: int) -> list[int]:
-    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_ids(cfg, n, seed).tolist()
 
 
 class Counting:

@@ -14,33 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrt.backends.torch_backend import TorchBackend
 from streamrt.checkpoint.reader import open_tree
 from streamrt.checkpoint.synth import synth
-from streamrt.config import load_config
-from streamrt.loader import DictExpertProvider, load_model
-from streamrt.model import KimiLinearForCausalLM
+from streamrt.loader import load_model
 from streamrt.model.cache import KDACache
-from streamrt.model.synthetic import init_random_, random_experts
 from streamrt.runtime.options import RuntimeOptions
 from streamrt.runtime.scheduler import StreamingRuntime
 from streamrt.store.keys import ExpertKey
+from tiny_models import random_ids, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
-_BUILT: dict = {}
 
 
 def build(name: str):
-    if name not in _BUILT:
-        cfg = load_config(name)
-        model = KimiLinearForCausalLM(cfg, backend=TorchBackend()).eval()
-        init_random_(model, 3)
-        _BUILT[name] = (cfg, model, DictExpertProvider(random_experts(cfg, 7)))
-    return _BUILT[name]
+    return random_model(name, 3, 7)
 
 
 def tokens(cfg, n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return random_ids(cfg, n, seed)
 
 
 def prefill(model, provider, ids, chunk: int, order: str, *, start=None, last_only=False):
