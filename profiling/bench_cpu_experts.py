@@ -8,7 +8,7 @@ last-level cache (keep experts x 18.6 MB well above the LLC). The RAM rate is a 
 buffer of `--ram-mib` float32 at the same thread count (a read-only stream, vectorised).
 
 One markdown row per (threads, rows): ms per expert, expert GB/s, RAM GB/s, and their ratio
-(issue 56's target: >= 0.8 at the thread count used). `--torch` adds the torch path's ms per
+(the target: >= 0.8 at the thread count used). `--torch` adds the torch path's ms per
 expert (dequantise + GEMV, what the runtime runs on a CPU today) at the same rows.
 
     python profiling/bench_cpu_experts.py --threads 1 2 --rows 1 4 16 --experts 16

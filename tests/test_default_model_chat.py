@@ -41,7 +41,7 @@ def history(message) -> dict:
     return message.model_dump(exclude_none=True)
 
 
-# What the shipped model does not do yet (issue 58; training/NOTES.md, stage 7): strict, so a model
+# What the shipped model does not do yet (training/NOTES.md, stage 7): strict, so a model
 # that reaches them turns these into failures that ask for the marker's removal.
 NOT_YET = pytest.mark.xfail(strict=True, reason="not reached by the shipped model (training/NOTES.md, stage 7)")
 PARIS = {"city": "Paris", "condition": "rainy", "temperature_c": 17}

@@ -52,7 +52,7 @@ def test_a_slower_cpu_gets_nothing_and_a_faster_one_its_share():
     assert choose_split(missed, link_s=0.34, cpu_s=lambda r: 8 * 0.34).cpu == ()  # slower than the whole layer
     half = choose_split(missed, link_s=0.34, cpu_s=lambda r: 0.34)
     assert len(half.cpu) == 4 and half.critical_s == pytest.approx(4 * 0.34)
-    fast = choose_split(missed, link_s=0.34, cpu_s=lambda r: 0.23)  # issue 56's H200 host: ~2.5x
+    fast = choose_split(missed, link_s=0.34, cpu_s=lambda r: 0.23)  # an H200 host's measured rates: ~2.5x
     floor = 8 / (1 / 0.23 + 1 / 0.34)  # the bytes divided between the two rates ideally
     assert len(fast.cpu) == 5 and floor <= fast.critical_s <= floor + 0.23  # whole experts: within one
 
