@@ -20,7 +20,7 @@ from torch import Tensor
 
 from streamrt.errors import StreamrtError
 from streamrt.model import ModelCache, logits_hash, run_sync  # noqa: F401  (re-exported)
-from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM, default_prefill_chunk
+from streamrt.model.model import ExpertProvider, ForwardSteps, KimiLinearForCausalLM
 from streamrt.model.prefix_cache import PrefixCache, prefill_steps, resume_align
 
 Runner = Callable[[ForwardSteps], Tensor]
@@ -233,8 +233,7 @@ def _prefill(
     device = model.lm_head.weight.device
     prefix = prefix if prefix is not None and prefix.enabled else None
     caches, last, cached = [], [], []
-    stride = 0 if prefix is None else int(prefill_chunk or model.prefill_chunk
-                                          or default_prefill_chunk(model.config, device))
+    stride = 0 if prefix is None else model.prefill_chunk_tokens(prefill_chunk, device)
     align = resume_align(model, stride)
     with torch.no_grad():
         for p in prompts:

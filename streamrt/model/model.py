@@ -274,7 +274,7 @@ class KimiLinearForCausalLM(nn.Module):
             logits = yield from forward.graphs.steps(ids, cache, last_only, forward.step_hint)  # replayed CUDA graphs
             return logits[0] if squeeze else logits
         if cache is not None and T > 1:
-            C = int(prefill_chunk or self.prefill_chunk or default_prefill_chunk(cfg, ids.device))
+            C = self.prefill_chunk_tokens(prefill_chunk, ids.device)
             if C < 1:
                 raise StreamrtError(f"prefill chunk must be >= 1 token, got {C}")
             if T > C and self.prefill_order == "layer":
@@ -314,13 +314,23 @@ class KimiLinearForCausalLM(nn.Module):
                 weights.release(layer.layer_idx)  # its buffer may be refilled once this compute ran
         if cache is not None:
             cache.advance(T)
+        return self.head(partial, blocks, be, B, T, last_only)
+
+    def head(self, partial: Tensor, blocks: list[Tensor], be, B: int, T: int, last_only: bool) -> Tensor:
+        """After the last layer: partial [B*T, D] and the block sources -> logits [B, T or 1, V]
+        (the final AttnRes mix, norm and lm_head; with `last_only` each row's last position)."""
         if last_only:  # every op below is row-wise
-            rows = torch.arange(B, device=ids.device) * T + (T - 1)
+            rows = torch.arange(B, device=partial.device) * T + (T - 1)
             partial, blocks, T = partial[rows], [b[rows] for b in blocks], 1
         h = attn_res(partial, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm, be,
                      self.model.norm)
         logits = be.linear(h, self.lm_head.weight)  # [N, V] fp32
         return logits.view(B, T, -1)
+
+    def prefill_chunk_tokens(self, requested: int | None, device) -> int:
+        """Tokens per prefill chunk on a cache: `requested`, else `self.prefill_chunk`, else
+        `default_prefill_chunk` from `device`'s free memory."""
+        return int(requested or self.prefill_chunk or default_prefill_chunk(self.config, device))
 
     def embed(self, ids: Tensor) -> Tensor:
         """ids [B, T] on the model's device -> their embeddings [B*T, D] fp32 there."""

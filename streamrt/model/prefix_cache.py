@@ -84,6 +84,14 @@ def _to_host(t: Tensor) -> Tensor:
     return out.copy_(t.detach())
 
 
+def _grown(t: Tensor, capacity: int, device) -> Tensor:
+    """An MLA cache tensor [1, n, d] of the snapshot back at the cache's capacity on `device`:
+    the n cached positions copied once, the rest zeros made there (not copied over the link)."""
+    out = torch.zeros(1, capacity, t.shape[2], dtype=t.dtype, device=device)
+    out[:, : t.shape[1]].copy_(t)
+    return out
+
+
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -135,9 +143,7 @@ class Snapshot:
         for kind, *parts in self.layers:
             if kind == "mla":
                 cap, *ts = parts
-                grown = [None if t is None else torch.cat((on(t), t.new_zeros(1, cap - t.shape[1], t.shape[2])
-                                                           .to(dev)), 1) for t in ts]
-                layers.append(MLACache(*grown))
+                layers.append(MLACache(*(None if t is None else _grown(t, cap, dev) for t in ts)))
             else:
                 *ts, anchor, pending = parts
                 lc = KDACache(*(on(t) for t in ts))

@@ -29,12 +29,8 @@ import torch
 from torch import Tensor
 
 from streamrt.expert_weights import answer_for_layer
-from streamrt.model.attnres import attn_res
 from streamrt.model.cache import ModelCache, Step
 from streamrt.model.moe import ExpertRequest
-
-PREFILL_ORDERS = ("layer", "chunk")
-
 
 def stationary_prefill(model, ids: Tensor, cache: ModelCache, chunk: int, last_only: bool):
     """ids [B, T] (checked, on the model's device, T > chunk) continuing `cache` -> logits
@@ -55,7 +51,7 @@ def stationary_prefill(model, ids: Tensor, cache: ModelCache, chunk: int, last_o
         finally:
             weights.release(layer.layer_idx)
     cache.advance(T)
-    outs = [_head(model, partial, blocks, be, B, t1 - t0, last_only)
+    outs = [model.head(partial, blocks, be, B, t1 - t0, last_only)
             for (partial, blocks), (t0, t1) in zip(states[-1:] if last_only else states,
                                                     spans[-1:] if last_only else spans)]
     return outs[-1] if last_only else torch.cat(outs, dim=1)
@@ -93,13 +89,3 @@ def _moe(moe, hs: list[Tensor], residuals: list[Tensor], be):
             r0 += n
         del req, whole
     return [moe.combine(u, r[3], be, (res,)) for u, r, res in zip(sums, routed, residuals)]
-
-
-def _head(model, partial: Tensor, blocks: list[Tensor], be, B: int, T: int, last_only: bool) -> Tensor:
-    """One chunk's final AttnRes mix, norm and lm_head -> logits [B, T or 1, V] (as forward_chunk)."""
-    if last_only:
-        rows = torch.arange(B, device=partial.device) * T + (T - 1)
-        partial, blocks, T = partial[rows], [b[rows] for b in blocks], 1
-    m = model.model
-    h = attn_res(partial, blocks, m.output_attn_res_proj, m.output_attn_res_norm, be, m.norm)
-    return be.linear(h, model.lm_head.weight).view(B, T, -1)  # [N, V] fp32

@@ -79,7 +79,6 @@ class Placement:
         compute = touched / (hbm_gbps * 1e9)
         return {"link_s": link, "compute_floor_s": compute, "s_per_token": max(link, compute)}
 
-
     def hybrid_s_per_token(self, cfg: ModelConfig, link_gbps: float, cpu_gbps: float,
                            hbm_gbps: float) -> dict[str, float]:
         """The split floor with the host CPUs computing missed experts at `cpu_gbps` of expert bytes:

@@ -403,7 +403,7 @@ class StreamingRuntime:
         disk = self.host.kind == "pool" or self.options.host_tier != "auto"
         payload = self.stats.payload(retire=self.retire, device=self.device, staging=True, disk=disk,
                                      bank=(self.cfg.expert_files, self.layout.file_bytes))
-        cpu_experts = getattr(getattr(self.model, "backend", None), "counts", None)  # --cpu-experts
+        cpu_experts = self._cpu_expert_counts
         return payload | cpu_experts.as_dict() if cpu_experts is not None else payload
 
     def reset_stats(self, *, keep_prefill: bool = False) -> None:
@@ -412,9 +412,13 @@ class StreamingRuntime:
         self.stats.reset(keep_prefill=keep_prefill)
         self.retire.retired = self.retire.released = 0
         self.device.full_synchronizes = 0
-        cpu_experts = getattr(getattr(self.model, "backend", None), "counts", None)
-        if cpu_experts is not None:
-            cpu_experts.reset()
+        if self._cpu_expert_counts is not None:
+            self._cpu_expert_counts.reset()
+
+    @property
+    def _cpu_expert_counts(self):
+        """The CPU expert kernel's counters (`--cpu-experts`: HostExpertBackend), else None."""
+        return getattr(getattr(self.model, "backend", None), "counts", None)
 
     def write_stats(self, path=None) -> dict:
         p = self.payload()

@@ -66,9 +66,7 @@ class ModelRunner:
     @property
     def prefill_stride(self) -> int:
         """Tokens per prefill chunk of a whole-prompt piece: the model's own chunking."""
-        from streamrt.model.model import default_prefill_chunk
-
-        return int(self.model.prefill_chunk or default_prefill_chunk(self.model.config, self._device))
+        return self.model.prefill_chunk_tokens(None, self._device)
 
     @property
     def prefill_rows_exact(self) -> bool:
