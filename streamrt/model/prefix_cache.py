@@ -185,16 +185,28 @@ class PrefixCache:
         """The snapshot of the longest prefix of `ids` that leaves at least MIN_NEW tokens and ends
         at a multiple of `align` (`resume_align`), or None."""
         self.stats.lookups += 1
+        found = self._find(ids, align)
+        if found is None:
+            return None
+        key, snap = found
+        self._entries.move_to_end(key)
+        self.stats.hits += 1
+        self.stats.cached_tokens += key[0]
+        return snap
+
+    def cached_length(self, ids: Sequence[int], align: int = 1) -> int:
+        """How many tokens of `ids` a `lookup` would resume now (0: none), without counting a
+        lookup or touching the LRU order: for deciding, not for resuming."""
+        found = self._find(ids, align)
+        return 0 if found is None else found[0][0]
+
+    def _find(self, ids: Sequence[int], align: int) -> tuple[tuple[int, bytes], Snapshot] | None:
         limit = len(ids) - MIN_NEW
         lengths = sorted(n for n in self._lengths if n <= limit and n % align == 0)
         for key in reversed(self._candidates(ids, lengths)):
-            n = key[0]
             snap = self._entries.get(key)
-            if snap is not None and snap.tokens == tuple(ids[:n]):
-                self._entries.move_to_end(key)
-                self.stats.hits += 1
-                self.stats.cached_tokens += n
-                return snap
+            if snap is not None and snap.tokens == tuple(ids[: key[0]]):
+                return key, snap
         return None
 
     @staticmethod
@@ -245,6 +257,18 @@ class PrefixCache:
         k = (end - MIN_NEW - start) // stride if stride > 0 else 0
         mid = start + k * stride
         return [mid, end] if k >= 1 and mid - start >= MIN_NEW else [end]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], block: int = 256) -> int:
+    """How many leading token ids `a` and `b` share: whole blocks compared as lists first (a
+    shared system prompt of thousands of tokens costs a few slice compares), then the first
+    differing block id by id."""
+    n, at = min(len(a), len(b)), 0
+    while at < n and a[at : at + block] == b[at : at + block]:
+        at += block
+    while at < n and a[at] == b[at]:
+        at += 1
+    return min(at, n)
 
 
 def prefill_steps(model, ids: Sequence[int], cache: ModelCache, stops: Sequence[int],

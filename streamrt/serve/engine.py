@@ -9,6 +9,11 @@ Each turn of `Engine.run`, at a step boundary:
             are prefilled, bit-identically), and goes in whole, or with `prefill_chunk` one chunk of that
             many tokens per boundary, so a long prompt is spread over several steps; at most
             `prefill_tokens` prompt tokens go in per boundary (the oldest piece always does).
+            A waiting job that shares a longer prefix with a prefill ahead of it than the
+            cache holds (clients sharing a system prompt, arriving together) follows it: the
+            leader gets a snapshot mark where the shared part ends, and the follower keeps its
+            place in the queue (jobs behind it go on) until the leader has passed the mark,
+            then resumes there and prefills only its own suffix.
             (Chunks must be multiples of the KDA chunk, 64, and are exact only on a model
             whose chunked prefill is bit-identical to the one-shot one: default off.)
   3. step   one forward for everything at this boundary: a decode step of every running row
@@ -39,8 +44,14 @@ import torch
 
 from streamrt.generate import apply_penalties, sample
 from streamrt.model import ModelCache
+from streamrt.model.prefix_cache import MIN_NEW, common_prefix
 
 log = logging.getLogger("streamrt.serve")
+
+# Tokens a waiting job must gain over what the prefix cache holds before it waits for a prefill
+# ahead of it to leave the prefix they share: the mark splits that prefill's piece, one more
+# forward for it, which a share shorter than one KDA chunk does not repay.
+MIN_SHARED = 64
 
 
 class QueueFull(Exception):
@@ -154,8 +165,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            while self.waiting and len(self.rows) + len(self.prefilling) < self.max_batch:
-                self.prefilling.append(self._admit(self.waiting.popleft()))
+            self._admit_waiting()
             await self._guarded(self._step(), [p.job for p in self.prefilling] + list(self.rows))
             await asyncio.sleep(0)
         for job in [p.job for p in self.prefilling] + list(self.rows) + list(self.waiting):
@@ -201,6 +211,44 @@ class Engine:
             if p.done == len(p.job.ids):
                 self._join(p, logits)
         self.prefilling = [p for p in self.prefilling if p.done < len(p.job.ids)]
+
+    def _admit_waiting(self) -> None:
+        """Waiting jobs take free rows in FIFO order; one that follows a prefill ahead of it
+        (`_follows`) keeps its place in the queue and the jobs behind it go on."""
+        held: deque[Job] = deque()
+        while self.waiting and len(self.rows) + len(self.prefilling) < self.max_batch:
+            job = self.waiting.popleft()
+            if self._follows(job):
+                held.append(job)
+            else:
+                self.prefilling.append(self._admit(job))
+        held.extend(self.waiting)
+        self.waiting = held
+
+    def _follows(self, job: Job) -> bool:
+        """Whether the job waits for a prefill ahead of it that shares a longer prefix with it
+        than the prefix cache holds: that prefill gets a snapshot mark at the shared length
+        (aligned down to `_resume_align`) and the job is admitted once it has passed it, to
+        resume there. A new mark must gain MIN_SHARED tokens; one the leader has already (its
+        own, or one placed for this job before the cache caught up part way) costs nothing
+        more. Only live prefills that have not passed the mark lead, so a cancelled or failed
+        leader (gone from `prefilling`) leaves its followers to be admitted as they are."""
+        if self.prefix is None:
+            return False
+        align = self._resume_align()
+        gain = max(align, MIN_SHARED)
+        cached = self.prefix.cached_length(job.ids, align)
+        best, leader = 0, None
+        for p in self.prefilling:
+            n = min(common_prefix(job.ids, p.job.ids), len(job.ids) - MIN_NEW) // align * align
+            worth = n - cached >= gain or (n > cached and n in p.stops)
+            if worth and not p.job.cancelled and n > max(best, p.done):
+                best, leader = n, p
+        if leader is None:
+            return False
+        if best not in leader.stops:
+            leader.stops = sorted(leader.stops + [best])
+        return True
 
     def _admit(self, job: Job) -> "_Prefill":
         """A prefill slot for the job: on its longest cached prefix's state, or a fresh cache."""
