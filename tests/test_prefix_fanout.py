@@ -84,11 +84,12 @@ def _prompts(cfg, seed: int, sizes) -> list[list[int]]:
 
 
 def _serve(runner, prompts, *, prefix: PrefixCache | None, prefill_chunk: int, max_tokens: int = 4,
-           cancel_first_after: int | None = None):
+           cancel_first_after: int | None = None, max_batch: int = 0):
     """Submit every prompt at once (greedy), run the engine until all end: the jobs."""
 
     async def go():
-        engine = Engine(runner, max_batch=len(prompts) + 1, prefill_chunk=prefill_chunk, prefix_cache=prefix)
+        engine = Engine(runner, max_batch=max_batch or len(prompts) + 1, prefill_chunk=prefill_chunk,
+                        prefix_cache=prefix)
         jobs = [Job(ids, max_tokens, frozenset()) for ids in prompts]
         for job in jobs:
             engine.submit(job)
@@ -142,6 +143,20 @@ def test_clients_sharing_a_system_prompt_prefill_it_once(name, rows_exact, chunk
         tokens, logits = _alone(model, prov, job.ids, chunk, rows_exact)
         assert job.finish_reason == "length" and job.tokens == tokens
         assert torch.equal(runner.first_logits(job.ids), logits)
+
+
+def test_followers_waiting_for_a_row_still_get_the_shared_snapshot():
+    """One batch row: the leader holds it while it prefills and decodes; the others, queued for the
+    row, mark the leader's prefill all the same and each resumes at the shared part's end."""
+    cfg, model, prov = _model("tiny-k3", True)
+    prompts = _prompts(cfg, 70, (8, 5, 11))
+    runner = TinyRunner(model, prov)
+    jobs = _serve(runner, prompts, prefix=PrefixCache(1 << 30), prefill_chunk=0, max_batch=1)
+    assert [j.cached_tokens for j in jobs] == [0, SYSTEM, SYSTEM]
+    assert runner.prefilled == SYSTEM + 8 + 5 + 11
+    for job in jobs:
+        tokens, logits = _alone(model, prov, job.ids, 0, True)
+        assert job.tokens == tokens and torch.equal(runner.first_logits(job.ids), logits)
 
 
 @pytest.mark.parametrize("how", ["cancelled", "failed"])

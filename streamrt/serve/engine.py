@@ -213,16 +213,15 @@ class Engine:
         self.prefilling = [p for p in self.prefilling if p.done < len(p.job.ids)]
 
     def _admit_waiting(self) -> None:
-        """Waiting jobs take free rows in FIFO order; one that follows a prefill ahead of it
-        (`_follows`) keeps its place in the queue and the jobs behind it go on."""
+        """Waiting jobs take free rows in FIFO order. One that follows a prefill ahead of it
+        (`_follows`, asked even while no row is free, so that the leader leaves the snapshot
+        before the follower's row comes) keeps its place, and the jobs behind it go on."""
         held: deque[Job] = deque()
-        while self.waiting and len(self.rows) + len(self.prefilling) < self.max_batch:
-            job = self.waiting.popleft()
-            if self._follows(job):
+        for job in self.waiting:
+            if self._follows(job) or len(self.rows) + len(self.prefilling) >= self.max_batch:
                 held.append(job)
             else:
                 self.prefilling.append(self._admit(job))
-        held.extend(self.waiting)
         self.waiting = held
 
     def _follows(self, job: Job) -> bool:
@@ -236,13 +235,17 @@ class Engine:
         if self.prefix is None:
             return False
         align = self._resume_align()
-        gain = max(align, MIN_SHARED)
-        cached = self.prefix.cached_length(job.ids, align)
-        best, leader = 0, None
+        shares = []
         for p in self.prefilling:
             n = min(common_prefix(job.ids, p.job.ids), len(job.ids) - MIN_NEW) // align * align
-            worth = n - cached >= gain or (n > cached and n in p.stops)
-            if worth and not p.job.cancelled and n > max(best, p.done):
+            if n > p.done and not p.job.cancelled:
+                shares.append((n, p))
+        if not shares:  # the common case, an unrelated job: no hashing of its ids
+            return False
+        cached = self.prefix.cached_length(job.ids, align)
+        best, leader = 0, None
+        for n, p in shares:
+            if n > best and (n - cached >= max(align, MIN_SHARED) or (n > cached and n in p.stops)):
                 best, leader = n, p
         if leader is None:
             return False
