@@ -3,7 +3,8 @@ second turn resumes at the first turn's prompt end, and answers as with the cach
 through the official `openai` client: the second
 request of a conversation resumes at the first request's prompt end and reports it as
 `usage.prompt_tokens_details.cached_tokens`; its answer equals a server with the cache off
-(`--prefix-cache-mem 0`); `/metrics` counts the cached tokens and the snapshot bytes."""
+(`--prefix-cache-mem 0`); `/metrics` counts the cached tokens and the snapshot bytes. Requests
+sharing a prefix that queue together resume from the first one's prefill of it."""
 
 from __future__ import annotations
 
@@ -112,3 +113,47 @@ def test_chat_keeps_its_history_as_a_cached_prefix(default_model_copy, monkeypat
     assert [r["stats"]["cached_tokens"] for r in off] == [0, 0]
     assert [(r["content"], r["thinking"], r["stats"]["logits_hash"]) for r in on] == \
         [(r["content"], r["thinking"], r["stats"]["logits_hash"]) for r in off]
+
+
+def test_clients_sharing_a_prefix_sent_together_resume_from_the_first():
+    """A one-row server, its row held by an unrelated stream while four completions that share a
+    200-token prefix queue up; the stream goes away: the first of the four prefills the prefix,
+    the other three resume where it ends (`cached_tokens`), and every answer equals the cache-off
+    server's for the same prompt."""
+    import asyncio
+    import random
+
+    rng = random.Random(5)
+    shared = [rng.randrange(300) for _ in range(200)]
+    prompts = [shared + [300 + i] + [rng.randrange(300) for _ in range(9 + 3 * i)] for i in range(4)]
+    server = serve_process.serve("--max-batch", "1", "--prefix-cache-mem", "256M", startup_s=STARTUP_S)
+    off = serve_process.serve("--prefix-cache-mem", "0", startup_s=STARTUP_S)
+
+    def body(model, prompt, **kw):
+        return {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, **kw}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            async with c.stream("POST", "/v1/completions", json=body(server.model, [301] * 30, max_tokens=1500,
+                                                                         stream=True)) as blocker:
+                lines = blocker.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass  # the unrelated stream holds the row
+                sent = [asyncio.ensure_future(c.post("/v1/completions", json=body(server.model, p))) for p in prompts]
+                for _ in range(3000):
+                    text = (await c.get("/metrics")).text
+                    if re.search(r"^streamrt_queue_depth 4(\.0)?$", text, re.M):
+                        break
+                    await asyncio.sleep(0.01)
+            return [(await r).json() for r in sent]
+
+    try:
+        got = asyncio.run(go())
+        ref = [httpx.post(off.url + "/v1/completions", json=body(off.model, p), timeout=300).json() for p in prompts]
+    finally:
+        server.stop()
+        off.stop()
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in got]
+    assert sorted(cached) == [0, 200, 200, 200], cached
+    assert [r["choices"][0]["text"] for r in got] == [r["choices"][0]["text"] for r in ref]
+    assert [r["usage"]["completion_tokens"] for r in got] == [r["usage"]["completion_tokens"] for r in ref]
