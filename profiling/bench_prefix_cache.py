@@ -16,9 +16,11 @@ and checks that the cached first-token logits equal the uncached ones bit for bi
 
 fanout (two `streamrt serve` children, the cache on then off, in the same run): `--clients`
 concurrent streaming /v1/completions requests, each a shared `--system`-token prefix plus its
-own `--suffix` tokens, `--max-tokens` each; with the cache on one request goes first alone, so
-its prefill leaves the snapshot at the system prefix's last chunk boundary. Reports TTFT p50 /
-max, aggregate tok/s, the cached tokens and the expert bytes over the link from /metrics.
+own `--suffix` tokens, `--max-tokens` each, all sent at once after one warm-up request with an
+unrelated prefix (so nothing of the system prefix is cached before they arrive): with the cache
+on, the first to be admitted prefills the system prefix and the others wait for its snapshot
+there, then prefill only their suffixes (serve/engine.py). Reports TTFT p50 / max, aggregate
+tok/s, the cached tokens and the expert bytes over the link from /metrics.
 
 Runtime flags this script does not know (--device, --backend, --gpu-experts, ...) go to the
 runtime in-process and to both servers. --model DIR: a converted tree; --config NAME: a bundled
@@ -200,7 +202,7 @@ def fanout(args, root: Path, runtime_flags: list[str]) -> dict:
     vocab = open_tree(root).config.vocab_size
     system = random_ids(vocab, args.system, args.seed + 100)
     prompts = [system + random_ids(vocab, args.suffix, args.seed + 200 + i) for i in range(args.clients)]
-    warm = system + random_ids(vocab, args.suffix, args.seed + 199)
+    warm = random_ids(vocab, args.system + args.suffix, args.seed + 199)  # same size, shares nothing
     out = {}
     for label, flags in (("cache on", []), ("cache off", ["--prefix-cache-mem", "0"])):
         proc, model, url = start_server(root, args, runtime_flags + flags)
@@ -210,7 +212,7 @@ def fanout(args, root: Path, runtime_flags: list[str]) -> dict:
             proc.terminate()
             proc.wait(timeout=60)
     print(f"\nfanout: {args.clients} clients, shared {args.system} + own {args.suffix} tokens, {args.max_tokens} "
-          f"tokens each (cache on: one request first, alone)")
+          f"tokens each, sent together")
     print(f"{'':<10}{'TTFT p50 s':>11}{'TTFT max s':>11}{'tok/s':>9}{'cached':>9}{'link GB':>9}")
     for label, r in out.items():
         print(f"{label:<10}{r['ttft_p50_s']:>11.3f}{r['ttft_max_s']:>11.3f}{r['tok_s']:>9.2f}{r['cached_tokens']:>9}"
