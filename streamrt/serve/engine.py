@@ -49,8 +49,8 @@ from streamrt.model.prefix_cache import MIN_NEW, common_prefix
 log = logging.getLogger("streamrt.serve")
 
 # Tokens a waiting job must gain over what the prefix cache holds before it waits for a prefill
-# ahead of it to leave the prefix they share: the mark splits that prefill's piece, one more
-# forward for it, which a share shorter than one KDA chunk does not repay.
+# ahead of it to leave the prefix they share: the new mark splits that prefill's piece (one
+# more forward for it), so a share shorter than one KDA chunk is prefilled again instead.
 MIN_SHARED = 64
 
 
