@@ -159,6 +159,17 @@ def test_followers_waiting_for_a_row_still_get_the_shared_snapshot():
         assert job.tokens == tokens and torch.equal(runner.first_logits(job.ids), logits)
 
 
+def test_a_short_share_is_not_waited_for():
+    """Two prompts that share 40 tokens (under one KDA chunk): both prefill at once, whole."""
+    cfg, model, prov = _model("tiny-k3", True)
+    a, b = (random_ids(cfg, 60, s).tolist() for s in (80, 81))
+    b[:40] = a[:40]
+    b[40] = (a[40] + 1) % cfg.vocab_size
+    runner = TinyRunner(model, prov)
+    jobs = _serve(runner, [a, b], prefix=PrefixCache(1 << 30), prefill_chunk=0)
+    assert runner.calls[0] == (60, 60) and [j.cached_tokens for j in jobs] == [0, 0]
+
+
 @pytest.mark.parametrize("how", ["cancelled", "failed"])
 def test_a_follower_whose_leader_is_gone_completes_on_its_own(how):
     """The leader's prefill spans several steps (64-token pieces); it is cancelled (or its forward
