@@ -1,11 +1,10 @@
 """`profiling/stress_determinism.py` in its CI form: every sweep knob (window, slots, policy,
-staging, stage depth and cap, pool tier, evict sync, prefill chunk, batch, lockstep, operand
-alignment) through the
-streaming runtime on the CPU twin made late (copies on a copy-stream thread after random delays,
-events that complete late, destinations poisoned until their copy ran), with random delays
-where mappings open and disk reads end and the page cache dropped before each run: every
-logits hash equal to the direct provider's. And the stress test sees the bugs it is there for,
-put back one at a time."""
+staging, stage depth and cap, pool tier, evict sync, prefill chunk, batch, lockstep) and operand
+alignment through the streaming runtime on the CPU twin made late (copies on a copy-stream
+thread after random delays, events that complete late, destinations poisoned until their copy
+ran), with random delays where mappings open and disk reads end and the page cache dropped
+before each run: every logits hash equal to the direct provider's. And the stress test sees the
+bugs it is there for, put back one at a time."""
 
 from __future__ import annotations
 
