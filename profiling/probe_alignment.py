@@ -67,7 +67,7 @@ def cases() -> list[tuple[str, callable, list]]:
         out.append((f"mv f32 [{m},{k}]x[{k}]", torch.mv, [((m, k), f32), ((k,), f32)]))
     for b, n, k, m in ((2, 1, 16, 32), (2, 64, 32, 16), (8, 16, 256, 64)):
         out.append((f"bmm f32 [{b},{n},{k}]@[{b},{k},{m}]", torch.bmm, [((b, n, k), f32), ((b, k, m), f32)]))
-    for n, d in ((2, 37), (4, 64), (64, 1024)):
+    for n, d in ((2, 37), (4, 64), (64, 1024), (3, 1027)):
         out.append((f"softmax f32 [{n},{d}]", lambda x: torch.softmax(x, -1), [((n, d), f32)]))
         out.append((f"layer_norm f32 [{n},{d}]", lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
                     [((n, d), f32), ((d,), f32), ((d,), f32)]))
@@ -76,6 +76,9 @@ def cases() -> list[tuple[str, callable, list]]:
         out.append((f"sigmoid f32 [{n},{d}]", torch.sigmoid, [((n, d), f32)]))
         out.append((f"silu f32 [{n},{d}]", F.silu, [((n, d), f32)]))
         out.append((f"exp f32 [{n},{d}]", torch.exp, [((n, d), f32)]))
+        out.append((f"tanh f32 [{n},{d}]", torch.tanh, [((n, d), f32)]))
+        out.append((f"rsqrt f32 [{n},{d}]", lambda x: torch.rsqrt(x.abs() + 1e-3), [((n, d), f32)]))
+        out.append((f"sum(-2) f32 [{n},{d}]", lambda x: x.sum(-2), [((n, d), f32)]))
         out.append((f"bf16->f32 [{n},{d}]", lambda x: x.float(), [((n, d), bf16)]))
     return out
 
