@@ -9,8 +9,10 @@ file, no store, no runtime), teacher-forced over a fixed continuation, one logit
 forward. Every point then runs the same forwards through `StreamingRuntime` and every hash is
 compared with the reference's. Points move one knob each: host window, device slots, policy,
 `--copies sync`, stage depth and stage cap, the pool tier (with few buffers and reader threads),
-`--evict sync`, the prefill chunk, a batch of two, and two forwards in lockstep (the server's
-prefill beside its decode step).
+`--evict sync`, the prefill chunk, a batch of two, two forwards in lockstep (the server's
+prefill beside its decode step), and operand alignment (`misalign`: every dense weight, and
+every device slot an expert is computed from, moved off the 64-byte boundary; a BLAS path
+that depended on alignment would change the hash).
 
 What makes rare interleavings common (all from this script; the runtime has no hook for it):
   async     `LateCpuDevice`: host-to-device copies run on a copy-stream thread, FIFO, each after
@@ -41,6 +43,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -63,6 +66,7 @@ def points() -> list[dict]:
     pts += [{"evict": "sync", "window": 2}, {"prefetch": "discard"}, {"preparse": True, "window": 8}]
     pts += [{"_chunk": 64}, {"_chunk": 128, "gpu_experts": 8}]
     pts += [{"_batch": 2, "gpu_experts": 16}, {"_lockstep": True, "gpu_experts": 16}]
+    pts += [{"_misalign": 16, "gpu_experts": 16}, {"_misalign": 4, "window": 2, "gpu_experts": 4}]
     return pts
 
 
@@ -285,8 +289,35 @@ def reference(tree, model) -> list[list[str]]:
     return [forwards(model, lambda g, _: run_sync(g, provider), [p], None, False)[0] for p in PROMPTS]
 
 
+@contextmanager
+def misaligned(model, device, offset: int):
+    """The model's weights, and the device's slot slabs and buffers, `offset` bytes past a 64-byte
+    boundary for the duration; yields the device (a plain CpuDevice when None was given)."""
+    from probe_alignment import placed
+    from streamrt.runtime.streams import CpuDevice
+
+    device = device or CpuDevice()
+    device.alloc_slab = lambda slots, n: placed(torch.empty(slots * n, dtype=torch.uint8), offset).view(slots, n)
+    device.alloc_buffer = lambda n: placed(torch.empty(n, dtype=torch.uint8), offset)
+    saved = [(t, t.data) for t in list(model.parameters()) + list(model.buffers())]
+    for t, data in saved:
+        t.data = placed(data.contiguous(), offset)
+    try:
+        yield device
+    finally:
+        for t, data in saved:
+            t.data = data
+
+
 def run_point(tree, model, point: dict, *, device=None) -> list[list[str]]:
     """The point's forwards through a StreamingRuntime: hashes per prompt (both prompts)."""
+    if point.get("_misalign"):
+        with misaligned(model, device, point["_misalign"]) as dev:
+            return _run_point(tree, model, {k: v for k, v in point.items() if k != "_misalign"}, device=dev)
+    return _run_point(tree, model, point, device=device)
+
+
+def _run_point(tree, model, point: dict, *, device=None) -> list[list[str]]:
     from streamrt.runtime.options import RuntimeOptions
     from streamrt.runtime.scheduler import StreamingRuntime
 
@@ -309,7 +340,8 @@ def run_point(tree, model, point: dict, *, device=None) -> list[list[str]]:
 def plant(bug: str) -> None:
     """A known bug put back (the stress test's own check: it must see it). no-wait: compute
     takes a slot without waiting for its copy event; no-retire: an evicted mapping is released
-    without waiting for the copies queued from it."""
+    without waiting for the copies queued from it; align-path: a product whose bits depend on its
+    weight's alignment (as a BLAS with an aligned fast path may), which only the misalign points see."""
     from streamrt.runtime.streamed import StreamedExperts
     from streamrt.store.retire import RetireQueue
 
@@ -328,8 +360,18 @@ def plant(bug: str) -> None:
             return n
 
         RetireQueue.release = release
+    elif bug == "align-path":
+        from streamrt.backends.torch_backend import TorchBackend
+
+        product = TorchBackend._product
+
+        def by_address(self, x, w):
+            y = product(self, x, w)
+            return y * (1 + (w.data_ptr() % 64) * 2**-22)  # one rounding per address class
+
+        TorchBackend._product = by_address
     else:
-        raise SystemExit(f"--plant: expected no-wait or no-retire, got {bug!r}")
+        raise SystemExit(f"--plant: expected no-wait, no-retire or align-path, got {bug!r}")
 
 
 def worker(args) -> int:
@@ -438,7 +480,7 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--points", metavar="I,J", help="only these points (indices into points())")
-    ap.add_argument("--plant", choices=("no-wait", "no-retire"), help="put a known bug back (self-check)")
+    ap.add_argument("--plant", choices=("no-wait", "no-retire", "align-path"), help="put a known bug back (self-check)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name in ("processes", "parallel", "rounds"):
@@ -465,6 +507,8 @@ def main(argv=None) -> int:
             args.model = f"{tmp}/tiny"
             synth("tiny-k3.1-pro", Path(args.model), fmt="streamrt", seed=0, workers=1, progress=False)
         tree = open_tree(Path(args.model))
+        if args.plant:  # the reference runs it too: only what differs from the reference's path shows
+            plant(args.plant)
         ref = reference(tree, load_model(tree, "cpu", dtype=None))
         flags = [f"--no-{k}" for k in ("late", "delays", "evict") if not getattr(args, k)]
         flags += [f"--{k}={getattr(args, k)}" for k in ("points", "plant") if getattr(args, k)]

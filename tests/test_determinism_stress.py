@@ -1,10 +1,10 @@
 """`profiling/stress_determinism.py` in its CI form: every sweep knob (window, slots, policy,
-staging, stage depth and cap, pool tier, evict sync, prefill chunk, batch, lockstep) through the
-streaming runtime on the CPU twin made late (copies on a copy-stream thread after random delays,
-events that complete late, destinations poisoned until their copy ran), with random delays
-where mappings open and disk reads end and the page cache dropped before each run: every
-logits hash equal to the direct provider's. And the stress test sees the bugs it is there for,
-put back one at a time."""
+staging, stage depth and cap, pool tier, evict sync, prefill chunk, batch, lockstep) and operand
+alignment through the streaming runtime on the CPU twin made late (copies on a copy-stream
+thread after random delays, events that complete late, destinations poisoned until their copy
+ran), with random delays where mappings open and disk reads end and the page cache dropped
+before each run: every logits hash equal to the direct provider's. And the stress test sees the
+bugs it is there for, put back one at a time."""
 
 from __future__ import annotations
 
@@ -41,3 +41,12 @@ def test_stress_sees_a_missing_wait(tmp_path, bug, points):
     copies queued from it ran: the CPU twin's always-complete events would hide both."""
     rc, r, log = stress(tmp_path, "--points", points, "--plant", bug)
     assert rc == 1 and r["differing"] > 0, log
+
+
+def test_stress_sees_an_alignment_dependent_product(tmp_path):
+    """A product whose bits depend on its weight's address modulo 64 (a BLAS with an aligned fast
+    path): the point that moves every weight and slot off the 64-byte boundary sees it; the
+    default point, whose operands sit where the reference's do, does not."""
+    rc, r, log = stress(tmp_path, "--points", "0,28", "--plant", "align-path")
+    assert rc == 1 and r["differing"] > 0, log
+    assert all(p.startswith("point 28 ") for p in r["problems"]), log
