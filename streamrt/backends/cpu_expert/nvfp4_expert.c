@@ -33,8 +33,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define SRT_PATH "avx512"
-#define RT_MAX 8 /* x rows in a tile: their accumulators and x blocks stay in the 32 registers */
-#define WT_FOR(rt) ((rt) <= 2 ? 8 : (rt) <= 5 ? 4 : 2)
+#define RT_MAX 5 /* x rows in a tile: their accumulators and x blocks stay in the 32 registers */
+#define WT_FOR(rt) ((rt) <= 2 ? 8 : 4)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SRT_PATH "avx2"
@@ -182,15 +182,14 @@ typedef struct {
             }                                                                                             \
     }
 /* One copy per (weight rows, x rows) a path uses. */
-#if RT_MAX == 8
-#define SRT_TILES(W) SRT_TILE(W, 1) SRT_TILE(W, 2) SRT_TILE(W, 3) SRT_TILE(W, 4) \
-    SRT_TILE(W, 5) SRT_TILE(W, 6) SRT_TILE(W, 7) SRT_TILE(W, 8)
+#if RT_MAX == 5
+#define SRT_TILES(W) SRT_TILE(W, 1) SRT_TILE(W, 2) SRT_TILE(W, 3) SRT_TILE(W, 4) SRT_TILE(W, 5)
 #else
 #define SRT_TILES(W) SRT_TILE(W, 1) SRT_TILE(W, 2) SRT_TILE(W, 3) SRT_TILE(W, 4)
 #endif
 SRT_TILES(2)
 SRT_TILES(4)
-#if RT_MAX == 8
+#if RT_MAX == 5
 SRT_TILES(8)
 #endif
 #undef SRT_BLOCK
@@ -200,11 +199,9 @@ typedef void (*tile_fn)(const wtile *, const float *, int64_t, int64_t, float *)
 static tile_fn pick_tile(int wt, int rt) {
 #define SRT_ROW(W)                                                                          \
     {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4}
-#if RT_MAX == 8
-#define SRT_ROW8(W)                                                                         \
-    {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4, tile_##W##_5, tile_##W##_6,   \
-     tile_##W##_7, tile_##W##_8}
-    static const tile_fn table[3][8] = {SRT_ROW8(2), SRT_ROW8(4), SRT_ROW8(8)};
+#if RT_MAX == 5
+#define SRT_ROW5(W) {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4, tile_##W##_5}
+    static const tile_fn table[3][5] = {SRT_ROW5(2), SRT_ROW5(4), SRT_ROW5(8)};
 #else
     static const tile_fn table[2][4] = {SRT_ROW(2), SRT_ROW(4)};
 #endif
