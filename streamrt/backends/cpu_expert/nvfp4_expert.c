@@ -34,7 +34,7 @@
 #include <immintrin.h>
 #define SRT_PATH "avx512"
 #define RT_MAX 5 /* x rows in a tile: their accumulators and x blocks stay in the 32 registers */
-#define WT_FOR(rt) ((rt) <= 2 ? 8 : 4)
+#define WT_FOR(rt) 4 /* more weight rows only spill their pointers */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SRT_PATH "avx2"
@@ -68,13 +68,6 @@ __attribute__((constructor)) static void build_scaled(void) {
 
 const char *srt_cpu_expert_path(void) { return SRT_PATH; }
 
-/* The fixed reduction of 16 lanes. */
-static inline float lane_sum(float *a) {
-    for (int w = 8; w >= 1; w >>= 1)
-        for (int l = 0; l < w; l++) a[l] += a[l + w];
-    return a[0];
-}
-
 /* Lane order: a block's 64-bit word of 16 nibbles is broadcast to every 64-bit lane and 64-bit lane k
    shifted right by 4k bits, so 32-bit lane 2k holds element k and lane 2k + 1 element k + 8 in its
    low nibble: no shuffle to unpack. x is stored in the same order (lane_of), once per call. */
@@ -90,7 +83,15 @@ typedef __m512 v16;
 INL v16 v_zero(void) { return _mm512_setzero_ps(); }
 INL v16 v_load(const float *x) { return _mm512_loadu_ps(x); }
 INL v16 v_fma(v16 w, v16 x, v16 acc) { return _mm512_fmadd_ps(w, x, acc); }
-INL void v_store(float *p, v16 a) { _mm512_storeu_ps(p, a); }
+INL __m128 sum8(__m256 s8) { /* the tree from lanes l + 4 on, on 8 lanes already added to l + 8 */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_add_ss(s2, _mm_movehdup_ps(s2));
+}
+INL float v_sum(v16 a) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return _mm_cvtss_f32(sum8(_mm256_add_ps(_mm512_castps512_ps256(a), hi)));
+}
 INL v16 v_decode(const uint8_t *word, const float *lut) { /* vpermps reads the low 4 bits of each index */
     const __m512i shift = _mm512_set_epi64(28, 24, 20, 16, 12, 8, 4, 0);
     uint64_t q;
@@ -103,7 +104,12 @@ typedef struct { __m256 a, b; } v16;
 INL v16 v_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 INL v16 v_load(const float *x) { return (v16){_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)}; }
 INL v16 v_fma(v16 w, v16 x, v16 acc) { return (v16){_mm256_fmadd_ps(w.a, x.a, acc.a), _mm256_fmadd_ps(w.b, x.b, acc.b)}; }
-INL void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+INL float v_sum(v16 v) { /* the tree: l + 8, l + 4, l + 2, l + 1 */
+    __m256 s8 = _mm256_add_ps(v.a, v.b);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
 INL __m256 decode8(__m256i c, __m256 pos) { /* codes 0..7 by the low 3 bits; bit 3 flips the sign */
     __m256i sign = _mm256_and_si256(_mm256_slli_epi32(c, 28), _mm256_set1_epi32((int)0x80000000u));
     return _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, c), _mm256_castsi256_ps(sign));
@@ -124,7 +130,11 @@ INL v16 v_fma(v16 w, v16 x, v16 acc) {
     for (int l = 0; l < BLOCK; l++) acc.l[l] = fmaf(w.l[l], x.l[l], acc.l[l]);
     return acc;
 }
-INL void v_store(float *p, v16 v) { memcpy(p, v.l, sizeof v.l); }
+INL float v_sum(v16 v) { /* the tree: l + 8, l + 4, l + 2, l + 1 */
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int l = 0; l < w; l++) v.l[l] += v.l[l + w];
+    return v.l[0];
+}
 INL v16 v_decode(const uint8_t *word, const float *lut) { /* lane 2k: nibble k; lane 2k + 1: nibble k + 8 */
     uint64_t w;
     memcpy(&w, word, 8);
@@ -141,7 +151,7 @@ INL v16 v_decode(const uint8_t *word, const float *lut) { /* lane 2k: nibble k; 
    prefetch lie (0: none; else the same row of the next tile, `pf` bytes of nibbles and `pfs`
    scale bytes on). */
 typedef struct {
-    const uint8_t *p[8], *s[8];
+    const uint8_t *p[4], *s[4];
     ptrdiff_t pf, pfs;
 } wtile;
 
@@ -162,7 +172,6 @@ typedef struct {
 #define SRT_TILE(WT, RT)                                                                                  \
     static void tile_##WT##_##RT(const wtile *t, const float *x, int64_t ldx, int64_t nblk, float *sums) { \
         v16 acc[WT][RT];                                                                                  \
-        float lanes[BLOCK];                                                                               \
         for (int w = 0; w < WT; w++)                                                                      \
             for (int r = 0; r < RT; r++) acc[w][r] = v_zero();                                            \
         int64_t b = 0;                                                                                    \
@@ -176,10 +185,7 @@ typedef struct {
         }                                                                                                 \
         for (; b < nblk; b++) SRT_BLOCK(b, WT, RT);                                                             \
         for (int w = 0; w < WT; w++)                                                                      \
-            for (int r = 0; r < RT; r++) {                                                                \
-                v_store(lanes, acc[w][r]);                                                                \
-                sums[w * RT + r] = lane_sum(lanes);                                                       \
-            }                                                                                             \
+            for (int r = 0; r < RT; r++) sums[w * RT + r] = v_sum(acc[w][r]);                             \
     }
 /* One copy per (weight rows, x rows) a path uses. */
 #if RT_MAX == 5
@@ -189,9 +195,6 @@ typedef struct {
 #endif
 SRT_TILES(2)
 SRT_TILES(4)
-#if RT_MAX == 5
-SRT_TILES(8)
-#endif
 #undef SRT_BLOCK
 
 typedef void (*tile_fn)(const wtile *, const float *, int64_t, int64_t, float *);
@@ -201,11 +204,11 @@ static tile_fn pick_tile(int wt, int rt) {
     {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4}
 #if RT_MAX == 5
 #define SRT_ROW5(W) {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4, tile_##W##_5}
-    static const tile_fn table[3][5] = {SRT_ROW5(2), SRT_ROW5(4), SRT_ROW5(8)};
+    static const tile_fn table[2][5] = {SRT_ROW5(2), SRT_ROW5(4)};
 #else
     static const tile_fn table[2][4] = {SRT_ROW(2), SRT_ROW(4)};
 #endif
-    return table[wt == 2 ? 0 : wt == 4 ? 1 : 2][rt - 1];
+    return table[wt == 4][rt - 1];
 }
 
 /* SiTU-GLU: beta tanh(g / beta) sigmoid(g) * (lin_beta tanh(u / lin_beta) or u); beta = inf: SiLU. */
@@ -241,7 +244,7 @@ static void glu_group(const srt_expert_job *j, int64_t i0, int64_t dl, int64_t i
     const int64_t kb = dl / BLOCK, rowb = dl / 2;
     int wt, ntiles = row_tiles(j->m, &wt);
     const int pairs = wt / 2;
-    float sums[8 * RT_MAX];
+    float sums[4 * RT_MAX];
     for (int64_t i = i0; i < i0 + GROUP; i += pairs) {
         wtile t = {.pf = pairs * rowb, .pfs = pairs * kb};
         for (int q = 0; q < pairs; q++)
@@ -268,7 +271,7 @@ static void glu_group(const srt_expert_job *j, int64_t i0, int64_t dl, int64_t i
 static void down_group(const srt_expert_job *j, int64_t d0, int64_t dl, int64_t inter) {
     const int64_t kb = inter / BLOCK, rowb = inter / 2;
     int wt, ntiles = row_tiles(j->m, &wt);
-    float sums[8 * RT_MAX];
+    float sums[4 * RT_MAX];
     for (int64_t d = d0; d < d0 + GROUP; d += wt) {
         wtile t = {.pf = wt * rowb, .pfs = wt * kb};
         for (int w = 0; w < wt; w++) {
