@@ -34,7 +34,7 @@
 #include <immintrin.h>
 #define SRT_PATH "avx512"
 #define RT_MAX 5 /* x rows in a tile: their accumulators and x blocks stay in the 32 registers */
-#define WT_FOR(rt) 4 /* more weight rows only spill their pointers */
+#define WT_FOR(rt) 4 /* weight rows in a tile; 8 spilled their pointers to the stack */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SRT_PATH "avx2"
@@ -156,36 +156,36 @@ typedef struct {
 } wtile;
 
 /* One step of the tile: block b of every weight row against block b of every x row. */
-#define SRT_BLOCK(b, WT, RT)                                                                 \
-    do {                                                                               \
-        v16 xv[RT];                                                                    \
-        for (int r = 0; r < RT; r++) xv[r] = v_load(x + r * ldx + BLOCK * (b));        \
-        for (int w = 0; w < WT; w++) {                                                 \
-            v16 wv = v_decode(t->p[w] + 8 * (b), SCALED[t->s[w][b]]);                  \
-            for (int r = 0; r < RT; r++) acc[w][r] = v_fma(wv, xv[r], acc[w][r]);       \
-        }                                                                              \
+#define SRT_BLOCK(b, WT, RT)                                                                                  \
+    do {                                                                                                      \
+        v16 xv[RT];                                                                                           \
+        for (int r = 0; r < RT; r++) xv[r] = v_load(x + r * ldx + BLOCK * (b));                               \
+        for (int w = 0; w < WT; w++) {                                                                        \
+            v16 wv = v_decode(t->p[w] + 8 * (b), SCALED[t->s[w][b]]);                                         \
+            for (int r = 0; r < RT; r++) acc[w][r] = v_fma(wv, xv[r], acc[w][r]);                             \
+        }                                                                                                     \
     } while (0)
 
 /* tile_WT_RT: sums[w * RT + r] = the dot of weight row w with x row r over nblk blocks (x in lane
    order, rows ldx apart), WT x RT chains over the blocks in order. WT and RT are constants in
    each copy, so the loops unroll and the accumulators live in registers. */
-#define SRT_TILE(WT, RT)                                                                                  \
-    static void tile_##WT##_##RT(const wtile *t, const float *x, int64_t ldx, int64_t nblk, float *sums) { \
-        v16 acc[WT][RT];                                                                                  \
-        for (int w = 0; w < WT; w++)                                                                      \
-            for (int r = 0; r < RT; r++) acc[w][r] = v_zero();                                            \
-        int64_t b = 0;                                                                                    \
-        for (; b + PF_BLOCKS <= nblk; b += PF_BLOCKS) {                                                   \
-            if (t->pf)                                                                                    \
-                for (int w = 0; w < WT; w++) {                                                            \
-                    __builtin_prefetch(t->p[w] + 8 * b + t->pf, 0, 3);                                    \
-                    if (b % 64 == 0) __builtin_prefetch(t->s[w] + b + t->pfs, 0, 3);                      \
-                }                                                                                         \
-            for (int k = 0; k < PF_BLOCKS; k++) SRT_BLOCK(b + k, WT, RT);                                       \
-        }                                                                                                 \
-        for (; b < nblk; b++) SRT_BLOCK(b, WT, RT);                                                             \
-        for (int w = 0; w < WT; w++)                                                                      \
-            for (int r = 0; r < RT; r++) sums[w * RT + r] = v_sum(acc[w][r]);                             \
+#define SRT_TILE(WT, RT)                                                                                      \
+    static void tile_##WT##_##RT(const wtile *t, const float *x, int64_t ldx, int64_t nblk, float *sums) {    \
+        v16 acc[WT][RT];                                                                                      \
+        for (int w = 0; w < WT; w++)                                                                          \
+            for (int r = 0; r < RT; r++) acc[w][r] = v_zero();                                                \
+        int64_t b = 0;                                                                                        \
+        for (; b + PF_BLOCKS <= nblk; b += PF_BLOCKS) {                                                       \
+            if (t->pf)                                                                                        \
+                for (int w = 0; w < WT; w++) {                                                                \
+                    __builtin_prefetch(t->p[w] + 8 * b + t->pf, 0, 3);                                        \
+                    if (b % 64 == 0) __builtin_prefetch(t->s[w] + b + t->pfs, 0, 3);                          \
+                }                                                                                             \
+            for (int k = 0; k < PF_BLOCKS; k++) SRT_BLOCK(b + k, WT, RT);                                     \
+        }                                                                                                     \
+        for (; b < nblk; b++) SRT_BLOCK(b, WT, RT);                                                           \
+        for (int w = 0; w < WT; w++)                                                                          \
+            for (int r = 0; r < RT; r++) sums[w * RT + r] = v_sum(acc[w][r]);                                 \
     }
 /* One copy per (weight rows, x rows) a path uses. */
 #if RT_MAX == 5
@@ -200,7 +200,7 @@ SRT_TILES(4)
 typedef void (*tile_fn)(const wtile *, const float *, int64_t, int64_t, float *);
 
 static tile_fn pick_tile(int wt, int rt) {
-#define SRT_ROW(W)                                                                          \
+#define SRT_ROW(W)                                                                                            \
     {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4}
 #if RT_MAX == 5
 #define SRT_ROW5(W) {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4, tile_##W##_5}
