@@ -79,8 +79,9 @@ def cache_dir() -> Path:
     return cubin_cache_dir().parent / "cpu"
 
 
-def compile_to(cc: str, flags: tuple[str, ...], dest: Path) -> str:
-    """Compile to `dest` atomically; returns '' on success, else the compiler's error tail."""
+def compile_to(cc: str, flags: tuple[str, ...], dest: Path, source: Path = SOURCE) -> str:
+    """Compile `source` (the kernel's) to `dest` atomically; returns '' on success, else the
+    compiler's error tail."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=dest.stem, suffix=".so.tmp", dir=dest.parent)
@@ -88,7 +89,7 @@ def compile_to(cc: str, flags: tuple[str, ...], dest: Path) -> str:
     except OSError as e:
         return f"cache folder {dest.parent}: {e}"
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        res = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
             return (res.stderr or res.stdout).strip()[-2000:] or f"exit status {res.returncode}"

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,7 +38,7 @@ class _Job(ctypes.Structure):
 def bind(lib: ctypes.CDLL):
     """The library's `srt_cpu_experts_ffn` with its C signature."""
     fn = lib.srt_cpu_experts_ffn
-    fn.argtypes = [ctypes.POINTER(_Job), _I64, _I64, _I64, _F, _F, ctypes.c_int]
+    fn.argtypes = [_P, _I64, _I64, _I64, _F, _F, ctypes.c_int]  # the address of n _Job rows
     fn.restype = ctypes.c_int
     return fn
 
@@ -55,13 +56,13 @@ def simd_path() -> str:
 
 
 def _check_matrix(m: NVFP4Matrix, name: str, out: int, inp: int) -> None:
-    want = {"packed": (out, inp // 2), "scales": (out, inp // 16), "global_scale": (out,)}
-    dtypes = {"packed": torch.uint8, "scales": torch.uint8, "global_scale": torch.float32}
-    for part, shape in want.items():
+    want = (("packed", (out, inp // 2), torch.uint8), ("scales", (out, inp // 16), torch.uint8),
+            ("global_scale", (out,), torch.float32))
+    for part, shape, dtype in want:
         t = getattr(m, part)
-        if t.device.type != "cpu" or t.dtype != dtypes[part] or tuple(t.shape) != shape or not t.is_contiguous():
+        if not (t.is_cpu and t.dtype is dtype and t.shape == shape and t.is_contiguous()):
             raise ValueError(
-                f"{name}.{part}: expected a contiguous CPU {dtypes[part]} tensor of shape {shape}, got "
+                f"{name}.{part}: expected a contiguous CPU {dtype} tensor of shape {shape}, got "
                 f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
             )
 
@@ -87,33 +88,44 @@ def expert_ffn_rows(z: Tensor, expert: ExpertWeights, beta: float, linear_beta: 
 
 def experts_ffn_rows(zs: list[Tensor], experts: list[ExpertWeights], beta: float, linear_beta: float | None,
                      threads: int = 0, outs: list[Tensor] | None = None) -> list[Tensor]:
-    """Several experts of one layer in one call (one team of threads, two barriers): zs[k] [m_k, Dl]
+    """Several experts of one layer in one call (one team of threads, one barrier): zs[k] [m_k, Dl]
     fp32 -> [m_k, Dl] fp32 each. A row's bits are those of `expert_ffn_rows` alone."""
     if len(zs) != len(experts) or (outs is not None and len(outs) != len(zs)):
         raise ValueError(f"zs, experts and outs must have one entry per expert, got {len(zs)}, {len(experts)}"
                          f"{'' if outs is None else f', {len(outs)}'}")
     if not (beta > 0) or (linear_beta is not None and not (0 < linear_beta < math.inf)):
         raise ValueError(f"beta must be > 0 and linear_beta None or finite > 0, got {beta}, {linear_beta}")
-    shapes = {check_expert(ew) for ew in experts}
-    if len(shapes) > 1:
-        raise ValueError(f"experts of one call must share (Dl, I), got {sorted(shapes)}")
-    results, jobs, keep = [], [], []
-    for k, (z, ew) in enumerate(zip(zs, experts)):
-        dl, inter = check_expert(ew)
-        out = _rows_out(z, dl, None if outs is None else outs[k])
-        results.append(out)
-        if out.shape[0]:
-            zc = z.contiguous()
-            zl, h = torch.empty_like(zc), torch.empty(zc.shape[0], inter, dtype=torch.float32)  # lane order
-            keep += [zc, zl, h]
-            mats = [[t.data_ptr() for t in (w.packed, w.scales, w.global_scale)] for w in (ew.gate, ew.up, ew.down)]
-            jobs.append(_Job((_P * 3)(*(m[0] for m in mats)), (_P * 3)(*(m[1] for m in mats)),
-                             (_P * 3)(*(m[2] for m in mats)), zc.data_ptr(), zl.data_ptr(), h.data_ptr(),
-                             out.data_ptr(), zc.shape[0]))
-    if jobs:
-        dl, inter = shapes.pop()
-        _entry()((_Job * len(jobs))(*jobs), len(jobs), dl, inter, beta, linear_beta or 0.0, int(threads))
+    shapes = [check_expert(ew) for ew in experts]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"experts of one call must share (Dl, I), got {sorted(set(shapes))}")
+    if not experts:
+        return []
+    dl, inter = shapes[0]
+    results = [_rows_out(z, dl, None if outs is None else outs[k]) for k, z in enumerate(zs)]
+    zcs = [z.contiguous() for z in zs]
+    rows = sum(z.shape[0] for z in zcs)
+    if rows:
+        # one scratch tensor each for z in lane order and the GLU's output, shared by the experts
+        zl, h = torch.empty(rows, dl, dtype=torch.float32), torch.empty(rows, inter, dtype=torch.float32)
+        jobs = _job_table(zcs, experts, results, zl.data_ptr(), h.data_ptr(), dl, inter)
+        _entry()(jobs.ctypes.data, len(jobs), dl, inter, beta, linear_beta or 0.0,
+                 int(threads))
     return results
+
+
+def _job_table(zs, experts, outs, zl: int, h: int, dl: int, inter: int) -> np.ndarray:
+    """srt_expert_job rows (13 pointers and m, as _Job lays them out: 8 bytes each) for the experts
+    with rows."""
+    table = np.empty((len(zs), ctypes.sizeof(_Job) // 8), dtype=np.int64)
+    n = 0
+    for z, ew, out in zip(zs, experts, outs):
+        m = z.shape[0]
+        if m:
+            mats = (ew.gate, ew.up, ew.down)
+            table[n] = [*(w.packed.data_ptr() for w in mats), *(w.scales.data_ptr() for w in mats),
+                        *(w.global_scale.data_ptr() for w in mats), z.data_ptr(), zl, h, out.data_ptr(), m]
+            zl, h, n = zl + 4 * m * dl, h + 4 * m * inter, n + 1
+    return table[:n]
 
 
 def _rows_out(z: Tensor, dl: int, out: Tensor | None) -> Tensor:

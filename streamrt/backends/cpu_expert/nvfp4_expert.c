@@ -4,19 +4,26 @@
    [out, in/2] (low nibble = even element), E4M3 scale bytes [out, in/16], fp32 global per row.
    No dequantised copy exists; each 16-element block is decoded in registers and used at once.
 
-   Arithmetic (the same bits on every path and every thread count): a weight row's dot with a
-   row of x runs in 16 lanes, one element of each 16-block per lane (lane_of) with one fused
-   multiply-add each (the weight e2m1 * e4m3 is exact in fp32, read from a 16-entry table per
-   scale byte), block b into accumulator b % 4; the four accumulators are added (0 + 1) + (2 + 3),
-   the lanes in a fixed tree (l + 8, l + 4, l + 2, l + 1), and the sum is multiplied by the row's
-   global scale.
-   AVX-512 holds the 16 lanes in one register, AVX2 in two, the portable path in an array; an
-   output element is computed by one thread, so the thread count changes nothing either.
-   Build with -ffp-contract=off: no contraction the source does not spell out.
+   Arithmetic (the same bits on every path, every tiling and every thread count): a weight row's
+   dot with a row of x runs in 16 lanes, one element of each 16-block per lane (lane_of), each
+   lane one chain of fused multiply-adds over the blocks in order (the weight e2m1 * e4m3 is
+   exact in fp32, read from a 16-entry table per scale byte); the lanes are then added in a fixed
+   tree (l + 8, l + 4, l + 2, l + 1) and the sum is multiplied by the row's global scale.
+   AVX-512 holds the 16 lanes in one register, AVX2 in two, the portable path in an array. Build
+   with -ffp-contract=off: no contraction the source does not spell out.
 
-   Threads: OpenMP over output rows (the gate/up rows, then the down rows). */
+   Speed: a tile of weight rows (gate and up rows side by side) meets a tile of x rows, so each
+   block is decoded once for all the tile's x rows and each x block loaded once for all its
+   weight rows; the independent chains of the tile hide the multiply-add latency. The first pass
+   over a weight tile prefetches the next tile's bytes, which also crosses the 4 KiB pages the
+   hardware prefetcher stops at.
+
+   Threads: OpenMP; the work is cut into groups of 16 output columns (a cache line of h or out,
+   so no two threads write one line), each thread a contiguous run of them weighed by rows; one
+   barrier between the gate/up pass and the down pass. */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -26,45 +33,40 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define SRT_PATH "avx512"
-#define MAX_ROWS 4 /* rows per pass over a weight row: their accumulators stay in registers */
+#define RT_MAX 5 /* x rows in a tile: their accumulators and x blocks stay in the 32 registers */
+#define WT_FOR(rt) 4 /* weight rows in a tile; 8 spilled their pointers to the stack */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SRT_PATH "avx2"
-#define MAX_ROWS 2
+#define RT_MAX 2 /* 16 registers of 8 lanes: a tile's accumulators take two each */
+#define WT_FOR(rt) ((rt) <= 1 ? 4 : 2)
 #else
 #define SRT_PATH "portable"
-#define MAX_ROWS 4
+#define RT_MAX 4
+#define WT_FOR(rt) ((rt) <= 2 ? 4 : 2)
 #endif
 
 #define BLOCK 16
-#define MIN_WORK (1 << 20) /* weight x row products per thread, at least */
+#define GROUP 16              /* output columns a unit of work: one 64-byte line of fp32 */
+#define MIN_WORK (1 << 20)    /* weight x row products per thread, at least */
+#define PF_BLOCKS 8           /* blocks between prefetches of one weight row: 64 bytes of nibbles */
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-static float E4M3[256];
-/* SCALED[s][c] = E2M1[c] * E4M3[s], exact in fp32: a block's 16 possible weights, one load per block */
+/* SCALED[s][c] = E2M1[c] * E4M3(s), exact in fp32: a block's 16 possible weights, one load per block */
 static float SCALED[256][16] __attribute__((aligned(64)));
 
 /* E4M3 (fn) byte -> float: bias 7, subnormals at exponent 0, 0x7F / 0xFF NaN, no Inf. */
-__attribute__((constructor)) static void build_e4m3(void) {
+__attribute__((constructor)) static void build_scaled(void) {
     for (int b = 0; b < 256; b++) {
         int e = (b >> 3) & 15, m = b & 7;
         float mag = e == 0 ? ldexpf((float)m, -9) : ldexpf(8.0f + m, e - 10);
         if (e == 15 && m == 7) mag = NAN;
-        E4M3[b] = (b & 0x80) ? -mag : mag;
+        for (int c = 0; c < 16; c++) SCALED[b][c] = E2M1[c] * ((b & 0x80) ? -mag : mag);
     }
-    for (int b = 0; b < 256; b++)
-        for (int c = 0; c < 16; c++) SCALED[b][c] = E2M1[c] * E4M3[b];
 }
 
 const char *srt_cpu_expert_path(void) { return SRT_PATH; }
-
-/* The fixed reduction of 16 lanes. */
-static inline float lane_sum(float *a) {
-    for (int w = 8; w >= 1; w >>= 1)
-        for (int l = 0; l < w; l++) a[l] += a[l + w];
-    return a[0];
-}
 
 /* Lane order: a block's 64-bit word of 16 nibbles is broadcast to every 64-bit lane and 64-bit lane k
    shifted right by 4k bits, so 32-bit lane 2k holds element k and lane 2k + 1 element k + 8 in its
@@ -79,28 +81,43 @@ static inline int64_t lane_of(int64_t e) {
 #if defined(__AVX512F__)
 typedef __m512 v16;
 INL v16 v_zero(void) { return _mm512_setzero_ps(); }
-INL v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
-INL v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
-INL void v_store(float *p, v16 a) { _mm512_storeu_ps(p, a); }
-INL v16 v_decode(uint64_t word, const float *lut) { /* vpermps reads the low 4 bits of each index */
+INL v16 v_load(const float *x) { return _mm512_loadu_ps(x); }
+INL v16 v_fma(v16 w, v16 x, v16 acc) { return _mm512_fmadd_ps(w, x, acc); }
+INL __m128 sum8(__m256 s8) { /* the tree from lanes l + 4 on, on 8 lanes already added to l + 8 */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_add_ss(s2, _mm_movehdup_ps(s2));
+}
+INL float v_sum(v16 a) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return _mm_cvtss_f32(sum8(_mm256_add_ps(_mm512_castps512_ps256(a), hi)));
+}
+INL v16 v_decode(const uint8_t *word, const float *lut) { /* vpermps reads the low 4 bits of each index */
     const __m512i shift = _mm512_set_epi64(28, 24, 20, 16, 12, 8, 4, 0);
-    __m512i idx = _mm512_srlv_epi64(_mm512_set1_epi64((long long)word), shift);
+    uint64_t q;
+    memcpy(&q, word, 8);
+    __m512i idx = _mm512_srlv_epi64(_mm512_set1_epi64((long long)q), shift);
     return _mm512_permutexvar_ps(idx, _mm512_load_ps(lut));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef struct { __m256 a, b; } v16;
 INL v16 v_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-INL v16 v_add(v16 x, v16 y) { return (v16){_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
-INL v16 v_fma(v16 w, const float *x, v16 acc) {
-    return (v16){_mm256_fmadd_ps(w.a, _mm256_loadu_ps(x), acc.a), _mm256_fmadd_ps(w.b, _mm256_loadu_ps(x + 8), acc.b)};
+INL v16 v_load(const float *x) { return (v16){_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)}; }
+INL v16 v_fma(v16 w, v16 x, v16 acc) { return (v16){_mm256_fmadd_ps(w.a, x.a, acc.a), _mm256_fmadd_ps(w.b, x.b, acc.b)}; }
+INL float v_sum(v16 v) { /* the tree: l + 8, l + 4, l + 2, l + 1 */
+    __m256 s8 = _mm256_add_ps(v.a, v.b);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-INL void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 INL __m256 decode8(__m256i c, __m256 pos) { /* codes 0..7 by the low 3 bits; bit 3 flips the sign */
     __m256i sign = _mm256_and_si256(_mm256_slli_epi32(c, 28), _mm256_set1_epi32((int)0x80000000u));
     return _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, c), _mm256_castsi256_ps(sign));
 }
-INL v16 v_decode(uint64_t word, const float *lut) {
-    __m256i q = _mm256_set1_epi64x((long long)word);
+INL v16 v_decode(const uint8_t *word, const float *lut) {
+    uint64_t w;
+    memcpy(&w, word, 8);
+    __m256i q = _mm256_set1_epi64x((long long)w);
     __m256 pos = _mm256_load_ps(lut);
     return (v16){decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(12, 8, 4, 0)), pos),
                  decode8(_mm256_srlv_epi64(q, _mm256_set_epi64x(28, 24, 20, 16)), pos)};
@@ -108,70 +125,90 @@ INL v16 v_decode(uint64_t word, const float *lut) {
 #else
 typedef struct { float l[BLOCK]; } v16;
 INL v16 v_zero(void) { v16 v; memset(&v, 0, sizeof v); return v; }
-INL v16 v_add(v16 x, v16 y) { for (int l = 0; l < BLOCK; l++) x.l[l] += y.l[l]; return x; }
-INL v16 v_fma(v16 w, const float *x, v16 acc) {
-    for (int l = 0; l < BLOCK; l++) acc.l[l] = fmaf(w.l[l], x[l], acc.l[l]);
+INL v16 v_load(const float *x) { v16 v; memcpy(v.l, x, sizeof v.l); return v; }
+INL v16 v_fma(v16 w, v16 x, v16 acc) {
+    for (int l = 0; l < BLOCK; l++) acc.l[l] = fmaf(w.l[l], x.l[l], acc.l[l]);
     return acc;
 }
-INL void v_store(float *p, v16 v) { memcpy(p, v.l, sizeof v.l); }
-INL v16 v_decode(uint64_t word, const float *lut) { /* lane 2k: nibble k; lane 2k + 1: nibble k + 8 */
+INL float v_sum(v16 v) { /* the tree: l + 8, l + 4, l + 2, l + 1 */
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int l = 0; l < w; l++) v.l[l] += v.l[l + w];
+    return v.l[0];
+}
+INL v16 v_decode(const uint8_t *word, const float *lut) { /* lane 2k: nibble k; lane 2k + 1: nibble k + 8 */
+    uint64_t w;
+    memcpy(&w, word, 8);
     v16 v;
     for (int k = 0; k < 8; k++) {
-        v.l[2 * k] = lut[(word >> (4 * k)) & 15];
-        v.l[2 * k + 1] = lut[(word >> (4 * k + 32)) & 15];
+        v.l[2 * k] = lut[(w >> (4 * k)) & 15];
+        v.l[2 * k + 1] = lut[(w >> (4 * k + 32)) & 15];
     }
     return v;
 }
 #endif
 
-/* sums[r] = sum_k W[k] * x[r][k] over one weight row (nblk blocks of 16), for NR rows of x (lane
-   order). Block b goes to accumulator b % PHASES (independent chains hide the FMA latency); the
-   phases are added (0 + 1) + (2 + 3), then the lanes in the fixed tree. */
-#define PHASES 4
-INL void dot_rows(const uint8_t *wp, const uint8_t *ws, int64_t nblk, const float *x, int64_t ldx, int NR,
-                  float *sums) {
-    v16 acc[MAX_ROWS][PHASES];
-    float lanes[BLOCK];
-    for (int r = 0; r < NR; r++)
-        for (int p = 0; p < PHASES; p++) acc[r][p] = v_zero();
-#define SRT_STEP(bb, p)                                                            \
-    do {                                                                           \
-        uint64_t word;                                                             \
-        memcpy(&word, wp + 8 * (bb), 8);                                           \
-        v16 w = v_decode(word, SCALED[ws[bb]]);                                    \
-        for (int r = 0; r < NR; r++) acc[r][p] = v_fma(w, x + r * ldx + BLOCK * (bb), acc[r][p]); \
-    } while (0)
-    int64_t b = 0;
-    for (; b + PHASES <= nblk; b += PHASES) {
-        SRT_STEP(b, 0);
-        SRT_STEP(b + 1, 1);
-        SRT_STEP(b + 2, 2);
-        SRT_STEP(b + 3, 3);
-    }
-    for (; b < nblk; b++) SRT_STEP(b, b % PHASES);
-#undef SRT_STEP
-    for (int r = 0; r < NR; r++) {
-        v_store(lanes, v_add(v_add(acc[r][0], acc[r][1]), v_add(acc[r][2], acc[r][3])));
-        sums[r] = lane_sum(lanes);
-    }
-}
+/* A tile's weight rows: nibbles and scale bytes of each, and how far ahead the bytes to
+   prefetch lie (0: none; else the same row of the next tile, `pf` bytes of nibbles and `pfs`
+   scale bytes on). */
+typedef struct {
+    const uint8_t *p[4], *s[4];
+    ptrdiff_t pf, pfs;
+} wtile;
 
-/* sums[r] for m rows of x, MAX_ROWS at a time; each count its own specialised copy of dot_rows. */
-static void row_dots(const uint8_t *wp, const uint8_t *ws, int64_t nblk, const float *x, int64_t ldx, int64_t m,
-                     float *sums) {
-    for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-        int64_t nr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
-        const float *xr = x + r0 * ldx;
-        switch (nr) {
-#define SRT_CASE(n) \
-    case n: dot_rows(wp, ws, nblk, xr, ldx, n, sums + r0); break;
-            SRT_CASE(1) SRT_CASE(2)
-#if MAX_ROWS == 4
-            SRT_CASE(3) SRT_CASE(4)
-#endif
-#undef SRT_CASE
-        }
+/* One step of the tile: block b of every weight row against block b of every x row. */
+#define SRT_BLOCK(b, WT, RT)                                                                                  \
+    do {                                                                                                      \
+        v16 xv[RT];                                                                                           \
+        for (int r = 0; r < RT; r++) xv[r] = v_load(x + r * ldx + BLOCK * (b));                               \
+        for (int w = 0; w < WT; w++) {                                                                        \
+            v16 wv = v_decode(t->p[w] + 8 * (b), SCALED[t->s[w][b]]);                                         \
+            for (int r = 0; r < RT; r++) acc[w][r] = v_fma(wv, xv[r], acc[w][r]);                             \
+        }                                                                                                     \
+    } while (0)
+
+/* tile_WT_RT: sums[w * RT + r] = the dot of weight row w with x row r over nblk blocks (x in lane
+   order, rows ldx apart), WT x RT chains over the blocks in order. WT and RT are constants in
+   each copy, so the loops unroll and the accumulators live in registers. */
+#define SRT_TILE(WT, RT)                                                                                      \
+    static void tile_##WT##_##RT(const wtile *t, const float *x, int64_t ldx, int64_t nblk, float *sums) {    \
+        v16 acc[WT][RT];                                                                                      \
+        for (int w = 0; w < WT; w++)                                                                          \
+            for (int r = 0; r < RT; r++) acc[w][r] = v_zero();                                                \
+        int64_t b = 0;                                                                                        \
+        for (; b + PF_BLOCKS <= nblk; b += PF_BLOCKS) {                                                       \
+            if (t->pf)                                                                                        \
+                for (int w = 0; w < WT; w++) {                                                                \
+                    __builtin_prefetch(t->p[w] + 8 * b + t->pf, 0, 3);                                        \
+                    if (b % 64 == 0) __builtin_prefetch(t->s[w] + b + t->pfs, 0, 3);                          \
+                }                                                                                             \
+            for (int k = 0; k < PF_BLOCKS; k++) SRT_BLOCK(b + k, WT, RT);                                     \
+        }                                                                                                     \
+        for (; b < nblk; b++) SRT_BLOCK(b, WT, RT);                                                           \
+        for (int w = 0; w < WT; w++)                                                                          \
+            for (int r = 0; r < RT; r++) sums[w * RT + r] = v_sum(acc[w][r]);                                 \
     }
+/* One copy per (weight rows, x rows) a path uses. */
+#if RT_MAX == 5
+#define SRT_TILES(W) SRT_TILE(W, 1) SRT_TILE(W, 2) SRT_TILE(W, 3) SRT_TILE(W, 4) SRT_TILE(W, 5)
+#else
+#define SRT_TILES(W) SRT_TILE(W, 1) SRT_TILE(W, 2) SRT_TILE(W, 3) SRT_TILE(W, 4)
+#endif
+SRT_TILES(2)
+SRT_TILES(4)
+#undef SRT_BLOCK
+
+typedef void (*tile_fn)(const wtile *, const float *, int64_t, int64_t, float *);
+
+static tile_fn pick_tile(int wt, int rt) {
+#define SRT_ROW(W)                                                                                            \
+    {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4}
+#if RT_MAX == 5
+#define SRT_ROW5(W) {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4, tile_##W##_5}
+    static const tile_fn table[2][5] = {SRT_ROW5(2), SRT_ROW5(4)};
+#else
+    static const tile_fn table[2][4] = {SRT_ROW(2), SRT_ROW(4)};
+#endif
+    return table[wt == 4][rt - 1];
 }
 
 /* SiTU-GLU: beta tanh(g / beta) sigmoid(g) * (lin_beta tanh(u / lin_beta) or u); beta = inf: SiLU. */
@@ -193,42 +230,104 @@ typedef struct {
     int64_t m;
 } srt_expert_job;
 
-/* The gate / up rows of one job: h[r][i] for every row r. */
-static void glu_row(const srt_expert_job *j, int64_t i, int64_t dl, int64_t inter, float beta, float lin_beta) {
-    float gsum[MAX_ROWS], usum[MAX_ROWS];
-    const int64_t kb = dl / BLOCK, at = lane_of(i);
-    for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
-        int64_t nr = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
-        row_dots(j->packed[0] + i * (dl / 2), j->scales[0] + i * kb, kb, j->zl + r0 * dl, dl, nr, gsum);
-        row_dots(j->packed[1] + i * (dl / 2), j->scales[1] + i * kb, kb, j->zl + r0 * dl, dl, nr, usum);
-        for (int64_t r = 0; r < nr; r++)
-            j->h[(r0 + r) * inter + at] =
-                situ_glu(gsum[r] * j->global[0][i], usum[r] * j->global[1][i], beta, lin_beta);
+/* The x rows of a job in tiles of at most RT_MAX, as even as they come; the weight tile suits the
+   largest. */
+static int row_tiles(int64_t m, int *wt) {
+    int nt = (int)((m + RT_MAX - 1) / RT_MAX);
+    *wt = WT_FOR((int)((m + nt - 1) / nt));
+    return nt;
+}
+
+/* Columns i0 .. i0 + GROUP - 1 of the gate/up pass: h[r][i] for every row r. Weight tiles hold
+   gate and up rows in pairs. */
+static void glu_group(const srt_expert_job *j, int64_t i0, int64_t dl, int64_t inter, float beta, float lin_beta) {
+    const int64_t kb = dl / BLOCK, rowb = dl / 2;
+    int wt, ntiles = row_tiles(j->m, &wt);
+    const int pairs = wt / 2;
+    float sums[4 * RT_MAX];
+    for (int64_t i = i0; i < i0 + GROUP; i += pairs) {
+        wtile t = {.pf = pairs * rowb, .pfs = pairs * kb};
+        for (int q = 0; q < pairs; q++)
+            for (int g = 0; g < 2; g++) {
+                t.p[2 * q + g] = j->packed[g] + (i + q) * rowb;
+                t.s[2 * q + g] = j->scales[g] + (i + q) * kb;
+            }
+        for (int64_t tile = 0, r0 = 0; tile < ntiles; tile++) {
+            int64_t rt = (j->m - r0) / (ntiles - tile);
+            rt += (j->m - r0) % (ntiles - tile) != 0;
+            pick_tile(wt, (int)rt)(&t, j->zl + r0 * dl, dl, kb, sums);
+            t.pf = t.pfs = 0; /* the first pass fetched them */
+            for (int q = 0; q < pairs; q++)
+                for (int64_t r = 0; r < rt; r++)
+                    j->h[(r0 + r) * inter + lane_of(i + q)] =
+                        situ_glu(sums[2 * q * rt + r] * j->global[0][i + q],
+                                 sums[(2 * q + 1) * rt + r] * j->global[1][i + q], beta, lin_beta);
+            r0 += rt;
+        }
     }
 }
 
-/* The down row d of one job: out[r][d] for every row r. */
-static void down_row(const srt_expert_job *j, int64_t d, int64_t dl, int64_t inter) {
-    float dsum[MAX_ROWS];
-    const int64_t kb = inter / BLOCK;
-    for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
-        int64_t nr = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
-        row_dots(j->packed[2] + d * (inter / 2), j->scales[2] + d * kb, kb, j->h + r0 * inter, inter, nr, dsum);
-        for (int64_t r = 0; r < nr; r++) j->out[(r0 + r) * dl + d] = dsum[r] * j->global[2][d];
+/* Rows d0 .. d0 + GROUP - 1 of the down pass: out[r][d] for every row r. */
+static void down_group(const srt_expert_job *j, int64_t d0, int64_t dl, int64_t inter) {
+    const int64_t kb = inter / BLOCK, rowb = inter / 2;
+    int wt, ntiles = row_tiles(j->m, &wt);
+    float sums[4 * RT_MAX];
+    for (int64_t d = d0; d < d0 + GROUP; d += wt) {
+        wtile t = {.pf = wt * rowb, .pfs = wt * kb};
+        for (int w = 0; w < wt; w++) {
+            t.p[w] = j->packed[2] + (d + w) * rowb;
+            t.s[w] = j->scales[2] + (d + w) * kb;
+        }
+        for (int64_t tile = 0, r0 = 0; tile < ntiles; tile++) {
+            int64_t rt = (j->m - r0) / (ntiles - tile);
+            rt += (j->m - r0) % (ntiles - tile) != 0;
+            pick_tile(wt, (int)rt)(&t, j->h + r0 * inter, inter, kb, sums);
+            t.pf = t.pfs = 0;
+            for (int w = 0; w < wt; w++)
+                for (int64_t r = 0; r < rt; r++)
+                    j->out[(r0 + r) * dl + d + w] = sums[w * rt + r] * j->global[2][d + w];
+            r0 += rt;
+        }
     }
 }
 
-/* n experts of one layer (same dl, inter) in one parallel region: the team forks and meets at two
-   barriers per call, not per expert. lin_beta <= 0: no clamp on up. threads <= 0: the OpenMP
+/* A group's cost: its bytes (worth two rows of multiply-adds) and its rows; none without rows. */
+static inline int64_t unit_weight(int64_t m) { return m > 0 ? 2 + m : 0; }
+
+/* The groups of one pass (`per` groups an expert) a thread takes: a contiguous run, the runs
+   weighed by the experts' rows plus a share for reading the bytes, so threads finish together. */
+static void thread_run(const srt_expert_job *jobs, int64_t n, int64_t per, int tid, int nt, int64_t *lo, int64_t *hi) {
+    int64_t total = 0;
+    for (int64_t k = 0; k < n; k++) total += per * unit_weight(jobs[k].m);
+    int64_t from = total * tid / nt, to = total * (tid + 1) / nt, at = 0;
+    *lo = *hi = n * per;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t w = unit_weight(jobs[k].m);
+        for (int64_t g = 0; g < per; g++, at += w) {
+            if (at >= from && *lo == n * per) *lo = k * per + g;
+            if (at >= to) { *hi = k * per + g; return; }
+        }
+    }
+}
+
+static void z_to_lanes(const srt_expert_job *j, int64_t dl) {
+    for (int64_t r = 0; r < j->m; r++)
+        for (int64_t b = 0; b < dl; b += BLOCK)
+            for (int k = 0; k < 8; k++) {
+                j->zl[r * dl + b + 2 * k] = j->z[r * dl + b + k];
+                j->zl[r * dl + b + 2 * k + 1] = j->z[r * dl + b + k + 8];
+            }
+}
+
+/* n experts of one layer (same dl, inter) in one parallel region: the team forks once per call and
+   meets at one barrier between the passes. lin_beta <= 0: no clamp on up. threads <= 0: the OpenMP
    default. An output element's bits do not depend on the batch, its order or the threads. Returns 0. */
 int srt_cpu_experts_ffn(const srt_expert_job *jobs, int64_t n, int64_t dl, int64_t inter, float beta, float lin_beta,
                         int threads) {
     int64_t rows = 0;
     for (int64_t k = 0; k < n; k++) {
-        const srt_expert_job *j = jobs + k;
-        rows += j->m;
-        for (int64_t r = 0; r < j->m; r++)
-            for (int64_t e = 0; e < dl; e++) j->zl[r * dl + lane_of(e)] = j->z[r * dl + e];
+        rows += jobs[k].m;
+        z_to_lanes(jobs + k, dl);
     }
 #ifdef _OPENMP
     /* a thread per MIN_WORK products at most: a small batch is not worth waking a team for */
@@ -238,14 +337,22 @@ int srt_cpu_experts_ffn(const srt_expert_job *jobs, int64_t n, int64_t dl, int64
 #pragma omp parallel num_threads(nt)
 #endif
     {
+        int tid = 0, team = 1;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+        tid = omp_get_thread_num();
+        team = omp_get_num_threads();
 #endif
-        for (int64_t t = 0; t < n * inter; t++) glu_row(jobs + t / inter, t % inter, dl, inter, beta, lin_beta);
+        int64_t lo, hi, per = inter / GROUP;
+        thread_run(jobs, n, per, tid, team, &lo, &hi);
+        for (int64_t u = lo; u < hi; u++)
+            if (jobs[u / per].m > 0) glu_group(jobs + u / per, (u % per) * GROUP, dl, inter, beta, lin_beta);
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp barrier
 #endif
-        for (int64_t t = 0; t < n * dl; t++) down_row(jobs + t / dl, t % dl, dl, inter);
+        per = dl / GROUP;
+        thread_run(jobs, n, per, tid, team, &lo, &hi);
+        for (int64_t u = lo; u < hi; u++)
+            if (jobs[u / per].m > 0) down_group(jobs + u / per, (u % per) * GROUP, dl, inter);
     }
     (void)threads;
     return 0;
