@@ -297,3 +297,31 @@ def test_trace_overlap_script(tmp_path, capsys):
     assert "overall: 0.500" in out and "      0         0.400                0.200     0.500" in out
     assert script.main([str(path), "--require", "0.6"]) == 1
     assert script.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_the_anchor_is_the_tightest_round_trip():
+    """Another process's kernels hold the first anchor back 2 ms on the device; the second runs
+    at once. The spans resolve against the second, so they land where the device ran them."""
+    clock = FakeClock()
+    stream = FakeStream()
+    # device seconds each recorded event waits behind foreign work: the span's two events none,
+    # the first anchor 2 ms, the second none
+    held = iter([0.0, 0.0, 0.002, 0.0])
+
+    class HeldEvent(FakeEvent):
+        def record(self, s):
+            wait = next(held)
+            s.now += wait  # the foreign kernels run first on the device
+            super().record(s)
+            clock.at((clock.t - 100.0) * 1e6 + wait * 1e6)  # the host waits as long
+
+    tr = Tracer(clock=clock, event_factory=HeldEvent, synchronize=lambda device: None)
+    tr.begin_step()
+    stream.now = 1.000
+    with tr.span("compute", "L0", stream=stream, layer=0):
+        stream.now = 1.003  # 3 ms on the device, host at 0
+    clock.at(3000)  # the host reaches the flush when the device is idle at 1.003
+    tr.end_step()
+    (ev,) = [e for e in tr.events if e["ph"] == "X" and e["cat"] == "compute"]
+    # against the first (held) anchor alone the span would sit 1 ms early: ts -1000, not 0
+    assert (ev["ts"], ev["dur"]) == pytest.approx((0, 3000), abs=1)
