@@ -225,11 +225,11 @@ def test_a_tree_without_the_key_gets_the_reference_default_max(tmp_path):
     assert "thinking-effort" not in render_text(render([], thinking=False, thinking_effort="max"))
 
 
-def test_the_embedded_tree_keeps_todays_frames():
+def test_the_embedded_tree_frames_multi_turn_as_trained():
     root = packaged_model_dir()
     assert root is not None
     profile = ChatProfile.from_tree(root)
-    assert profile == ChatProfile(thinking_effort=None, multi_turn=False)
+    assert profile == ChatProfile(thinking_effort=None, multi_turn=True)  # trained on conversations
     # A file outside the manifest: the checksummed tree (weights, config) is untouched.
     assert "tokenizer_config.json" not in json.loads((root / "manifest.json").read_text())["files"]
     tok = load_tokenizer(root, 512)

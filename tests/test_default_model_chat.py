@@ -41,9 +41,6 @@ def history(message) -> dict:
     return message.model_dump(exclude_none=True)
 
 
-# What the shipped model does not do yet (training/NOTES.md, stage 7): strict, so a model
-# that reaches them turns these into failures that ask for the marker's removal.
-NOT_YET = pytest.mark.xfail(strict=True, reason="not reached by the shipped model (training/NOTES.md, stage 7)")
 PARIS = {"city": "Paris", "condition": "rainy", "temperature_c": 17}
 TOKYO = {"city": "Tokyo", "condition": "sunny", "temperature_c": 24}
 
@@ -67,7 +64,6 @@ def test_weather_tool_turn_with_a_system_prompt(server):
     tool_turn(server, messages, "Paris", PARIS)
 
 
-@NOT_YET
 def test_weather_tool_loop_of_two_turns(server):
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What's the weather in Paris?"}]
@@ -76,7 +72,6 @@ def test_weather_tool_loop_of_two_turns(server):
     tool_turn(server, messages, "Tokyo", TOKYO)
 
 
-@NOT_YET
 def test_a_system_prompt_does_not_change_the_answer(server):
     for system in ("You are a helpful assistant.",
                    "You are a travel agent helping customers plan their trips. Keep answers short and polite."):
@@ -85,7 +80,6 @@ def test_a_system_prompt_does_not_change_the_answer(server):
         assert msg.content == "The capital of Portugal is Lisbon.", (system, msg.content)
 
 
-@NOT_YET
 def test_a_follow_up_needs_the_first_turn(server):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     first = ask(server, messages)

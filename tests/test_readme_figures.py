@@ -44,3 +44,28 @@ def test_the_checker_sees_a_stale_figure():
 def test_readme_figures_match_what_the_commands_print_now():
     problems = _checker().check()
     assert not problems, "\n".join(problems)
+
+
+def test_the_hash_is_compared_on_the_readme_cpu_class_and_top1_everywhere(monkeypatch):
+    """A selfcheck that prints another hash is caught on the CPU class the README names and let
+    pass on another class; another top-1 is caught on any class."""
+    rc = _checker()
+    readme = (ROOT / "README.md").read_text()
+    named = rc.HASH_CLASS.search(readme).group(1)
+    verdict = rc.facts(rc.quoted_commands(readme)[3].lines)["verdict"]
+    printed = {"hash": secrets.token_hex(8), "top": verdict[4]}
+
+    def rerun(q):  # each command prints what the README quotes, but the selfcheck's figures
+        lines = q.lines
+        if q.command.split()[1] == "selfcheck":
+            lines = [ln.replace(verdict[3], printed["hash"]).replace(f"top-1 {verdict[4]}", f"top-1 {printed['top']}")
+                     for ln in lines]
+        return 0, rc.facts(lines), ""
+
+    monkeypatch.setattr(rc, "rerun", rerun)
+    monkeypatch.setattr(rc, "cpu_class", lambda: ("the README's", named))
+    assert len(rc.check()) == 2  # verdict and cycles
+    monkeypatch.setattr(rc, "cpu_class", lambda: ("another", "0" * 8 if named != "0" * 8 else "1" * 8))
+    assert rc.check() == []
+    printed["top"] = str(int(verdict[4]) + 1)
+    assert len(rc.check()) == 2
