@@ -145,15 +145,17 @@ def test_clients_sharing_a_prefix_sent_together_resume_from_the_first():
                     if re.search(r"^streamrt_queue_depth 4(\.0)?$", text, re.M):
                         break
                     await asyncio.sleep(0.01)
-            return [(await r).json() for r in sent]
+            replies = [(await r).json() for r in sent]
+            return replies, (await c.get("/metrics")).text
 
     try:
-        got = asyncio.run(go())
+        got, metrics = asyncio.run(go())
         ref = [httpx.post(off.url + "/v1/completions", json=body(off.model, p), timeout=300).json() for p in prompts]
     finally:
         server.stop()
         off.stop()
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in got]
     assert sorted(cached) == [0, 200, 200, 200], cached
+    assert re.search(r"^streamrt_prefix_followers_total 3(\.0)?$", metrics, re.M), metrics  # each waited once
     assert [r["choices"][0]["text"] for r in got] == [r["choices"][0]["text"] for r in ref]
     assert [r["usage"]["completion_tokens"] for r in got] == [r["usage"]["completion_tokens"] for r in ref]

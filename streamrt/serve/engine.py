@@ -89,6 +89,7 @@ class Job:
     done: bool = False
     finish_reason: str = ""  # set when `stream` ends
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache, set when the job is admitted
+    followed: bool = False  # waited for a prefill ahead of it to leave their shared prefix (counted once)
     submitted: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -218,7 +219,12 @@ class Engine:
         before the follower's row comes) keeps its place, and the jobs behind it go on."""
         held: deque[Job] = deque()
         for job in self.waiting:
-            if self._follows(job) or len(self.rows) + len(self.prefilling) >= self.max_batch:
+            follows = self._follows(job)
+            if follows and not job.followed:
+                job.followed = True
+                if self.metrics is not None:
+                    self.metrics.follower()
+            if follows or len(self.rows) + len(self.prefilling) >= self.max_batch:
                 held.append(job)
             else:
                 self.prefilling.append(self._admit(job))

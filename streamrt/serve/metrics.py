@@ -30,6 +30,8 @@ class ServeMetrics:
         self.cached_tokens = Counter("streamrt_prompt_cached_tokens", "prompt tokens resumed from the prefix cache "
                                      "(not prefilled)", registry=r)
         self.prefill_s = Counter("streamrt_prefill_seconds", "time spent in prefills", registry=r)
+        self.prefix_followers = Counter("streamrt_prefix_followers", "requests that waited in the queue for a "
+                                        "prefill ahead of them to leave the prefix they share", registry=r)
         self.tool_choice_unmet = Counter("streamrt_tool_choice_unmet",
                                          "replies without the call tool_choice required", registry=r)
 
@@ -45,6 +47,9 @@ class ServeMetrics:
 
     def cached(self, tokens: int) -> None:
         self.cached_tokens.inc(tokens)
+
+    def follower(self) -> None:
+        self.prefix_followers.inc()
 
     def first_token(self, since_submit: float) -> None:
         self.ttft.observe(since_submit)
