@@ -200,14 +200,12 @@ SRT_TILES(4)
 typedef void (*tile_fn)(const wtile *, const float *, int64_t, int64_t, float *);
 
 static tile_fn pick_tile(int wt, int rt) {
-#define SRT_ROW(W)                                                                                            \
-    {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4}
 #if RT_MAX == 5
-#define SRT_ROW5(W) {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4, tile_##W##_5}
-    static const tile_fn table[2][5] = {SRT_ROW5(2), SRT_ROW5(4)};
+#define SRT_ROW(W) {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4, tile_##W##_5}
 #else
-    static const tile_fn table[2][4] = {SRT_ROW(2), SRT_ROW(4)};
+#define SRT_ROW(W) {tile_##W##_1, tile_##W##_2, tile_##W##_3, tile_##W##_4}
 #endif
+    static const tile_fn table[2][RT_MAX == 5 ? 5 : 4] = {SRT_ROW(2), SRT_ROW(4)};
     return table[wt == 4][rt - 1];
 }
 
@@ -238,6 +236,9 @@ static int row_tiles(int64_t m, int *wt) {
     return nt;
 }
 
+/* The rows of the next x tile: the rows left shared as evenly as the tiles left allow. */
+static inline int64_t tile_rows(int64_t left, int64_t tiles_left) { return (left + tiles_left - 1) / tiles_left; }
+
 /* Columns i0 .. i0 + GROUP - 1 of the gate/up pass: h[r][i] for every row r. Weight tiles hold
    gate and up rows in pairs. */
 static void glu_group(const srt_expert_job *j, int64_t i0, int64_t dl, int64_t inter, float beta, float lin_beta) {
@@ -253,8 +254,7 @@ static void glu_group(const srt_expert_job *j, int64_t i0, int64_t dl, int64_t i
                 t.s[2 * q + g] = j->scales[g] + (i + q) * kb;
             }
         for (int64_t tile = 0, r0 = 0; tile < ntiles; tile++) {
-            int64_t rt = (j->m - r0) / (ntiles - tile);
-            rt += (j->m - r0) % (ntiles - tile) != 0;
+            int64_t rt = tile_rows(j->m - r0, ntiles - tile);
             pick_tile(wt, (int)rt)(&t, j->zl + r0 * dl, dl, kb, sums);
             t.pf = t.pfs = 0; /* the first pass fetched them */
             for (int q = 0; q < pairs; q++)
@@ -279,8 +279,7 @@ static void down_group(const srt_expert_job *j, int64_t d0, int64_t dl, int64_t 
             t.s[w] = j->scales[2] + (d + w) * kb;
         }
         for (int64_t tile = 0, r0 = 0; tile < ntiles; tile++) {
-            int64_t rt = (j->m - r0) / (ntiles - tile);
-            rt += (j->m - r0) % (ntiles - tile) != 0;
+            int64_t rt = tile_rows(j->m - r0, ntiles - tile);
             pick_tile(wt, (int)rt)(&t, j->h + r0 * inter, inter, kb, sums);
             t.pf = t.pfs = 0;
             for (int w = 0; w < wt; w++)
@@ -310,13 +309,10 @@ static void thread_run(const srt_expert_job *jobs, int64_t n, int64_t per, int t
     }
 }
 
+/* A job's x rows in lane order (lane_of), once per call. */
 static void z_to_lanes(const srt_expert_job *j, int64_t dl) {
     for (int64_t r = 0; r < j->m; r++)
-        for (int64_t b = 0; b < dl; b += BLOCK)
-            for (int k = 0; k < 8; k++) {
-                j->zl[r * dl + b + 2 * k] = j->z[r * dl + b + k];
-                j->zl[r * dl + b + 2 * k + 1] = j->z[r * dl + b + k + 8];
-            }
+        for (int64_t e = 0; e < dl; e++) j->zl[r * dl + lane_of(e)] = j->z[r * dl + e];
 }
 
 /* n experts of one layer (same dl, inter) in one parallel region: the team forks once per call and
