@@ -16,7 +16,7 @@ from streamrt.model import KimiLinearForCausalLM, run_sync
 from streamrt.model.cache import KDACache
 from streamrt.model.kda import KDA_CHUNK
 from streamrt.model.prefix_cache import MIN_NEW, PrefixCache, Snapshot, prefill_steps
-from tiny_models import random_ids, random_model
+from tiny_models import random_ids, random_model, row_dependent
 
 VARIANTS = ["tiny-k3", "tiny-k3.1-pro"]
 
@@ -196,11 +196,7 @@ def test_a_row_dependent_backend_keeps_and_resumes_at_chunk_multiples_only():
 
     cfg, model, prov = build("tiny-k3.1-pro")
 
-    class _RowDependent(TorchBackend):
-        prefill_rows_exact = False
-
-    rd = KimiLinearForCausalLM(cfg, backend=_RowDependent()).eval()
-    rd.load_state_dict(model.state_dict())
+    rd = row_dependent(cfg, model)
     assert resume_align(model, 24) == 1 and resume_align(rd, 24) == 24 and resume_align(rd, 0) == 1
     first = tokens(cfg, 77, 21)
     pc = PrefixCache(1 << 30)

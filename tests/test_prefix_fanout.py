@@ -13,12 +13,11 @@ import asyncio
 import pytest
 import torch
 
-from streamrt.backends.torch_backend import TorchBackend
-from streamrt.model import KimiLinearForCausalLM, run_sync
+from streamrt.model import run_sync
 from streamrt.model.lockstep import lockstep
 from streamrt.model.prefix_cache import PrefixCache, common_prefix
 from streamrt.serve.engine import Engine, EngineError, Job
-from tiny_models import random_ids, random_model
+from tiny_models import random_ids, random_model, row_dependent
 
 SYSTEM = 150  # shared tokens: past two KDA chunks, not a multiple of the 64-token prefill chunk
 
@@ -63,12 +62,7 @@ class TinyRunner:
 def _model(name: str, rows_exact: bool):
     cfg, model, prov = random_model(name, 5, 6)
     if not rows_exact:  # nvrtc's case: snapshots kept and resumed at multiples of the prefill chunk only
-        class _RowDependent(TorchBackend):
-            prefill_rows_exact = False
-
-        rd = KimiLinearForCausalLM(cfg, backend=_RowDependent()).eval()
-        rd.load_state_dict(model.state_dict())
-        model = rd
+        model = row_dependent(cfg, model)
     return cfg, model, prov
 
 

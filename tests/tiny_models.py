@@ -29,3 +29,17 @@ def random_model(name: str, weights_seed: int, experts_seed: int):
 def random_ids(cfg, n: int, seed: int) -> torch.Tensor:
     """n token ids drawn uniformly from the vocabulary. [n]"""
     return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+class RowDependentBackend(TorchBackend):
+    """The torch backend declaring its prefill bits row-dependent, as nvrtc's cuBLAS GEMMs are:
+    the prefix cache then keeps and resumes snapshots at multiples of the prefill chunk only."""
+
+    prefill_rows_exact = False
+
+
+def row_dependent(cfg, model) -> KimiLinearForCausalLM:
+    """`model`'s weights on a RowDependentBackend."""
+    rd = KimiLinearForCausalLM(cfg, backend=RowDependentBackend()).eval()
+    rd.load_state_dict(model.state_dict())
+    return rd
