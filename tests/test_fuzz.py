@@ -110,6 +110,8 @@ def mutate_json(doc, rng: random.Random):
             parent[key]  # noqa: B018 - the path is still there after an earlier mutation
         except (KeyError, IndexError, TypeError):
             continue
+        if not isinstance(parent, (dict, list)):  # an earlier mutation made it a string: "x"[0] reads
+            continue
         op = rng.randrange(7)
         if op == 0:
             parent[key] = copy.deepcopy(rng.choice(INTERESTING))
